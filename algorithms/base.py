@@ -1,0 +1,220 @@
+"""The algorithm interface (ALGORITHMS.md §2.2): pure state machines, no clock, no I/O.
+
+An algorithm is a frozen dataclass of hyper-parameters. Everything that evolves lives in a
+state object that the algorithm creates in :meth:`Algorithm.init` and that every other method
+takes and returns. ``apply`` may update state arrays in place and return the same object; the
+caller treats the input state as consumed ("pure-ish", as torch's functional optimizers).
+
+Iterates handed out in a :class:`JobSpec` are immutable: once an array is given to the driver
+it is never written again (the driver sends it zero-copy and caches it by id). Use
+:func:`publish` to make such a snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Sequence
+
+import numpy as np
+
+from protocol.messages import JobKind
+
+__all__ = [
+    "Algorithm", "JobSpec", "Outcome", "Result", "publish", "check_hyper", "state_arrays_equal",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A job as the algorithm asks for it; the driver adds job id, seed and worker.
+
+    ``points`` are the arrays for ``iterate_ids``, same order, read-only.
+    ``batch_size`` None means the driver's default batch size.
+    """
+
+    kind: JobKind
+    created_at: int
+    iterate_ids: tuple[int, ...]
+    points: tuple[np.ndarray, ...]
+    batch_size: int | None = None
+    shard: tuple[int, int] | None = None
+    deadline: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A validated reply as the algorithm sees it (ALGORITHMS.md §2.1 ``Reply``).
+
+    ``created_at``, ``kind``, ``iterate_ids`` and ``seed`` come from the server's own job
+    ledger, never from the worker. ``grads`` has one array per iterate id, same order;
+    for FULL_GRAD, ``grads[0]`` is the sum over the shard and ``count`` its size.
+    """
+
+    job_id: int
+    worker_id: str
+    created_at: int
+    kind: JobKind
+    iterate_ids: tuple[int, ...]
+    grads: tuple[np.ndarray, ...]
+    seed: int = 0
+    loss: float | None = None
+    count: int = 0
+    shard: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one ``apply`` call did. ``ages`` has the age of each applied result, same order."""
+
+    applied: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
+    updated: bool = False
+    ages: tuple[int, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def publish(x: np.ndarray) -> np.ndarray:
+    """Return a read-only copy of ``x`` suitable for a JobSpec (never mutated afterwards)."""
+    y = np.array(x, copy=True)
+    y.setflags(write=False)
+    return y
+
+
+def check_hyper(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False, hi_open: bool = False, integer: bool = False) -> None:
+    """Raise ValueError with the bad value when a hyper-parameter is out of range.
+
+    Mirrors torch.optim's ``"Invalid learning rate: {lr}"`` messages.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a number)")
+    if integer and int(value) != value:
+        raise ValueError(f"Invalid {name}: {value!r} (expected an integer)")
+    if not np.isfinite(value):
+        raise ValueError(f"Invalid {name}: {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ValueError(f"Invalid {name}: {value!r} (must be {'>' if lo_open else '>='} {lo})")
+    if hi is not None and (value > hi or (hi_open and value == hi)):
+        raise ValueError(f"Invalid {name}: {value!r} (must be {'<' if hi_open else '<='} {hi})")
+
+
+class Algorithm:
+    """Base class of every algorithm. Subclasses are frozen dataclasses of hyper-parameters.
+
+    Attributes:
+        name: registry name (``--algorithm NAME``).
+        mode: ``"per_reply"``: the driver calls ``apply`` with each result as it arrives.
+            ``"round"``: the driver buffers results and calls ``apply`` with everything that
+            arrived since the last round, once per round (possibly with an empty list); a
+            round happens whenever a worker is ready for a job (demand-driven) or on the
+            driver's clock if it has a round period.
+    """
+
+    name: ClassVar[str] = ""
+    mode: ClassVar[Literal["per_reply", "round"]] = "per_reply"
+
+    # ---- required
+    def init(self, x0: np.ndarray, *, seed: int) -> tuple[Any, list[JobSpec]]:
+        """Create the state at x0. The list holds blocking initialization jobs (may be empty)."""
+        raise NotImplementedError
+
+    def make_job(self, state: Any, worker_id: str) -> tuple[Any, JobSpec | None]:
+        """Ask for the next job for a free worker; None lets the worker idle."""
+        raise NotImplementedError
+
+    def apply(self, state: Any, results: Sequence[Result]) -> tuple[Any, Outcome]:
+        """Consume results (per-reply: exactly one; round: zero or more)."""
+        raise NotImplementedError
+
+    def params(self, state: Any) -> np.ndarray:
+        """The current iterate x_k (may be a live view; copy before keeping it)."""
+        return state.x
+
+    def version(self, state: Any) -> int:
+        """k: the number of model updates applied so far."""
+        return state.version
+
+    # ---- optional, with defaults
+    def cancel(self, state: Any, outstanding: Sequence[Any]) -> list[int]:
+        """Job ids among ``outstanding`` (objects with job_id, created_at, kind) to stop now."""
+        return []
+
+    def on_lost(self, state: Any, job_ids: Sequence[int]) -> Any:
+        """Told that these outstanding jobs were written off (worker dead). Returns the state."""
+        return state
+
+    def live_iterate_ids(self, state: Any) -> set[int]:
+        """Iterate ids the algorithm itself needs the store to keep (besides outstanding jobs')."""
+        return set()
+
+    def metrics(self, state: Any) -> dict[str, float]:
+        """Extra per-step figures to log (e.g. missing mass M_k, batch fill)."""
+        return {}
+
+    # ---- state save/load: plain arrays and numbers, validated on load
+    def to_state_dict(self, state: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(state):
+            v = getattr(state, f.name)
+            if isinstance(v, np.random.Generator):
+                v = {"__rng__": v.bit_generator.state}
+            elif isinstance(v, np.ndarray):
+                v = v.copy()
+            elif isinstance(v, dict):
+                v = {str(k): (a.copy() if isinstance(a, np.ndarray) else a) for k, a in v.items()}
+            elif isinstance(v, list):
+                v = [a.copy() if isinstance(a, np.ndarray) else a for a in v]
+            out[f.name] = v
+        return out
+
+    def from_state_dict(self, d: dict[str, Any]) -> Any:
+        state_cls = self.state_class()
+        names = {f.name for f in dataclasses.fields(state_cls)}
+        if set(d) != names:
+            raise ValueError(f"{self.name}: state dict keys {sorted(d)} do not match {sorted(names)}")
+        kwargs = {}
+        for f in dataclasses.fields(state_cls):
+            v = d[f.name]
+            if isinstance(v, dict) and "__rng__" in v:
+                rng = np.random.Generator(np.random.PCG64())
+                rng.bit_generator.state = v["__rng__"]
+                v = rng
+            elif isinstance(v, np.ndarray):
+                v = v.copy()
+            kwargs[f.name] = v
+        state = state_cls(**kwargs)
+        self.validate_state(state)
+        return state
+
+    def state_class(self) -> type:
+        raise NotImplementedError
+
+    def validate_state(self, state: Any) -> None:
+        """Raise ValueError if a loaded state is inconsistent (override to check more)."""
+        if not isinstance(state.version, (int, np.integer)) or state.version < 0:
+            raise ValueError(f"{self.name}: bad version {state.version!r}")
+        x = state.x
+        if not isinstance(x, np.ndarray) or x.ndim != 1 or not np.all(np.isfinite(x)):
+            raise ValueError(f"{self.name}: state x must be a finite 1-D array")
+
+
+def state_arrays_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Bitwise equality of two state dicts (arrays compared with array_equal and dtype)."""
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)) or x.dtype != y.dtype \
+                    or not np.array_equal(x, y):
+                return False
+        elif isinstance(x, dict) and isinstance(y, dict):
+            if not state_arrays_equal(x, y):
+                return False
+        elif isinstance(x, list) and isinstance(y, list):
+            if len(x) != len(y) or not all(state_arrays_equal({"v": p}, {"v": q}) for p, q in zip(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True

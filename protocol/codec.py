@@ -1,0 +1,320 @@
+"""Pure encode/decode between message dataclasses and ZeroMQ frames.
+
+Layout of one message: ``[header, a0, a1, ...]`` where ``header`` is a msgpack map and each
+``a_i`` is the raw little-endian bytes of one array (no copy on send: the numpy array itself
+is handed to pyzmq; no copy on receive: ``np.frombuffer`` over the frame's buffer).
+
+``decode`` is where trust stops. It accepts anything (bytes, memoryviews, zmq.Frame objects)
+and either returns a fully validated message or raises :class:`RemoteProtocolError`, never
+anything else. No pickle, no ``np.dtype()`` on peer strings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, fields
+from typing import Any, Callable, Sequence
+
+import msgpack
+import numpy as np
+
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.messages import (
+    ALLOWED_DTYPES,
+    DEFAULT_MAX_ARRAY_BYTES,
+    MAX_ARRAYS,
+    MAX_HEADER_BYTES,
+    MAX_ID_LEN,
+    MAX_LIST_LEN,
+    MAX_MAP_LEN,
+    MAX_NDIM,
+    MAX_STR_LEN,
+    PROTOCOL_VERSION,
+    TYPE_NAMES,
+    TYPES_BY_NAME,
+    Bye,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Job,
+    JobKind,
+    Ready,
+    Reply,
+    Welcome,
+)
+
+_DTYPE_NAMES = {v: k for k, v in ALLOWED_DTYPES.items()}
+U64_MAX = (1 << 64) - 1
+I64_MAX = (1 << 63) - 1
+
+
+# --------------------------------------------------------------------------- field checkers
+# Each checker takes the raw msgpack value and returns the Python value or raises ValueError.
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if type(v) is not int or not lo <= v <= hi:
+            raise ValueError(f"expected an integer in [{lo}, {hi}], got {v!r:.80}")
+        return v
+    return check
+
+
+def _str(max_len: int, *, nonempty: bool = False) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if type(v) is not str or len(v) > max_len or (nonempty and not v):
+            raise ValueError(f"expected a string of at most {max_len} characters, got {v!r:.80}")
+        if not v.isprintable():
+            raise ValueError("string holds non-printable characters")
+        return v
+    return check
+
+
+def _float(v: Any) -> float:
+    if type(v) not in (int, float) or isinstance(v, bool) or not math.isfinite(v):
+        raise ValueError(f"expected a finite number, got {v!r:.80}")
+    return float(v)
+
+
+def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        return None if v is None else inner(v)
+    return check
+
+
+def _int_tuple(lo: int, hi: int, max_len: int = MAX_LIST_LEN) -> Callable[[Any], tuple]:
+    item = _int(lo, hi)
+
+    def check(v: Any) -> tuple:
+        if type(v) is not list or len(v) > max_len:
+            raise ValueError(f"expected a list of at most {max_len} integers")
+        return tuple(item(x) for x in v)
+    return check
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    t = _int_tuple(0, I64_MAX, 2)(v)
+    if len(t) != 2 or t[0] > t[1]:
+        raise ValueError(f"expected a range [lo, hi] with lo <= hi, got {v!r:.80}")
+    return t
+
+
+def _enum(cls: type) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if type(v) is not int:
+            raise ValueError(f"expected a {cls.__name__} code")
+        try:
+            return cls(v)
+        except ValueError:
+            raise ValueError(f"unknown {cls.__name__} code {v}") from None
+    return check
+
+
+def _options(v: Any) -> dict:
+    if type(v) is not dict or len(v) > MAX_MAP_LEN:
+        raise ValueError("expected a map of options")
+    out = {}
+    for k, val in v.items():
+        _str(MAX_ID_LEN, nonempty=True)(k)
+        if type(val) is str:
+            _str(MAX_STR_LEN)(val)
+        elif type(val) is float:
+            _float(val)
+        elif type(val) not in (int, bool):
+            raise ValueError(f"option {k!r} must be a string, number or boolean")
+        out[k] = val
+    return out
+
+
+_ID = _str(MAX_ID_LEN, nonempty=True)
+_U64 = _int(0, U64_MAX)
+_NAT = _int(0, I64_MAX)
+_CREDIT = _int(1, 1024)
+_VER = _int(0, 0xFFFF)
+_IDS = _int_tuple(0, I64_MAX)
+
+# Per message type: field name -> checker. Array-valued fields are listed in _ARRAY_FIELD.
+_SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
+    Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
+            "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS},
+    Welcome: {"server_boot": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
+              "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float},
+    Ready: {"credit": _int(0, 1024), "holds": _IDS},
+    Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
+          "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
+          "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2)},
+    Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_float), "count": _NAT,
+            "compute_s": _float, "holds": _IDS},
+    Heartbeat: {"boot": _U64, "credit": _int(0, 1024), "busy": _IDS},
+    Cancel: {"job_ids": _IDS},
+    Bye: {"reason": _str(MAX_STR_LEN)},
+    Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),
+            "iterate_ids": _IDS},
+}
+_ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
+_DEFAULTS: dict[type, dict[str, Any]] = {
+    cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
+}
+
+
+# --------------------------------------------------------------------------- encode
+
+def _wire_value(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return list(v)
+    if isinstance(v, (JobKind, ErrorCode)):
+        return int(v)
+    return v
+
+
+def encode(msg: Any) -> list[Any]:
+    """Encode a message as ``[header_bytes, *arrays]``.
+
+    Arrays are returned as the (C-contiguous) numpy arrays themselves so that
+    ``send_multipart(frames, copy=False)`` sends them without a copy. The caller must not
+    mutate them until the send has completed (iterates are immutable by design).
+
+    Raises:
+        LocalProtocolError: the message is not valid (a bug in the caller).
+    """
+    cls = type(msg)
+    schema = _SCHEMA.get(cls)
+    if schema is None:
+        raise LocalProtocolError(f"not a protocol message: {cls.__name__}")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": TYPE_NAMES[cls]}
+    for name, check in schema.items():
+        value = _wire_value(getattr(msg, name))
+        try:
+            check(value)
+        except ValueError as e:
+            raise LocalProtocolError(f"{cls.__name__}.{name}: {e}") from None
+        header[name] = value
+    arrays: list[np.ndarray] = []
+    afield = _ARRAY_FIELD.get(cls)
+    if afield is not None:
+        metas = []
+        for a in getattr(msg, afield):
+            if not isinstance(a, np.ndarray):
+                raise LocalProtocolError(f"{cls.__name__}.{afield} must hold numpy arrays")
+            name = _DTYPE_NAMES.get(a.dtype)
+            if name is None or a.ndim > MAX_NDIM:
+                raise LocalProtocolError(f"array dtype {a.dtype} / ndim {a.ndim} not allowed on the wire")
+            if not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
+            metas.append({"dtype": name, "shape": list(a.shape)})
+            arrays.append(a)
+        if len(arrays) > MAX_ARRAYS:
+            raise LocalProtocolError(f"too many arrays ({len(arrays)} > {MAX_ARRAYS})")
+        if cls is Job and len(arrays) != len(msg.point_ids):
+            raise LocalProtocolError("Job.points and Job.point_ids differ in length")
+        header["arrays"] = metas
+    hb = msgpack.packb(header, use_bin_type=True)
+    if len(hb) > MAX_HEADER_BYTES:
+        raise LocalProtocolError(f"header too large ({len(hb)} bytes)")
+    return [hb, *arrays]
+
+
+# --------------------------------------------------------------------------- decode
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame (copy=False)
+    if buf is None:
+        try:
+            buf = memoryview(frame)
+        except TypeError:
+            raise RemoteProtocolError(f"frame of type {type(frame).__name__} is not a buffer") from None
+    if buf.ndim != 1 or buf.itemsize != 1:
+        buf = buf.cast("B")
+    return buf
+
+
+def _unpack_header(buf: memoryview) -> dict:
+    if len(buf) > MAX_HEADER_BYTES:
+        raise RemoteProtocolError(f"header frame too large ({len(buf)} bytes)")
+    try:
+        header = msgpack.unpackb(
+            buf, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_STR_LEN, max_bin_len=0,
+            max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise RemoteProtocolError(f"header is not valid msgpack: {type(e).__name__}") from None
+    if type(header) is not dict:
+        raise RemoteProtocolError("header is not a map")
+    return header
+
+
+def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
+    if type(meta) is not dict:
+        raise RemoteProtocolError("array descriptor is not a map")
+    dtype = ALLOWED_DTYPES.get(meta.get("dtype")) if type(meta.get("dtype")) is str else None
+    if dtype is None:
+        raise RemoteProtocolError(f"array dtype {meta.get('dtype')!r:.40} not allowed")
+    shape = meta.get("shape")
+    if type(shape) is not list or len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
+        raise RemoteProtocolError(f"bad array shape {shape!r:.80}")
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= s
+        if nbytes > max_array_bytes:
+            raise RemoteProtocolError(f"array larger than the limit of {max_array_bytes} bytes")
+    buf = _buffer(frame)
+    if len(buf) != nbytes:
+        raise RemoteProtocolError(f"frame holds {len(buf)} bytes, shape {shape} needs {nbytes}")
+    a = np.frombuffer(buf, dtype=dtype).reshape(shape)
+    if not a.flags.aligned:  # small frames can point into libzmq's receive buffer (PROTOCOL_NOTES 2.2)
+        a = a.copy()
+    return a
+
+
+def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> Any:
+    """Decode ``[header, *arrays]`` into a message.
+
+    Args:
+        frames: the frames after the routing id: bytes, memoryviews or ``zmq.Frame``.
+        max_array_bytes: reject any array frame larger than this.
+
+    Returns:
+        The message dataclass. Arrays are read-only or writable views over the frames
+        (no copy), except misaligned small frames, which are copied.
+
+    Raises:
+        RemoteProtocolError: for anything that is not a valid message, and only that.
+    """
+    try:
+        n = len(frames)
+    except TypeError:
+        raise RemoteProtocolError("frames is not a sequence") from None
+    if not 1 <= n <= 1 + MAX_ARRAYS:
+        raise RemoteProtocolError(f"message has {n} frames (1..{1 + MAX_ARRAYS} allowed)")
+    header = _unpack_header(_buffer(frames[0]))
+    v = header.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {v!r:.20}")
+    t = header.get("t")
+    cls = TYPES_BY_NAME.get(t) if type(t) is str else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {t!r:.40}")
+    kwargs: dict[str, Any] = {}
+    defaults = _DEFAULTS[cls]
+    for name, check in _SCHEMA[cls].items():
+        if name in header:
+            try:
+                kwargs[name] = check(header[name])
+            except ValueError as e:
+                raise RemoteProtocolError(f"{t}.{name}: {e}") from None
+        elif defaults[name].default is MISSING and defaults[name].default_factory is MISSING:
+            raise RemoteProtocolError(f"{t}: missing field {name!r}")
+    afield = _ARRAY_FIELD.get(cls)
+    metas = header.get("arrays", [])
+    if afield is None:
+        if n != 1 or metas:
+            raise RemoteProtocolError(f"{t} carries no arrays, got {n - 1} frames")
+    else:
+        if type(metas) is not list or len(metas) != n - 1:
+            raise RemoteProtocolError(f"{t}: header describes {len(metas) if type(metas) is list else '?'} "
+                                      f"arrays, {n - 1} frames follow")
+        kwargs[afield] = tuple(_decode_array(m, f, max_array_bytes) for m, f in zip(metas, frames[1:]))
+    if cls is Job and len(kwargs.get("point_ids", ())) != n - 1:
+        raise RemoteProtocolError("job: point_ids and array frames differ in length")
+    return cls(**kwargs)

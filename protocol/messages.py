@@ -1,0 +1,182 @@
+"""Message types of the latecomer wire protocol (version 1).
+
+Every message is a frozen, slotted dataclass. Arrays travel as raw frames after a
+msgpack header (see ``protocol/codec.py`` and ``protocol/PROTOCOL.md``); the
+dataclasses hold them as numpy arrays. Constants shared by both sides live here
+and nowhere else (zguide ``MDP.py`` style).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+PROTOCOL_VERSION_MIN = 1
+
+# Heartbeats and liveness (seconds; the server's values win, announced in Welcome).
+HEARTBEAT_INTERVAL_S = 0.5
+LIVENESS_TIMEOUT_S = 3.0
+
+# Validation caps (the decoder enforces these on everything it receives).
+MAX_HEADER_BYTES = 64 * 1024
+MAX_ARRAYS = 16
+MAX_NDIM = 4
+MAX_STR_LEN = 1024
+MAX_ID_LEN = 64
+MAX_LIST_LEN = 256
+MAX_MAP_LEN = 64
+DEFAULT_MAX_ARRAY_BYTES = 1 << 31  # 2 GiB per array frame; the daemon lowers it to the problem size
+
+# dtype allow-list: explicit little-endian strings only; np.dtype() is never called on peer input.
+ALLOWED_DTYPES: dict[str, np.dtype] = {
+    "<f4": np.dtype("<f4"),
+    "<f8": np.dtype("<f8"),
+    "<f2": np.dtype("<f2"),
+    "<u2": np.dtype("<u2"),  # bfloat16 bits (issue 7: --wire-dtype bf16)
+}
+
+
+class JobKind(IntEnum):
+    """What a job asks the worker to compute."""
+
+    GRAD = 1  # gradient at one iterate on one seeded minibatch
+    GRAD_PAIR = 2  # gradients at (x_new, x_old) on the same seeded minibatch
+    FULL_GRAD = 3  # sum of component gradients over a shard [lo, hi) at one iterate
+
+
+class ErrorCode(IntEnum):
+    """Codes carried by :class:`Error`; stable across versions."""
+
+    MALFORMED = 1  # could not decode the message
+    UNSUPPORTED_VERSION = 2
+    UNKNOWN_WORKER = 3  # message before hello (the worker should say hello again)
+    UNKNOWN_JOB = 4  # job id not outstanding for this worker (late, duplicate, cancelled, written off)
+    BAD_SHAPE = 5  # grads do not match the job (count, dtype or shape)
+    NON_FINITE = 6  # NaN or Inf in a gradient
+    REFUSED = 7  # refused (e.g. quarantined, shutting down)
+    MISSING_ITERATE = 8  # worker lacks an iterate the job references (worker -> server)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Worker -> server, first message of every connection (and after a server restart)."""
+
+    worker_id: str
+    boot: int  # random u64 per worker process start (incarnation)
+    credit: int  # how many jobs the worker may hold at once (>= 1)
+    vmin: int = PROTOCOL_VERSION_MIN
+    vmax: int = PROTOCOL_VERSION
+    device: str = "cpu"
+    host_id: str = ""
+    holds: tuple[int, ...] = ()  # iterate ids in the worker's cache
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Server -> worker, answer to Hello: the chosen version and what to load."""
+
+    server_boot: int  # random u64 per server process start
+    version: int  # chosen protocol version
+    problem: str  # problem spec: a built-in name or "module:callable"
+    problem_options: dict = field(default_factory=dict)  # msgpack-able: str -> str|int|float|bool
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Worker -> server: ready for (more) work; updates credit and the cached iterate ids."""
+
+    credit: int
+    holds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """Server -> worker: one unit of work.
+
+    ``points`` holds arrays only for the iterate ids the worker does not already hold:
+    ``point_ids`` names them, in the same order. The other ids of ``iterate_ids`` must be
+    in the worker's cache (otherwise it answers ``Error(MISSING_ITERATE)``).
+    """
+
+    job_id: int
+    kind: JobKind
+    created_at: int  # server version (or round) at creation
+    iterate_ids: tuple[int, ...]  # GRAD: (k,)  GRAD_PAIR: (new, old)  FULL_GRAD: (anchor,)
+    seed: int  # picks the minibatch; identical for both points of a pair
+    batch_size: int = 1
+    shard: tuple[int, int] | None = None  # FULL_GRAD: component range [lo, hi)
+    deadline: int | None = None  # FULL_GRAD: last round at which the result may be used
+    point_ids: tuple[int, ...] = ()
+    points: tuple[np.ndarray, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Worker -> server: the result of a job. One gradient per iterate id, same order.
+
+    For FULL_GRAD, ``grads[0]`` is the *sum* of the component gradients over the shard and
+    ``count`` the number of components.
+    """
+
+    job_id: int
+    created_at: int  # echoed from the job (the server trusts its own ledger, not this)
+    grads: tuple[np.ndarray, ...]
+    loss: float | None = None
+    count: int = 0
+    compute_s: float = 0.0
+    holds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Both directions. Worker -> server carries credit and the jobs in progress."""
+
+    boot: int  # sender's incarnation (worker boot or server boot)
+    credit: int = 0
+    busy: tuple[int, ...] = ()  # job ids in progress (worker -> server)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Server -> worker: stop these jobs; their results will not be used."""
+
+    job_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """Either direction: the sender is leaving (worker) or shutting down (server)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either direction: the previous message was refused. ``job_id`` names the job if any."""
+
+    code: ErrorCode
+    message: str = ""
+    job_id: int | None = None
+    iterate_ids: tuple[int, ...] = ()  # MISSING_ITERATE: the ids the worker lacks
+
+
+Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error
+
+# Wire names of the message types ("t" in the header).
+TYPE_NAMES: dict[type, str] = {
+    Hello: "hello",
+    Welcome: "welcome",
+    Ready: "ready",
+    Job: "job",
+    Reply: "reply",
+    Heartbeat: "hb",
+    Cancel: "cancel",
+    Bye: "bye",
+    Error: "err",
+}
+TYPES_BY_NAME: dict[str, type] = {v: k for k, v in TYPE_NAMES.items()}
