@@ -5,14 +5,27 @@ contract tests.
 """
 
 from algorithms.base import Algorithm, JobSpec, Outcome, Result
-from algorithms.baselines import VanillaASGD
-from algorithms.ordered import OrderedMomentum
+from algorithms.baselines import DelayAdaptiveASGD, DelayFilteredASGD, NaiveMomentumASGD, VanillaASGD
+from algorithms.ordered import OrderedMomentum, OrderedMu2SGD
 from algorithms.registry import build as _build
 from algorithms.registry import hyper_parameters
+from algorithms.rennala import RennalaMuon, RennalaMVR, RennalaMVRInexact, RennalaSGD
+from algorithms.ringmaster import DelayAdaptiveMuon, RingmasterASGD, RingmasterLMO
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     VanillaASGD.name: VanillaASGD,
+    NaiveMomentumASGD.name: NaiveMomentumASGD,
+    DelayAdaptiveASGD.name: DelayAdaptiveASGD,
+    DelayFilteredASGD.name: DelayFilteredASGD,
+    RingmasterASGD.name: RingmasterASGD,
     OrderedMomentum.name: OrderedMomentum,
+    OrderedMu2SGD.name: OrderedMu2SGD,
+    RingmasterLMO.name: RingmasterLMO,
+    DelayAdaptiveMuon.name: DelayAdaptiveMuon,
+    RennalaSGD.name: RennalaSGD,
+    RennalaMVR.name: RennalaMVR,
+    RennalaMVRInexact.name: RennalaMVRInexact,
+    RennalaMuon.name: RennalaMuon,
 }
 
 

@@ -136,6 +136,14 @@ class Algorithm:
         return state.version
 
     # ---- optional, with defaults
+    def bind(self, layout: tuple) -> Algorithm:
+        """Specialize to the problem's parameter layout; the driver calls it once, before init.
+
+        ``layout`` is ``problem.layout`` (``((name, shape), ...)``). The default ignores it and
+        returns ``self``; layout-aware methods (Muon) return a copy that holds it.
+        """
+        return self
+
     def cancel(self, state: Any, outstanding: Sequence[Any]) -> list[int]:
         """Job ids among ``outstanding`` (objects with job_id, created_at, kind) to stop now."""
         return []

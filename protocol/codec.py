@@ -146,7 +146,7 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
           "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2)},
     Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_float), "count": _NAT,
             "compute_s": _float, "holds": _IDS},
-    Heartbeat: {"boot": _U64, "credit": _int(0, 1024), "busy": _IDS},
+    Heartbeat: {"boot": _U64, "credit": _int(0, 1024), "busy": _IDS, "seen": _int(-1, I64_MAX)},
     Cancel: {"job_ids": _IDS},
     Bye: {"reason": _str(MAX_STR_LEN)},
     Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),

@@ -138,7 +138,8 @@ class Heartbeat:
 
     boot: int  # sender's incarnation (worker boot or server boot)
     credit: int = 0
-    busy: tuple[int, ...] = ()  # job ids in progress (worker -> server)
+    busy: tuple[int, ...] = ()  # job ids received and not yet answered (worker -> server)
+    seen: int = -1  # highest job id the worker has received (worker -> server); -1: none
 
 
 @dataclass(frozen=True, slots=True)

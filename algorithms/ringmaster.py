@@ -1,0 +1,300 @@
+"""Ringmaster methods (ALGORITHMS.md §3 A5, §6 A10) and the Delay-adaptive Muon baseline.
+
+Ringmaster ASGD: Maranjyan, Tyurin, Richtárik, "Ringmaster ASGD: The First Asynchronous SGD
+with Optimal Time Complexity", ICML 2025, arXiv 2501.16168.
+Ringmaster LMO: Sadiev, Maranjyan, Ilin, Richtárik, "Ringmaster LMO: Asynchronous Linear
+Minimization Oracle Momentum Method", arXiv 2605.18174.
+
+Both accept a reply only while its age δ = k − created_at is below a threshold R. "With
+stops" (default, as the public code does) the driver cancels, after every update, each
+outstanding job whose age reached R, and the freed worker restarts at the current iterate;
+"without stops" such a reply is dropped on arrival instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Sequence
+
+import numpy as np
+
+from algorithms._common import IterateState, frozen, grad_job
+from algorithms.base import Algorithm, Outcome, Result, check_hyper
+from algorithms.baselines import PerReplyAlgorithm, check_choice
+from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
+
+
+def _stale_jobs(version: int, outstanding: Sequence[Any], threshold: int) -> list[int]:
+    """Ids of outstanding jobs whose age version − created_at reached ``threshold``."""
+    return [j.job_id for j in outstanding if version - j.created_at >= threshold]
+
+
+@dataclass(frozen=True)
+class RingmasterASGD(PerReplyAlgorithm):
+    """A5, Ringmaster ASGD: asynchronous SGD that never applies a reply of delay ≥ R.
+
+    On a reply of age δ at version k:
+
+        δ < R:  x_{k+1} = x_k − lr · g,  k ← k + 1
+        δ ≥ R:  dropped, k unchanged (Alg. 4, ``stops=False``)
+
+    With ``stops=True`` (Alg. 5, the public code's variant) ``cancel`` returns, after each
+    update, every outstanding job whose age reached R; its worker restarts at x_k. Every
+    arriving reply then has δ < R (a reply with δ ≥ R is still dropped, defensively).
+    Theory [M]: R = max{1, ⌈σ²/ε⌉}, lr = min{1/(2RL), ε/(4Lσ²)}; in practice R and lr are
+    tuned (code grid R ∈ {n, n/4, n/16, …, 1}, lr ∈ {5^i}).
+
+    Args:
+        lr: step size γ (> 0).
+        R: delay threshold (integer >= 1). Default 4 has no source: tune it.
+        stops: cancel jobs at age R (True, default) or drop them on arrival (False).
+    """
+
+    name = "ringmaster"
+    lr: float = 0.1
+    R: int = 4
+    stops: bool = True
+
+    def __post_init__(self) -> None:
+        check_hyper("lr", self.lr, lo=0.0, lo_open=True)
+        check_hyper("R", self.R, lo=1, integer=True)
+        check_choice("stops", self.stops, (True, False))
+
+    def state_class(self) -> type:
+        return IterateState
+
+    def init(self, x0: np.ndarray, *, seed: int):
+        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
+
+    def make_job(self, state: IterateState, worker_id: str):
+        return state, grad_job(state.version, state.x)
+
+    def apply(self, state: IterateState, results: Sequence[Result]):
+        applied, dropped, ages = [], [], []
+        for r in results:
+            age = state.version - r.created_at
+            if age >= self.R:
+                dropped.append(r.job_id)
+                continue
+            state.x = frozen(state.x - np.asarray(self.lr, state.x.dtype) * r.grads[0])
+            state.version += 1
+            applied.append(r.job_id)
+            ages.append(age)
+        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied),
+                              ages=tuple(ages))
+
+    def cancel(self, state: IterateState, outstanding: Sequence[Any]) -> list[int]:
+        return _stale_jobs(state.version, outstanding, self.R) if self.stops else []
+
+
+@dataclass(slots=True)
+class LMOMomentumState:
+    """Version, the (immutable) iterate and the momentum m (updated in place)."""
+
+    version: int
+    x: np.ndarray
+    m: np.ndarray
+
+
+class _LMOMomentum(PerReplyAlgorithm):
+    """Shared momentum + LMO step of RingmasterLMO and DelayAdaptiveMuon (needs the fields
+    ``nesterov``, ``ns``, ``ns_steps``)."""
+
+    nesterov: bool
+    ns: str
+    ns_steps: int
+
+    # Set by bind(), not a hyper-parameter (so the CLI never sees it): ((name, shape), ...).
+    layout: ClassVar[tuple] = ()
+
+    def _check_common(self) -> None:
+        check_choice("nesterov", self.nesterov, (True, False))
+        check_choice("ns", self.ns, tuple(NS_TABLES))
+        check_hyper("ns_steps", self.ns_steps, lo=1, integer=True)
+
+    def bind(self, layout: tuple) -> Algorithm:
+        """A copy of this algorithm that steps each block of ``layout`` on its own (Muon)."""
+        check_layout(layout)
+        bound = copy.copy(self)
+        object.__setattr__(bound, "layout", tuple(layout))
+        return bound
+
+    def state_class(self) -> type:
+        return LMOMomentumState
+
+    def init(self, x0: np.ndarray, *, seed: int):
+        x = frozen(np.array(x0, copy=True))
+        if x.ndim != 1:
+            raise ValueError(f"{self.name}: x0 must be a flat vector, got shape {x.shape}")
+        if self.layout and layout_numel(self.layout) != x.shape[0]:
+            raise ValueError(f"{self.name}: layout of size {layout_numel(self.layout)} does not match "
+                             f"x0 of size {x.shape[0]}")
+        return LMOMomentumState(version=0, x=x, m=np.zeros_like(x)), []
+
+    def make_job(self, state: LMOMomentumState, worker_id: str):
+        return state, grad_job(state.version, state.x)
+
+    def _direction(self, lmo: str, u: np.ndarray) -> np.ndarray:
+        """D = −lmo(u) (or Muon's O): the step is x − η D."""
+        if lmo == "sign":
+            return np.sign(u)
+        if lmo == "l2":
+            norm = float(np.linalg.norm(u))
+            return np.zeros_like(u) if norm == 0.0 else u / norm
+        return muon_direction(u, self.layout, coefficients=NS_TABLES[self.ns], steps=self.ns_steps)
+
+    def _step(self, state: LMOMomentumState, g: np.ndarray, alpha: float, eta: float, lmo: str) -> None:
+        """m ← α g + (1−α) m; u = (1−α) m + α g if Nesterov else m; x ← x − η D(u); k += 1."""
+        dt = state.m.dtype
+        state.m *= np.asarray(1.0 - alpha, dt)
+        state.m += np.asarray(alpha, dt) * g
+        u = np.asarray(1.0 - alpha, dt) * state.m + np.asarray(alpha, dt) * g if self.nesterov else state.m
+        d = self._direction(lmo, u).astype(dt, copy=False)
+        state.x = frozen(state.x - np.asarray(eta, dt) * d)
+        state.version += 1
+
+    def validate_state(self, state: LMOMomentumState) -> None:
+        super().validate_state(state)
+        if not isinstance(state.m, np.ndarray) or state.m.shape != state.x.shape or state.m.dtype != state.x.dtype:
+            raise ValueError(f"{self.name}: momentum m must match x in shape and dtype")
+        if self.layout and layout_numel(self.layout) != state.x.shape[0]:
+            raise ValueError(f"{self.name}: state x does not match the layout")
+
+
+@dataclass(frozen=True)
+class RingmasterLMO(_LMOMomentum):
+    """A10, Ringmaster LMO: momentum + linear minimization oracle, Ringmaster delay threshold.
+
+    On a reply of age δ at version k, with schedule (α_k, R_k, η_k):
+
+        δ < R_k:  m_{k+1} = α_k g + (1 − α_k) m_k
+                  u = (1 − α_k) m_{k+1} + α_k g  if ``nesterov`` else m_{k+1}
+                  x_{k+1} = x_k + η_k · lmo(u),  k ← k + 1
+        δ ≥ R_k:  dropped (``stops=False``); with ``stops=True`` ``cancel`` stops every job
+                  whose age reached R_k right after each update, so this never happens.
+
+    LMOs: ``"sign"`` lmo = −sign(u) (ℓ∞ ball); ``"l2"`` lmo = −u/‖u‖; ``"muon"`` per layout
+    block, matrices get −NS5(u)·√max(1, rows/cols) (spectral ball, approximately), vectors and
+    scalars get −u (the public code's momentum fallback), an empty layout gives −u/‖u‖.
+    Schedules: ``"fixed"``: α_0 = 1, α_k = ``alpha`` (k ≥ 1), R_k = ``R``, η_k = ``lr``;
+    ``"agnostic"`` (parameter-agnostic theorem): α_k = 1/√k, R_k = max(1, ⌊√k⌋),
+    η_k = lr/(k+1)^{3/4}; ``alpha`` and ``R`` are then ignored.
+
+    Choices (§6, §10): m_0 = 0 and α_0 = 1 in both schedules (the theory's m_1 = g; the
+    public code's fixed-β Muon starts its EMA from zero instead, which only rescales the
+    first vector-block step). The delay check and the cancel both use R at the current
+    version, so a job is cancelled exactly when it would be dropped on arrival (the
+    parameter-agnostic code cancels with the previous version's threshold). The layout
+    comes from the driver through :meth:`bind` (problem.layout), never from the CLI.
+    Defaults follow the public code's Ringmaster Muon (β = 0.95 ⇒ alpha = 0.05, Nesterov,
+    Polar-Express NS5, R = 2); lr = 0.04 is its quadratic setting (NanoChat used 1).
+
+    Args:
+        lr: η, step size (fixed) or its scale (agnostic), > 0.
+        alpha: α ∈ (0, 1], momentum weight of the new gradient (fixed schedule).
+        R: delay threshold, integer >= 1 (fixed schedule).
+        lmo: ``"muon"``, ``"sign"`` or ``"l2"``.
+        schedule: ``"fixed"`` or ``"agnostic"``.
+        ns: Newton–Schulz table, ``"polar-express"`` (the paper's code) or ``"classic"``
+            (Keller Jordan's (3.4445, −4.7750, 2.0315)); same names as ``rennala-muon``.
+        ns_steps: Newton–Schulz iterations (integer >= 1; beyond the table its last triple repeats).
+        nesterov: use the Nesterov direction u (default True, as the public code).
+        stops: cancel jobs at age R_k (True) or drop them on arrival (False).
+
+    Not a hyper-parameter: ``layout`` (``((name, shape), ...)``), set by the driver with
+    ``alg.bind(problem.layout)`` before ``init``; unbound, the vector is one 1×d block.
+    """
+
+    name = "ringmaster-lmo"
+    lr: float = 0.04
+    alpha: float = 0.05
+    R: int = 2
+    lmo: Literal["muon", "sign", "l2"] = "muon"
+    schedule: Literal["fixed", "agnostic"] = "fixed"
+    ns: Literal["polar-express", "classic"] = "polar-express"
+    ns_steps: int = 5
+    nesterov: bool = True
+    stops: bool = True
+
+    def __post_init__(self) -> None:
+        check_hyper("lr", self.lr, lo=0.0, lo_open=True)
+        check_hyper("alpha", self.alpha, lo=0.0, hi=1.0, lo_open=True)
+        check_hyper("R", self.R, lo=1, integer=True)
+        check_choice("lmo", self.lmo, ("muon", "sign", "l2"))
+        check_choice("schedule", self.schedule, ("fixed", "agnostic"))
+        check_choice("stops", self.stops, (True, False))
+        self._check_common()
+
+    def schedule_at(self, k: int) -> tuple[float, int, float]:
+        """(α_k, R_k, η_k) at version k."""
+        if self.schedule == "agnostic":
+            alpha, r, factor = pa_schedule(k)
+            return alpha, r, self.lr * factor
+        return (1.0 if k == 0 else self.alpha), self.R, self.lr
+
+    def apply(self, state: LMOMomentumState, results: Sequence[Result]):
+        applied, dropped, ages = [], [], []
+        for r in results:
+            age = state.version - r.created_at
+            alpha, threshold, eta = self.schedule_at(state.version)
+            if age >= threshold:
+                dropped.append(r.job_id)
+                continue
+            self._step(state, r.grads[0], alpha, eta, self.lmo)
+            applied.append(r.job_id)
+            ages.append(age)
+        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied),
+                              ages=tuple(ages))
+
+    def cancel(self, state: LMOMomentumState, outstanding: Sequence[Any]) -> list[int]:
+        if not self.stops:
+            return []
+        return _stale_jobs(state.version, outstanding, self.schedule_at(state.version)[1])
+
+
+@dataclass(frozen=True)
+class DelayAdaptiveMuon(_LMOMomentum):
+    """Delay-adaptive Muon, the asynchronous baseline of Ringmaster LMO (arXiv 2605.18174 [C]).
+
+    Every reply is applied, whatever its age δ, with the Muon step of :class:`RingmasterLMO`
+    (``lmo="muon"``, fixed α) and step size lr · n / max(n, δ) = lr · min(1, n/δ):
+
+        m_{k+1} = α g + (1 − α) m_k      (α_0 = 1, as in RingmasterLMO)
+        x_{k+1} = x_k − lr · n / max(n, δ) · O(u)
+
+    Args:
+        lr: base step size γ (> 0); 0.04 as RingmasterLMO (the code's quadratic default was 0.005).
+        n_workers: n (>= 1); set it to the worker count.
+        alpha: α ∈ (0, 1], momentum weight (0.05 ⇔ the code's β = 0.95).
+        ns: ``"polar-express"`` or ``"classic"`` Newton–Schulz table.
+        ns_steps: Newton–Schulz iterations (integer >= 1).
+        nesterov: Nesterov direction (default True).
+
+    ``layout`` is set by the driver through ``bind``, as for RingmasterLMO.
+    """
+
+    name = "delay-adaptive-muon"
+    lr: float = 0.04
+    n_workers: int = 1
+    alpha: float = 0.05
+    ns: Literal["polar-express", "classic"] = "polar-express"
+    ns_steps: int = 5
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        check_hyper("lr", self.lr, lo=0.0, lo_open=True)
+        check_hyper("n_workers", self.n_workers, lo=1, integer=True)
+        check_hyper("alpha", self.alpha, lo=0.0, hi=1.0, lo_open=True)
+        self._check_common()
+
+    def apply(self, state: LMOMomentumState, results: Sequence[Result]):
+        applied, ages = [], []
+        for r in results:
+            age = state.version - r.created_at
+            alpha = 1.0 if state.version == 0 else self.alpha
+            eta = self.lr * self.n_workers / max(self.n_workers, age)
+            self._step(state, r.grads[0], alpha, eta, "muon")
+            applied.append(r.job_id)
+            ages.append(age)
+        return state, Outcome(applied=tuple(applied), updated=bool(applied), ages=tuple(ages))

@@ -1,0 +1,157 @@
+"""Load a problem from its spec: a built-in name or a user's ``"module:callable"``.
+
+Options arrive as msgpack scalars or, from the command line, as strings; each is converted to
+the type of the factory's keyword default (``"64"`` -> 64, ``"true"`` -> True). Every user
+mistake is a ``ValueError`` whose one-line message names the culprit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import typing
+from typing import Any, Callable, Mapping
+
+from problems.base import Problem
+from problems.digits import make_digits
+from problems.logreg import make_logreg
+from problems.mnist import make_mnist
+from problems.quadratic import make_quadratic
+
+BUILTIN_PROBLEMS: dict[str, Callable[..., Problem]] = {
+    "quadratic": make_quadratic,
+    "digits": make_digits,
+    "logreg": make_logreg,
+    "mnist": make_mnist,
+}
+
+REQUIRED_ATTRIBUTES = ("layout", "init_params", "grad", "evaluate")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_SCALARS = (bool, int, float, str)
+
+
+def resolve_factory(spec: str) -> Callable[..., Any]:
+    """The callable behind ``spec``: a ``BUILTIN_PROBLEMS`` entry or ``module:attr[.attr…]``.
+
+    Raises:
+        ValueError: unknown name, malformed spec, module not importable, attribute missing
+            or not callable.
+    """
+    if spec in BUILTIN_PROBLEMS:
+        return BUILTIN_PROBLEMS[spec]
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or module_name.startswith("."):
+        raise ValueError(f"unknown problem {spec!r} (choose one of {', '.join(BUILTIN_PROBLEMS)}, "
+                         "or give 'module:callable')")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"problem {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"problem {spec!r}: {attr!r} is not callable")
+    return obj
+
+
+def coerce_option(spec: str, key: str, value: Any, typ: type | None) -> Any:
+    """Convert one option value to ``typ`` (bool, int, float, str; None = keep as is).
+
+    Raises:
+        ValueError: the value is not a scalar or cannot be read as ``typ``.
+    """
+    bad = f"problem {spec!r}: invalid value {value!r} for option {key!r}"
+    if not isinstance(value, _SCALARS):
+        raise ValueError(f"{bad} (options must be str, int, float or bool)")
+    if typ is None or type(value) is typ:
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if typ is bool and text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        try:
+            if typ is int:
+                return int(text)
+            if typ is float:
+                return float(text)
+        except ValueError:
+            pass
+    elif typ is float and type(value) is int:
+        return float(value)
+    raise ValueError(f"{bad} (expected {typ.__name__})")
+
+
+def _option_types(factory: Callable[..., Any]) -> tuple[dict[str, type | None], list[str], bool, bool]:
+    """Keyword options of ``factory``: name -> target type, required names, takes **kwargs, takes device."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins have no signature: accept anything
+        return {}, [], True, True
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except (NameError, TypeError, AttributeError, SyntaxError):
+        # Unresolvable annotations are only a hint: the defaults still give the types.
+        hints = {}
+    types: dict[str, type | None] = {}
+    required, var_kw = [], False
+    for name, p in params.items():
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or name == "device":
+            continue
+        if p.default is p.empty:
+            required.append(name)
+        if p.default is not None and type(p.default) in _SCALARS:
+            types[name] = type(p.default)
+        else:
+            types[name] = hints.get(name) if hints.get(name) in _SCALARS else None
+    return types, required, var_kw, var_kw or "device" in params
+
+
+def load_problem(spec: str, options: Mapping[str, Any] | None = None, device: str = "cpu") -> Problem:
+    """Build the problem named by ``spec`` with ``options`` on ``device``.
+
+    Args:
+        spec: a key of ``BUILTIN_PROBLEMS`` or ``"module:callable"``; the callable is called with
+            the options as keywords plus ``device`` (when it accepts one).
+        options: keyword options; strings are converted to the type of the keyword's default.
+        device: torch device for problems that use one (``"cpu"``, ``"cuda:0"``).
+
+    Returns:
+        The problem, with ``spec`` and ``options`` (the converted options as given, defaults
+        not filled in) set, so ``load_problem(p.spec, p.options)`` rebuilds it elsewhere.
+
+    Raises:
+        ValueError: unknown problem, bad module path, missing callable, unknown or missing
+            option, a value of the wrong type or out of range, or a result that lacks the
+            problem interface.
+
+    Example:
+        >>> load_problem("quadratic", {"d": "8"}).dim
+        8
+    """
+    factory = resolve_factory(spec)
+    types, required, var_kw, takes_device = _option_types(factory)
+    kwargs: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        if key == "device":
+            raise ValueError(f"problem {spec!r}: 'device' is not an option (it is chosen per process)")
+        if key not in types and not var_kw:
+            raise ValueError(f"problem {spec!r}: unknown option {key!r} (known: {', '.join(types) or 'none'})")
+        kwargs[key] = coerce_option(spec, key, value, types.get(key))
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        raise ValueError(f"problem {spec!r}: missing required option(s) {', '.join(missing)}")
+    problem = factory(**kwargs, device=device) if takes_device else factory(**kwargs)
+    lacking = [a for a in REQUIRED_ATTRIBUTES if not hasattr(problem, a)]
+    if lacking:
+        raise ValueError(f"problem {spec!r}: the callable returned a {type(problem).__name__} without "
+                         f"{', '.join(lacking)}")
+    try:
+        problem.spec = spec
+        problem.options = dict(kwargs)
+    except AttributeError as e:
+        raise ValueError(f"problem {spec!r}: cannot set spec/options on the returned object ({e})") from None
+    return problem

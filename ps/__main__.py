@@ -1,0 +1,5 @@
+"""``python -m ps`` is the ``latecomer`` command."""
+
+from ps.cli import main
+
+main()

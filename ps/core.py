@@ -1,0 +1,555 @@
+"""ServerCore: the sans-I/O heart of the parameter server.
+
+It owns the worker table, the job ledger (every issued job with its creation step), the
+iterate store and the algorithm state. It takes decoded messages and the current time
+``now`` as arguments and returns commands for its driver (the ZeroMQ daemon or the
+simulator) to carry out. No sockets, no clock, no threads: the same object runs in
+production and in the deterministic simulator, and a run can be replayed exactly.
+
+Accounting invariant, checked by the tests at every step::
+
+    issued == applied + dropped + lost + cancelled + rejected + outstanding
+
+where ``outstanding`` counts jobs issued and not yet settled (including results received
+and buffered for the next round of a round-based algorithm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from algorithms.base import Algorithm, JobSpec, Result
+from protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    LIVENESS_TIMEOUT_S,
+    PROTOCOL_VERSION,
+    PROTOCOL_VERSION_MIN,
+    Bye,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Job,
+    JobKind,
+    Ready,
+    Reply,
+    Welcome,
+)
+
+MAX_CLOSED_REMEMBERED = 65536  # settled job ids remembered to tell "late" from "unknown"
+
+
+# --------------------------------------------------------------------------- commands
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``msg`` to ``worker_id``."""
+
+    worker_id: str
+    msg: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """Forget this worker at the transport level (quarantine); a Bye was already queued."""
+
+    worker_id: str
+    reason: str
+
+
+Command = Send | Disconnect
+
+
+# --------------------------------------------------------------------------- tables
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    boot: int
+    credit: int
+    device: str
+    host_id: str
+    joined_at: float
+    last_seen: float
+    holds: set[int] = field(default_factory=set)
+    outstanding: set[int] = field(default_factory=set)
+    jobs_done: int = 0
+    compute_s: float = 0.0
+    bad_in_a_row: int = 0
+    key: str = ""
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    job_id: int
+    worker_id: str
+    kind: JobKind
+    created_at: int
+    iterate_ids: tuple[int, ...]
+    seed: int
+    batch_size: int
+    shard: tuple[int, int] | None
+    deadline: int | None
+    issued_at: float
+    received: bool = False  # result buffered for the next round (round mode)
+
+
+@dataclass(slots=True)
+class Counters:
+    issued: int = 0
+    applied: int = 0
+    dropped: int = 0
+    lost: int = 0
+    cancelled: int = 0
+    rejected: int = 0  # a reply to an outstanding job that failed validation (job written off)
+    late: int = 0  # reply to a job already settled (cancelled, lost, rejected, duplicate)
+    unknown: int = 0  # reply to a job id never issued or not this worker's
+    invalid: int = 0  # undecodable or out-of-place messages (counted by the driver too)
+    updates: int = 0
+    workers_joined: int = 0
+    workers_lost: int = 0
+    quarantined: int = 0
+    missing_iterates: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Driver-independent settings of the core.
+
+    Attributes:
+        problem: problem spec announced to workers in Welcome.
+        problem_options: its options (msgpack-able scalars).
+        batch_size: default minibatch per job (an algorithm's JobSpec may override it).
+        heartbeat_interval_s: announced to workers; the daemon sends at this period too.
+        liveness_timeout_s: a worker silent for longer is declared dead.
+        min_workers: issue no job until this many workers have joined (then never wait again).
+        max_bad_replies: quarantine a worker after this many invalid replies in a row (0: never).
+        round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
+            worker is ready for a job); a number = a round every period on the driver's clock.
+        seed: seeds the job sample seeds.
+    """
+
+    problem: str = "quadratic"
+    problem_options: dict = field(default_factory=dict)
+    batch_size: int = 1
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+    min_workers: int = 1
+    max_bad_replies: int = 5
+    round_period_s: float | None = None
+    seed: int = 0
+
+
+class ServerCore:
+    """Worker table + job ledger + iterate store around one algorithm.
+
+    Args:
+        algorithm: the (bound) algorithm.
+        x0: initial parameters (1-D float array).
+        config: see :class:`CoreConfig`.
+        server_boot: this server incarnation's id, announced in Welcome.
+        now: the time of creation (for clock-driven rounds).
+    """
+
+    def __init__(self, algorithm: Algorithm, x0: np.ndarray, config: CoreConfig | None = None, *,
+                 server_boot: int = 0, now: float = 0.0) -> None:
+        self.alg = algorithm
+        self.cfg = config or CoreConfig()
+        self.server_boot = server_boot
+        x0 = np.asarray(x0)
+        if x0.ndim != 1:
+            raise ValueError("x0 must be a 1-D vector")
+        self.dim = int(x0.shape[0])
+        self.dtype = x0.dtype
+        self.state, init_jobs = algorithm.init(x0, seed=self.cfg.seed)
+        self.rng = np.random.default_rng(self.cfg.seed)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.ledger: dict[int, LedgerEntry] = {}
+        self.store: dict[int, np.ndarray] = {}
+        self.refs: dict[int, int] = {}
+        self.store_peak = 0
+        self.pending_specs: deque[JobSpec] = deque(init_jobs)  # init jobs, then clock-made round jobs
+        self.buffer: list[Result] = []  # round mode: results waiting for the next round
+        self.closed: OrderedDict[int, str] = OrderedDict()  # settled job id -> how
+        self.counters = Counters()
+        self.next_job_id = 0
+        self.started = False
+        self.issuing = True  # the driver sets False to drain (stop condition reached)
+        self.next_round_at = now + self.cfg.round_period_s if self.cfg.round_period_s else math.inf
+        self.events: list[dict[str, Any]] = []
+        self.last_metrics: dict[str, float] = {}
+        # Round mode: after make_job said "nothing now", no round runs until something new happens
+        # (a result arrives, a worker joins or is written off), so heartbeats never advance the model.
+        self.round_blocked = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def version(self) -> int:
+        return int(self.alg.version(self.state))
+
+    def params(self) -> np.ndarray:
+        return self.alg.params(self.state)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.ledger)
+
+    def accounted(self) -> bool:
+        """The accounting invariant (see module docstring)."""
+        c = self.counters
+        return c.issued == c.applied + c.dropped + c.lost + c.cancelled + c.rejected + len(self.ledger)
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        ev, self.events = self.events, []
+        return ev
+
+    # ------------------------------------------------------------------ inbound
+    def handle(self, worker_id: str, msg: Any, now: float) -> list[Command]:
+        """Dispatch one decoded message from ``worker_id``."""
+        if isinstance(msg, Hello):
+            return self.on_hello(worker_id, msg, now)
+        w = self.workers.get(worker_id)
+        if w is None:
+            if isinstance(msg, Bye):
+                return []
+            self.counters.invalid += 1
+            return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
+        w.last_seen = now
+        if isinstance(msg, Reply):
+            return self.on_reply(w, msg, now)
+        if isinstance(msg, Heartbeat):
+            return self.on_heartbeat(w, msg, now)
+        if isinstance(msg, Ready):
+            if msg.credit:
+                w.credit = msg.credit
+            w.holds = set(msg.holds)
+            return self._dispatch(now)
+        if isinstance(msg, Bye):
+            return self.remove_worker(worker_id, now, reason="bye")
+        if isinstance(msg, Error) and msg.code == ErrorCode.MISSING_ITERATE:
+            return self.on_missing(w, msg)
+        if isinstance(msg, Error):
+            self.events.append({"ev": "worker_error", "worker_id": worker_id, "code": int(msg.code),
+                                "message": msg.message, "job_id": msg.job_id})
+            entry = self.ledger.get(msg.job_id) if msg.job_id is not None else None
+            if entry is not None and entry.worker_id == worker_id and not entry.received:
+                # The worker could not compute this job: write it off so its credit frees up.
+                self._settle(entry, "lost")
+                self.counters.lost += 1
+                self.events.append({"ev": "lost", "job_id": entry.job_id, "worker_id": worker_id,
+                                    "reason": "worker_error"})
+                self.state = self.alg.on_lost(self.state, [entry.job_id])
+                self.round_blocked = False
+                self._sweep_store()
+            return self._dispatch(now)
+        self.counters.invalid += 1
+        return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
+
+    def on_hello(self, worker_id: str, hello: Hello, now: float) -> list[Command]:
+        if hello.vmax < PROTOCOL_VERSION_MIN or hello.vmin > PROTOCOL_VERSION:
+            self.counters.invalid += 1
+            return [Send(worker_id, Error(ErrorCode.UNSUPPORTED_VERSION,
+                                          f"server speaks {PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}"))]
+        out: list[Command] = []
+        old = self.workers.get(worker_id)
+        if old is not None and old.boot != hello.boot:
+            out += self.remove_worker(worker_id, now, reason="restarted")  # new incarnation = new join
+            old = None
+        if old is None:
+            self.workers[worker_id] = WorkerInfo(
+                worker_id=worker_id, boot=hello.boot, credit=hello.credit, device=hello.device,
+                host_id=hello.host_id, joined_at=now, last_seen=now, holds=set(hello.holds))
+            self.counters.workers_joined += 1
+            self.round_blocked = False
+            self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device})
+        else:  # same incarnation saying hello again (e.g. after a reconnect): refresh
+            old.credit, old.last_seen, old.holds = hello.credit, now, set(hello.holds)
+        out.append(Send(worker_id, Welcome(
+            server_boot=self.server_boot, version=PROTOCOL_VERSION, problem=self.cfg.problem,
+            problem_options=dict(self.cfg.problem_options),
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            liveness_timeout_s=self.cfg.liveness_timeout_s)))
+        return out + self._dispatch(now)
+
+    def on_reply(self, w: WorkerInfo, reply: Reply, now: float) -> list[Command]:
+        entry = self.ledger.get(reply.job_id)
+        if entry is None or entry.received:
+            how = self.closed.get(reply.job_id)
+            if how is not None or (entry is not None and entry.received):
+                self.counters.late += 1
+                self.events.append({"ev": "late", "job_id": reply.job_id, "worker_id": w.worker_id,
+                                    "was": how or "duplicate"})
+                return self._dispatch(now)
+            self.counters.unknown += 1
+            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job id not outstanding", job_id=reply.job_id))]
+        if entry.worker_id != w.worker_id:
+            self.counters.unknown += 1
+            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker",
+                                            job_id=reply.job_id))]
+        problem = self._check_grads(entry, reply)
+        if problem is not None:
+            code, text = problem
+            out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
+            self._settle(entry, "rejected")
+            self.counters.rejected += 1
+            self.state = self.alg.on_lost(self.state, [entry.job_id])
+            self.events.append({"ev": "rejected", "job_id": entry.job_id, "worker_id": w.worker_id,
+                                "code": int(code), "message": text})
+            w.bad_in_a_row += 1
+            if self.cfg.max_bad_replies and w.bad_in_a_row >= self.cfg.max_bad_replies:
+                out += self._quarantine(w, now)
+            return out + self._dispatch(now)
+        w.bad_in_a_row = 0
+        w.jobs_done += 1
+        w.compute_s += reply.compute_s
+        if reply.holds:
+            w.holds = set(reply.holds)
+        w.outstanding.discard(entry.job_id)
+        grads = tuple(g if g.dtype == self.dtype else g.astype(self.dtype) for g in reply.grads)
+        result = Result(job_id=entry.job_id, worker_id=w.worker_id, created_at=entry.created_at, kind=entry.kind,
+                        iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, loss=reply.loss,
+                        count=reply.count, shard=entry.shard)
+        if self.alg.mode == "round":
+            entry.received = True
+            self.buffer.append(result)
+            self.round_blocked = False
+            return self._dispatch(now)
+        return self._apply([result], now) + self._dispatch(now)
+
+    def on_heartbeat(self, w: WorkerInfo, hb: Heartbeat, now: float) -> list[Command]:
+        """Refresh credit and reconcile: a job the worker has seen but neither holds nor answered
+        was lost in transit (messages on one connection arrive in order, so its reply would have
+        come before this heartbeat). Write it off."""
+        if hb.credit:
+            w.credit = hb.credit
+        busy = set(hb.busy)
+        vanished = sorted(j for j in w.outstanding if j <= hb.seen and j not in busy)
+        for jid in vanished:
+            self._settle(self.ledger[jid], "lost")
+            self.counters.lost += 1
+            self.events.append({"ev": "lost", "job_id": jid, "worker_id": w.worker_id, "reason": "vanished"})
+        if vanished:
+            self.state = self.alg.on_lost(self.state, vanished)
+            self.round_blocked = False
+            self._sweep_store()
+        return self._dispatch(now)
+
+    def on_missing(self, w: WorkerInfo, err: Error) -> list[Command]:
+        """The worker lacks iterates a job references: send the job again with those points."""
+        entry = self.ledger.get(err.job_id) if err.job_id is not None else None
+        if entry is None or entry.worker_id != w.worker_id or entry.received:
+            return []
+        self.counters.missing_iterates += 1
+        w.holds.difference_update(err.iterate_ids)
+        return [Send(w.worker_id, self._job_message(entry, w))]
+
+    def on_tick(self, now: float) -> list[Command]:
+        """Expire silent workers and run clock-driven rounds. Call at ``next_deadline()``."""
+        out: list[Command] = []
+        timeout = self.cfg.liveness_timeout_s
+        for wid in [wid for wid, w in self.workers.items() if now - w.last_seen > timeout]:
+            self.counters.workers_lost += 1
+            out += self.remove_worker(wid, now, reason="timeout")
+        if self.alg.mode == "round" and self.cfg.round_period_s and now >= self.next_round_at:
+            while now >= self.next_round_at:
+                self.next_round_at += self.cfg.round_period_s
+            out += self._clock_round(now)
+        return out + self._dispatch(now)
+
+    def next_deadline(self) -> float:
+        """The earliest time at which ``on_tick`` has something to do (inf if none)."""
+        t = self.next_round_at
+        if self.workers:
+            t = min(t, min(w.last_seen for w in self.workers.values()) + self.cfg.liveness_timeout_s)
+        return t
+
+    def remove_worker(self, worker_id: str, now: float, *, reason: str) -> list[Command]:
+        """Forget a worker; its outstanding jobs are written off as lost and the algorithm told."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        lost = sorted(w.outstanding)
+        for jid in lost:
+            self._settle(self.ledger[jid], "lost")
+            self.counters.lost += 1
+            self.events.append({"ev": "lost", "job_id": jid, "worker_id": worker_id, "reason": reason})
+        if lost:
+            self.state = self.alg.on_lost(self.state, lost)
+            self.round_blocked = False
+        self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost)})
+        self._sweep_store()
+        return self._dispatch(now)
+
+    # ------------------------------------------------------------------ internals
+    def _check_grads(self, entry: LedgerEntry, reply: Reply) -> tuple[ErrorCode, str] | None:
+        want = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
+        if len(reply.grads) != want:
+            return ErrorCode.BAD_SHAPE, f"expected {want} gradient(s), got {len(reply.grads)}"
+        for g in reply.grads:
+            if g.shape != (self.dim,):
+                return ErrorCode.BAD_SHAPE, f"gradient shape {g.shape} != ({self.dim},)"
+            if g.dtype.kind != "f":
+                return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
+            if not np.isfinite(g).all():
+                return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
+        if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
+            if reply.count != entry.shard[1] - entry.shard[0]:
+                return ErrorCode.BAD_SHAPE, f"count {reply.count} != shard size {entry.shard[1] - entry.shard[0]}"
+        if reply.loss is not None and not math.isfinite(reply.loss):
+            return ErrorCode.NON_FINITE, "loss is not finite"
+        return None
+
+    def _quarantine(self, w: WorkerInfo, now: float) -> list[Command]:
+        self.counters.quarantined += 1
+        self.events.append({"ev": "quarantined", "worker_id": w.worker_id, "bad_in_a_row": w.bad_in_a_row})
+        out: list[Command] = [Send(w.worker_id, Bye("quarantined: too many invalid replies"))]
+        out += self.remove_worker(w.worker_id, now, reason="quarantined")
+        out.append(Disconnect(w.worker_id, "quarantined"))
+        return out
+
+    def _settle(self, entry: LedgerEntry, how: str) -> None:
+        """Remove a job from the ledger (and its worker's set); release iterate references."""
+        del self.ledger[entry.job_id]
+        w = self.workers.get(entry.worker_id)
+        if w is not None:
+            w.outstanding.discard(entry.job_id)
+        for iid in entry.iterate_ids:
+            self.refs[iid] -= 1
+        self.closed[entry.job_id] = how
+        if len(self.closed) > MAX_CLOSED_REMEMBERED:
+            self.closed.popitem(last=False)
+
+    def _apply(self, results: list[Result], now: float) -> list[Command]:
+        v_before = self.version
+        self.state, outcome = self.alg.apply(self.state, results)
+        for r in results:
+            entry = self.ledger.get(r.job_id)
+            if entry is None:
+                continue
+            if r.job_id in outcome.applied:
+                self._settle(entry, "applied")
+                self.counters.applied += 1
+            else:
+                self._settle(entry, "dropped")
+                self.counters.dropped += 1
+        ages = dict(zip(outcome.applied, outcome.ages))
+        for r in results:
+            if r.job_id in ages:
+                self.events.append({"ev": "applied", "job_id": r.job_id, "worker_id": r.worker_id,
+                                    "created_at": r.created_at, "age": ages[r.job_id], "seed": r.seed,
+                                    "version": self.version, "t": now})
+            else:
+                self.events.append({"ev": "dropped", "job_id": r.job_id, "worker_id": r.worker_id,
+                                    "created_at": r.created_at, "age": v_before - r.created_at, "t": now})
+        if self.version != v_before:
+            self.counters.updates += self.version - v_before
+        if outcome.metrics:
+            self.last_metrics = dict(outcome.metrics)
+        out = self._cancel(now)
+        self._sweep_store()
+        return out
+
+    def _cancel(self, now: float) -> list[Command]:
+        pending = [e for e in self.ledger.values() if not e.received]
+        ids = self.alg.cancel(self.state, pending)
+        if not ids:
+            return []
+        by_worker: dict[str, list[int]] = {}
+        for jid in ids:
+            entry = self.ledger.get(jid)
+            if entry is None or entry.received:
+                continue
+            self._settle(entry, "cancelled")
+            self.counters.cancelled += 1
+            by_worker.setdefault(entry.worker_id, []).append(jid)
+            self.events.append({"ev": "cancelled", "job_id": jid, "worker_id": entry.worker_id,
+                                "created_at": entry.created_at, "t": now})
+        return [Send(wid, Cancel(tuple(jids))) for wid, jids in by_worker.items() if wid in self.workers]
+
+    def _round(self, now: float) -> list[Command]:
+        """One round of a round-mode algorithm: apply everything buffered (maybe nothing)."""
+        results, self.buffer = self.buffer, []
+        return self._apply(results, now)
+
+    def _clock_round(self, now: float) -> list[Command]:
+        out = self._round(now)
+        self.state, spec = self.alg.make_job(self.state, "")
+        if spec is not None:
+            self.pending_specs.append(spec)
+        return out
+
+    def _free_workers(self) -> Iterable[WorkerInfo]:
+        return [w for w in self.workers.values() if len(w.outstanding) < w.credit]
+
+    def _dispatch(self, now: float) -> list[Command]:
+        """Give jobs to every worker with free credit, in join order."""
+        if not self.issuing:
+            return []
+        if not self.started:
+            if len(self.workers) < self.cfg.min_workers:
+                return []
+            self.started = True
+        out: list[Command] = []
+        clock_rounds = self.alg.mode == "round" and bool(self.cfg.round_period_s)
+        for w in self._free_workers():
+            while len(w.outstanding) < w.credit and w.worker_id in self.workers:
+                if self.pending_specs:
+                    spec = self.pending_specs.popleft()
+                elif clock_rounds:
+                    break
+                else:
+                    if self.alg.mode == "round":
+                        if self.round_blocked:
+                            break
+                        out += self._round(now)
+                    self.state, spec = self.alg.make_job(self.state, w.worker_id)
+                    if spec is None:
+                        self.round_blocked = self.alg.mode == "round"
+                        break
+                out.append(Send(w.worker_id, self._issue(spec, w, now)))
+        return out
+
+    def _issue(self, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
+        if len(spec.iterate_ids) != len(spec.points):
+            raise ValueError(f"{self.alg.name}: JobSpec has {len(spec.iterate_ids)} ids and {len(spec.points)} points")
+        for iid, p in zip(spec.iterate_ids, spec.points):
+            if iid not in self.store:
+                self.store[iid] = p
+                self.refs.setdefault(iid, 0)
+            self.refs[iid] = self.refs.get(iid, 0) + 1
+        self.store_peak = max(self.store_peak, len(self.store))
+        jid = self.next_job_id
+        self.next_job_id += 1
+        entry = LedgerEntry(job_id=jid, worker_id=w.worker_id, kind=spec.kind, created_at=spec.created_at,
+                            iterate_ids=tuple(spec.iterate_ids), seed=int(self.rng.integers(0, 2**63)),
+                            batch_size=spec.batch_size or self.cfg.batch_size, shard=spec.shard,
+                            deadline=spec.deadline, issued_at=now)
+        self.ledger[jid] = entry
+        w.outstanding.add(jid)
+        self.counters.issued += 1
+        self.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
+                            "created_at": spec.created_at, "seed": entry.seed, "t": now})
+        return self._job_message(entry, w)
+
+    def _job_message(self, entry: LedgerEntry, w: WorkerInfo) -> Job:
+        missing = tuple(dict.fromkeys(i for i in entry.iterate_ids if i not in w.holds))
+        w.holds.update(missing)
+        return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
+                   iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
+                   shard=entry.shard, deadline=entry.deadline, point_ids=missing,
+                   points=tuple(self.store[i] for i in missing))
+
+    def _sweep_store(self) -> None:
+        live = self.alg.live_iterate_ids(self.state)
+        for iid in [i for i, n in self.refs.items() if n <= 0 and i not in live]:
+            del self.refs[iid]
+            self.store.pop(iid, None)

@@ -1,0 +1,284 @@
+"""The ZeroMQ daemon: the only server module that touches sockets and the clock.
+
+One ROUTER socket, one poll loop, one thread owning the :class:`ServerCore`:
+``poll(timeout=next_deadline) -> decode -> core.handle -> encode -> send``
+(the shape of zguide ``mdbroker.py``). Every deadline comes from ``clock`` (monotonic).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from problems.base import Problem
+from protocol.codec import decode, encode
+from protocol.errors import RemoteProtocolError
+from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello
+from ps.core import Disconnect, Send, ServerCore
+
+log = logging.getLogger("latecomer.server")
+
+MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
+
+
+@dataclass(frozen=True)
+class StopCondition:
+    """When the daemon stops issuing jobs and exits. None/0 = no limit."""
+
+    max_steps: int | None = None
+    max_time_s: float | None = None
+    target_loss: float | None = None
+
+    def reached(self, version: int, elapsed_s: float, loss: float | None) -> str | None:
+        if self.max_steps and version >= self.max_steps:
+            return f"reached {self.max_steps} steps"
+        if self.max_time_s and elapsed_s >= self.max_time_s:
+            return f"ran for {self.max_time_s:g} s"
+        if self.target_loss is not None and loss is not None and loss <= self.target_loss:
+            return f"loss {loss:.4g} <= target {self.target_loss:g}"
+        return None
+
+
+class Daemon:
+    """Drive a ServerCore over a ZeroMQ ROUTER socket.
+
+    Args:
+        core: the server core (already holding the algorithm and x0).
+        problem: evaluated on the server every ``eval_every`` steps.
+        bind: endpoint, e.g. ``tcp://127.0.0.1:0`` (port 0: the OS picks one).
+        stop: stop condition.
+        eval_every: evaluate every this many versions (0: only at start and end).
+        events_path: append every core event as a JSON line here (None: don't).
+        on_progress: called after each evaluation and at least every 0.2 s with (daemon, evaluation).
+        clock: the monotonic clock (tests may substitute one).
+    """
+
+    def __init__(self, core: ServerCore, problem: Problem, bind: str, *, stop: StopCondition | None = None,
+                 eval_every: int = 0, events_path: str | None = None,
+                 on_progress: Callable[[Daemon, dict[str, float] | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
+        self.core = core
+        self.problem = problem
+        self.stop = stop or StopCondition()
+        self.eval_every = eval_every
+        self.on_progress = on_progress
+        self.clock = clock
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.sndhwm = 64
+        self.sock.rcvhwm = 256
+        # Largest legal message: a reply with two gradients plus header slack.
+        self.max_array_bytes = core.dim * 8
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_array_bytes + MAX_HEADER_BYTES + 4096)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.routes: dict[str, bytes] = {}  # worker id -> routing id
+        self.owners: dict[bytes, str] = {}  # routing id -> worker id
+        self.events_file = open(events_path, "a", encoding="utf-8") if events_path else None
+        self.stopping: str | None = None
+        self.started_at = clock()
+        self.evaluations: list[dict[str, float]] = []
+        self.last_eval_version = -1
+        self.send_failures = 0
+        self.invalid_messages = 0
+        self.bytes_in = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stopping = f"signal {signal.Signals(signum).name}"
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def evaluate(self) -> dict[str, float]:
+        ev = {"t": self.clock() - self.started_at, "version": float(self.core.version),
+              **{k: float(v) for k, v in self.problem.evaluate(self.core.params()).items()}}
+        self.evaluations.append(ev)
+        self.last_eval_version = self.core.version
+        return ev
+
+    def run(self) -> str:
+        """Serve until the stop condition or a signal. Returns the reason for stopping."""
+        core = self.core
+        self.evaluate()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        hb_every = core.cfg.heartbeat_interval_s
+        next_hb = self.clock()
+        next_progress = self.clock()
+        try:
+            while self.stopping is None:
+                now = self.clock()
+                deadline = min(next_hb, core.next_deadline(), next_progress + 0.2)
+                timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
+                if poller.poll(timeout_ms):
+                    for _ in range(MAX_BATCH):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                        if self._check_stop():
+                            break
+                now = self.clock()
+                if now >= core.next_deadline():
+                    self._execute(core.on_tick(now))
+                if now >= next_hb:
+                    self._heartbeat_all()
+                    next_hb = now + hb_every
+                if self.eval_every and core.version >= self.last_eval_version + self.eval_every:
+                    ev = self.evaluate()
+                    if self.on_progress:
+                        self.on_progress(self, ev)
+                    next_progress = now
+                if self.on_progress and now >= next_progress + 0.2:
+                    self.on_progress(self, None)
+                    next_progress = now
+                self._check_stop()
+        finally:
+            self._shutdown()
+        return self.stopping or "stopped"
+
+    def _check_stop(self) -> bool:
+        if self.stopping is None:
+            loss = self.evaluations[-1].get("loss") if self.evaluations else None
+            why = self.stop.reached(self.core.version, self.clock() - self.started_at, loss)
+            if why:
+                self.stopping = why
+        return self.stopping is not None
+
+    def _shutdown(self) -> None:
+        self.core.issuing = False
+        if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
+            self.evaluate()
+        self._flush_events()
+        for wid in list(self.routes):
+            self._send(wid, Bye(f"server stopping: {self.stopping}"))
+        log.info("stopping: %s", self.stopping)
+
+    def close(self) -> None:
+        if self.events_file:
+            self.events_file.close()
+            self.events_file = None
+        self.sock.close(linger=0)
+
+    # ------------------------------------------------------------------ inbound
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        now = self.clock()
+        rid = frames[0].bytes
+        try:
+            msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
+        except RemoteProtocolError as e:
+            self.invalid_messages += 1
+            self.core.counters.invalid += 1
+            log.debug("invalid message from %r: %s", rid[:32], e)
+            self._send_raw(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
+            return
+        self.bytes_in += sum(len(f) for f in frames)
+        if isinstance(msg, Hello):
+            wid = msg.worker_id
+            old_rid = self.routes.get(wid)
+            if old_rid is not None and old_rid != rid:
+                self.owners.pop(old_rid, None)
+            prev_owner = self.owners.get(rid)
+            if prev_owner is not None and prev_owner != wid:  # one connection cannot be two workers
+                self.core.counters.invalid += 1
+                self._send_raw(rid, Error(ErrorCode.REFUSED, "routing id already bound to another worker"))
+                return
+            self.routes[wid] = rid
+            self.owners[rid] = wid
+        else:
+            wid = self.owners.get(rid)
+            if wid is None:
+                if not isinstance(msg, Bye):
+                    self.core.counters.invalid += 1
+                    self._send_raw(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
+                return
+        self._execute(self.core.handle(wid, msg, now))
+        if isinstance(msg, Bye):
+            self._forget(wid)
+
+    # ------------------------------------------------------------------ outbound
+    def _execute(self, cmds: list) -> None:
+        for c in cmds:
+            if isinstance(c, Send):
+                if not self._send(c.worker_id, c.msg):
+                    # The peer is gone (or its pipe is full): write it off now rather than
+                    # waiting for the liveness timeout.
+                    self._execute(self.core.remove_worker(c.worker_id, self.clock(), reason="unreachable"))
+                    self._forget(c.worker_id)
+            elif isinstance(c, Disconnect):
+                self._forget(c.worker_id)
+        self._flush_events()
+
+    def _send(self, wid: str, msg: Any) -> bool:
+        rid = self.routes.get(wid)
+        if rid is None:
+            return False
+        return self._send_raw(rid, msg)
+
+    def _send_raw(self, rid: bytes, msg: Any) -> bool:
+        try:
+            self.sock.send_multipart([rid, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self.send_failures += 1
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                self.send_failures += 1
+                return False
+            raise
+
+    def _forget(self, wid: str) -> None:
+        rid = self.routes.pop(wid, None)
+        if rid is not None:
+            self.owners.pop(rid, None)
+
+    def _heartbeat_all(self) -> None:
+        hb = Heartbeat(boot=self.core.server_boot)
+        for wid in list(self.routes):
+            if wid in self.core.workers:
+                self._send(wid, hb)
+            else:
+                self._forget(wid)
+
+    def _flush_events(self) -> None:
+        events = self.core.drain_events()
+        if self.events_file and events:
+            for ev in events:
+                self.events_file.write(json.dumps(ev) + "\n")
+            self.events_file.flush()
+
+    # ------------------------------------------------------------------ results
+    def summary(self) -> dict[str, Any]:
+        """Counters, evaluations and age statistics of the run (JSON-able)."""
+        c = self.core.counters.as_dict()
+        return {"endpoint": self.endpoint, "version": self.core.version, "stopped": self.stopping,
+                "elapsed_s": self.clock() - self.started_at, "counters": c, "outstanding": self.core.outstanding,
+                "accounted": self.core.accounted(), "evaluations": self.evaluations,
+                "invalid_messages": self.invalid_messages, "send_failures": self.send_failures,
+                "store_peak": self.core.store_peak}
+
+
+def write_outputs(out_dir: str, daemon: Daemon) -> None:
+    """Write summary.json and final_x.npy into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(daemon.summary(), f, indent=1)
+    np.save(os.path.join(out_dir, "final_x.npy"), np.asarray(daemon.core.params()))

@@ -1,0 +1,171 @@
+"""Pure LMO / Newton–Schulz math (ALGORITHMS.md §1, §6): spec test vectors, atol 1e-6."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from algorithms.lmo import (
+    CLASSIC_NS5,
+    NS_TABLES,
+    POLAR_EXPRESS_NS5,
+    check_layout,
+    layout_numel,
+    lmo_l2,
+    lmo_sign,
+    lmo_spectral,
+    muon_direction,
+    newton_schulz,
+    pa_schedule,
+)
+
+ATOL = 1e-6
+
+# (matrix, exact U Vᵀ, classic NS5, Polar-Express NS5) from ALGORITHMS.md §6.
+NS5_VECTORS = [
+    (np.diag([3.0, 1.0]), np.eye(2), np.diag([0.753033, 1.133706]), np.diag([1.017546, 1.130347])),
+    (np.array([[1.0, 2.0], [3.0, 4.0]]),
+     np.array([[-0.514496, 0.857493], [0.857493, 0.514496]]),
+     np.array([[-0.680661, 0.825540], [0.741295, 0.259440]]),
+     np.array([[-0.575520, 0.968983], [0.971651, 0.588860]])),
+]
+
+
+@pytest.mark.parametrize("m, exact, classic, polar", NS5_VECTORS)
+def test_newton_schulz_vectors(m, exact, classic, polar):
+    np.testing.assert_allclose(newton_schulz(m, CLASSIC_NS5, 5), classic, atol=ATOL)
+    np.testing.assert_allclose(newton_schulz(m, POLAR_EXPRESS_NS5, 5), polar, atol=ATOL)
+    np.testing.assert_allclose(lmo_spectral(m), -exact, atol=ATOL)
+
+
+def test_newton_schulz_row_vector_and_its_transpose():
+    row = np.array([[3.0, 4.0]])
+    np.testing.assert_allclose(newton_schulz(row, CLASSIC_NS5, 5), [[0.417862, 0.557149]], atol=ATOL)
+    np.testing.assert_allclose(lmo_spectral(row), [[-0.6, -0.8]], atol=1e-12)
+    # rows > cols: the iteration runs on the transpose and transposes back.
+    np.testing.assert_allclose(newton_schulz(row.T, CLASSIC_NS5, 5), [[0.417862], [0.557149]], atol=ATOL)
+
+
+def test_newton_schulz_tables_and_steps():
+    assert len(CLASSIC_NS5) == 5 and set(CLASSIC_NS5) == {(3.4445, -4.7750, 2.0315)}
+    assert POLAR_EXPRESS_NS5[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    assert NS_TABLES == {"polar-express": POLAR_EXPRESS_NS5, "classic": CLASSIC_NS5}
+    m = np.array([[1.0, 2.0], [3.0, 4.0]])
+    # A one-triple table repeated is the same as the five-fold classic table.
+    np.testing.assert_array_equal(newton_schulz(m, CLASSIC_NS5[:1], 5), newton_schulz(m, CLASSIC_NS5, 5))
+    # steps = 0 is just the normalization G / (‖G‖_F + 1e-7).
+    np.testing.assert_allclose(newton_schulz(m, CLASSIC_NS5, 0), m / (math.sqrt(30.0) + 1e-7), rtol=1e-12)
+    # Input is not modified.
+    m0 = m.copy()
+    newton_schulz(m, POLAR_EXPRESS_NS5, 5)
+    np.testing.assert_array_equal(m, m0)
+
+
+@pytest.mark.parametrize("bad", [np.zeros(3), np.zeros((2, 2, 2))])
+def test_newton_schulz_rejects_non_matrices(bad):
+    with pytest.raises(ValueError):
+        newton_schulz(bad)
+    with pytest.raises(ValueError):
+        lmo_spectral(bad)
+
+
+def test_newton_schulz_rejects_bad_steps_and_tables():
+    with pytest.raises(ValueError):
+        newton_schulz(np.eye(2), CLASSIC_NS5, -1)
+    with pytest.raises(ValueError):
+        newton_schulz(np.eye(2), (), 5)
+
+
+def test_lmo_sign_and_l2():
+    m = np.array([2.0, -0.5, 0.0])
+    np.testing.assert_array_equal(lmo_sign(m), [-1.0, 1.0, 0.0])
+    np.testing.assert_allclose(lmo_l2(np.array([3.0, -4.0])), [-0.6, 0.8], rtol=1e-12)
+    np.testing.assert_array_equal(lmo_l2(np.zeros(3)), np.zeros(3))
+    assert lmo_l2(np.array([3.0, 4.0], np.float32)).dtype == np.float32
+
+
+def test_lmo_spectral_rank_deficient_and_zero():
+    m = np.outer([1.0, 2.0], [3.0, 4.0])  # rank 1: U Vᵀ on the range only
+    u = np.array([1.0, 2.0]) / math.sqrt(5.0)
+    v = np.array([3.0, 4.0]) / 5.0
+    np.testing.assert_allclose(lmo_spectral(m), -np.outer(u, v), atol=1e-12)
+    np.testing.assert_array_equal(lmo_spectral(np.zeros((2, 3))), np.zeros((2, 3)))
+
+
+def test_lmo_is_a_descent_direction_of_unit_norm():
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((4, 3))
+    s = lmo_spectral(m)
+    assert np.sum(m * s) < 0
+    np.testing.assert_allclose(np.linalg.svd(s, compute_uv=False), np.ones(3), atol=1e-12)
+    # ⟨m, lmo(m)⟩ = −(dual norm): nuclear norm for the spectral ball, ℓ1 for ℓ∞, ℓ2 for ℓ2.
+    np.testing.assert_allclose(np.sum(m * s), -np.linalg.svd(m, compute_uv=False).sum(), rtol=1e-12)
+    v = m.ravel()
+    np.testing.assert_allclose(v @ lmo_sign(v), -np.abs(v).sum(), rtol=1e-12)
+    np.testing.assert_allclose(v @ lmo_l2(v), -np.linalg.norm(v), rtol=1e-12)
+
+
+def test_muon_direction_per_block():
+    rng = np.random.default_rng(1)
+    layout = (("w", (3, 2)), ("b", (2,)), ("conv", (2, 2, 2)), ("s", ()))
+    assert layout_numel(layout) == 6 + 2 + 8 + 1
+    u = rng.standard_normal(17)
+    o = muon_direction(u, layout, coefficients=CLASSIC_NS5, steps=5)
+    assert o.shape == (17,) and o.dtype == np.float64
+    # (3, 2) matrix: NS5 times √max(1, 3/2).
+    np.testing.assert_allclose(o[:6], (newton_schulz(u[:6].reshape(3, 2), CLASSIC_NS5, 5) * math.sqrt(1.5)).ravel(),
+                               rtol=1e-12)
+    np.testing.assert_array_equal(o[6:8], u[6:8])  # vector block: plain direction
+    np.testing.assert_allclose(o[8:16], newton_schulz(u[8:16].reshape(2, 4), CLASSIC_NS5, 5).ravel(), rtol=1e-12)
+    assert o[16] == u[16]  # scalar
+
+
+def test_muon_direction_without_layout_is_normalized():
+    u = np.array([3.0, 4.0])
+    np.testing.assert_allclose(muon_direction(u), [0.6, 0.8], rtol=1e-12)
+    np.testing.assert_array_equal(muon_direction(np.zeros(3)), np.zeros(3))
+
+
+def test_muon_direction_rejects_mismatch():
+    with pytest.raises(ValueError):
+        muon_direction(np.zeros(5), (("w", (2, 2)),))
+    with pytest.raises(ValueError):
+        muon_direction(np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("bad", [[("w", (2, 2))], (("w", [2, 2]),), ((1, (2,)),), (("w", (2, -1)),), (("w",),)])
+def test_check_layout_rejects(bad):
+    with pytest.raises(ValueError):
+        check_layout(bad)
+
+
+def test_check_layout_accepts():
+    check_layout(())
+    check_layout((("w", (2, 3)), ("b", (3,)), ("s", ())))
+
+
+# k: (α_k, R_k, η_k/η) from ALGORITHMS.md §6 (7 significant digits).
+PA_TABLE = {
+    0: (1.0, 1, 1.0), 1: (1.0, 1, 0.594604), 2: (0.707107, 1, 0.438691), 3: (0.577350, 1, 0.353553),
+    4: (0.5, 2, 0.299070), 5: (0.447214, 2, 0.260847), 8: (0.353553, 2, 0.192450), 9: (0.333333, 3, 0.177828),
+    10: (0.316228, 3, 0.165560),
+}
+
+
+@pytest.mark.parametrize("k", sorted(PA_TABLE))
+def test_pa_schedule_table(k):
+    alpha, r, eta = pa_schedule(k)
+    a_exp, r_exp, eta_exp = PA_TABLE[k]
+    assert alpha == pytest.approx(a_exp, abs=ATOL)
+    assert r == r_exp and isinstance(r, int)
+    assert eta == pytest.approx(eta_exp, abs=ATOL)
+
+
+def test_pa_schedule_threshold_is_exact_for_squares():
+    for k in range(1, 2000):
+        assert pa_schedule(k)[1] == math.isqrt(k)
+    assert pa_schedule(10**12)[1] == 10**6
+    with pytest.raises(ValueError):
+        pa_schedule(-1)

@@ -1,0 +1,312 @@
+"""The worker's link to the server: the only worker module that imports zmq.
+
+A DEALER socket with application heartbeats both ways, reconnection with exponential
+backoff when the server goes silent, a fresh ``hello`` when the server restarts (its
+``server_boot`` changes), and a graceful SIGTERM (say bye, exit). Compute runs in
+:class:`worker.runner.ComputeThread`; this loop only moves messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from protocol.codec import decode, encode
+from protocol.errors import RemoteProtocolError
+from protocol.messages import (
+    HEARTBEAT_INTERVAL_S,
+    LIVENESS_TIMEOUT_S,
+    Bye,
+    Cancel,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Job,
+    Ready,
+    Reply,
+    Welcome,
+)
+from worker.runner import ComputeThread, DelaySpec, IterateCache
+
+log = logging.getLogger("latecomer.worker")
+
+
+def host_id() -> str:
+    """An id shared by processes on one host (same-host fast path, issue 7)."""
+    try:
+        with open("/etc/machine-id", encoding="ascii") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return socket.gethostname()[:64]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker process.
+
+    Attributes:
+        server: endpoint, e.g. ``tcp://10.0.0.1:5555``.
+        worker_id: stable name (default ``HOST-PID``).
+        credit: jobs held at once (1: compute one, 2: one prefetched).
+        device: torch device for torch problems (``cpu``, ``cuda``, ``cuda:1``).
+        cache_size: iterates kept by id (at least credit + 1).
+        backoff_s, backoff_max_s: reconnect backoff (doubling).
+        give_up_s: exit after this long without any contact with a server (None: never).
+        max_jobs: exit after this many replies (None: never); for tests.
+        threads: torch intra-op threads (None: leave torch's default).
+    """
+
+    server: str
+    worker_id: str = ""
+    credit: int = 1
+    device: str = "cpu"
+    cache_size: int = 4
+    backoff_s: float = 0.25
+    backoff_max_s: float = 4.0
+    give_up_s: float | None = None
+    max_jobs: int | None = None
+    threads: int | None = None
+    delay: DelaySpec = DelaySpec()
+
+
+class Worker:
+    """One worker process's I/O loop. ``run()`` returns the reason it stopped."""
+
+    def __init__(self, config: WorkerConfig, *, load_problem: Callable[..., Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
+        if config.credit < 1:
+            raise ValueError("credit must be >= 1")
+        self.cfg = config
+        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"[:64]
+        self.boot = secrets.randbits(63)
+        self.clock = clock
+        self.ctx = context or zmq.Context.instance()
+        if load_problem is None:
+            from problems import load_problem as _lp
+            load_problem = _lp
+        self._load_problem = load_problem
+        self.problem_key: tuple | None = None
+        self.compute: ComputeThread | None = None
+        self.cache = IterateCache(max(config.cache_size, config.credit + 1))
+        self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
+        self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
+        self.unsent: list[Reply] = []  # replies that could not be sent (disconnected)
+        self.seen = -1
+        self.server_boot: int | None = None
+        self.hb_interval = HEARTBEAT_INTERVAL_S
+        self.liveness = LIVENESS_TIMEOUT_S
+        self.welcomed = False
+        self.replies_sent = 0
+        self.stopping: str | None = None
+        self.sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------------ socket
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 1000
+        s.routing_id = f"{self.worker_id}/{self.boot:x}".encode()
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        s.connect(self.cfg.server)
+        self.sock = s
+        self.welcomed = False
+
+    def _send(self, msg: Any) -> bool:
+        try:
+            self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
+            return False
+
+    def _hello(self) -> bool:
+        return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
+                                device=self.cfg.device, host_id=host_id(), holds=self.cache.ids()))
+
+    # ------------------------------------------------------------------ main loop
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stopping = f"signal {signal.Signals(signum).name}"
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def run(self) -> str:
+        self._connect()
+        poller = zmq.Poller()
+        last_contact = self.clock()  # last message from a server
+        backoff = self.cfg.backoff_s
+        next_hello = self.clock()
+        next_hb = self.clock()
+        try:
+            while self.stopping is None:
+                now = self.clock()
+                if not self.welcomed and now >= next_hello:
+                    self._hello()
+                    next_hello = now + backoff
+                    backoff = min(backoff * 2, self.cfg.backoff_max_s)
+                if self.welcomed and now >= next_hb:
+                    self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=tuple(self.jobs),
+                                         seen=self.seen))
+                    next_hb = now + self.hb_interval
+                if now - last_contact > self.liveness and self.welcomed:
+                    log.warning("server silent for %.1f s: reconnecting", now - last_contact)
+                    self._connect()
+                    next_hello = now
+                    backoff = self.cfg.backoff_s
+                if self.cfg.give_up_s is not None and now - last_contact > self.cfg.give_up_s:
+                    self.stopping = f"no server for {self.cfg.give_up_s:g} s"
+                    break
+                poller = zmq.Poller()
+                poller.register(self.sock, zmq.POLLIN)
+                if self.compute is not None:
+                    poller.register(self.compute.wake_r, zmq.POLLIN)
+                wake = min(next_hb if self.welcomed else next_hello, now + 0.1)
+                ready = dict(poller.poll(max(0, int((wake - now) * 1000)) + 1))
+                if self.sock in ready:
+                    for _ in range(64):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        last_contact = self.clock()
+                        self._on_frames(frames)
+                        if self.welcomed:
+                            backoff = self.cfg.backoff_s
+                if self.compute is not None:
+                    self.compute.drain_wakeups()
+                    self._send_results()
+                if self.cfg.max_jobs is not None and self.replies_sent >= self.cfg.max_jobs:
+                    self.stopping = f"did {self.replies_sent} jobs"
+        finally:
+            self._close()
+        return self.stopping or "stopped"
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            if self.welcomed and not self.stopping.startswith("server"):
+                self._send(Bye(self.stopping or "exit"))
+            self.sock.close(linger=500)
+            self.sock = None
+        if self.compute is not None:
+            self.compute.close()
+            self.compute = None
+
+    # ------------------------------------------------------------------ inbound
+    def _on_frames(self, frames: list) -> None:
+        try:
+            msg = decode(frames)
+        except RemoteProtocolError as e:
+            log.warning("undecodable message from server: %s", e)
+            return
+        if isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, Job):
+            self._on_job(msg)
+        elif isinstance(msg, Cancel):
+            ids = set(msg.job_ids)
+            for jid in ids:
+                self.jobs.pop(jid, None)
+                self.waiting.pop(jid, None)
+            if self.compute is not None:
+                self.compute.cancel(ids)
+        elif isinstance(msg, Heartbeat):
+            if self.server_boot is not None and msg.boot != self.server_boot:
+                log.warning("server restarted: saying hello again")
+                self.welcomed = False
+        elif isinstance(msg, Bye):
+            self.stopping = f"server said bye: {msg.reason}"
+        elif isinstance(msg, Error):
+            if msg.code == ErrorCode.UNKNOWN_WORKER:
+                self.welcomed = False  # the server forgot us (restart, timeout): hello again
+            elif msg.code == ErrorCode.UNSUPPORTED_VERSION:
+                self.stopping = f"server refused: {msg.message}"
+            else:
+                log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
+
+    def _on_welcome(self, w: Welcome) -> None:
+        key = (w.problem, tuple(sorted(w.problem_options.items())))
+        if key != self.problem_key:
+            if self.compute is not None:
+                self.compute.close()
+                self.compute = None
+            if self.cfg.threads:
+                import torch
+                torch.set_num_threads(self.cfg.threads)
+            spec, options, device = w.problem, dict(w.problem_options), self.cfg.device
+            self.problem_key = key
+            self.compute = ComputeThread(lambda: self._load_problem(spec, options, device=device), self.cfg.delay)
+            self.cache.items.clear()
+            self.jobs.clear()
+            self.waiting.clear()
+        if self.server_boot is not None and w.server_boot != self.server_boot:
+            self.seen = -1  # a new server incarnation numbers jobs on its own
+        self.server_boot = w.server_boot
+        self.hb_interval = w.heartbeat_interval_s
+        self.liveness = w.liveness_timeout_s
+        self.welcomed = True
+        self._send_results()
+
+    def _on_job(self, job: Job) -> None:
+        if self.compute is None:
+            return
+        self.seen = max(self.seen, job.job_id)
+        for iid, p in zip(job.point_ids, job.points):
+            self.cache.put(iid, p)
+        self.jobs[job.job_id] = job
+        missing = tuple(i for i in job.iterate_ids if self.cache.get(i) is None)
+        if missing:
+            self.waiting[job.job_id] = job
+            self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
+                             iterate_ids=missing))
+            return
+        self.waiting.pop(job.job_id, None)
+        points = tuple(self.cache.get(i) for i in job.iterate_ids)
+        self.compute.submit(job, points)
+        pinned = {i for j in self.jobs.values() for i in j.iterate_ids}
+        self.cache.evict(pinned)
+
+    # ------------------------------------------------------------------ outbound
+    def _send_results(self) -> None:
+        while True:
+            try:
+                jid, reply, error = self.compute.outbox.get_nowait()
+            except Exception:
+                break
+            if jid == ComputeThread.LOAD_FAILED:
+                self.stopping = f"cannot load the server's problem: {error}"
+                return
+            if self.jobs.pop(jid, None) is None:
+                continue  # cancelled meanwhile
+            if error is not None:
+                log.error("job %d failed: %s", jid, error)
+                self._send(Error(ErrorCode.REFUSED, f"worker failed: {error}"[:1000], job_id=jid))
+                continue
+            self.unsent.append(reply)
+        while self.unsent and self.welcomed:
+            r = self.unsent[0]
+            r = Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
+                      compute_s=r.compute_s, holds=self.cache.ids())
+            if not self._send(r):
+                break
+            self.unsent.pop(0)
+            self.replies_sent += 1
+
+
+def run_worker(config: WorkerConfig) -> str:
+    """Run a worker in this process until told to stop; returns the reason."""
+    w = Worker(config)
+    w.install_signal_handlers()
+    return w.run()

@@ -1,0 +1,183 @@
+"""The worker's compute side: an iterate cache, a delay model and a compute thread.
+
+No sockets here (``worker/link.py`` owns the DEALER). The compute thread takes jobs from a
+queue, runs :func:`worker.compute.run_job`, waits out the injected delay (interruptible by a
+cancel), and hands the reply back through a queue plus one byte on a pipe, which wakes the
+link's poll loop. Heartbeats therefore keep flowing during long computations.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from problems.base import Problem
+from protocol.messages import Job, JobKind, Reply
+from worker.compute import run_job
+
+
+@dataclass(frozen=True)
+class DelaySpec:
+    """Injected heterogeneity for experiments (``latecomer work --delay/--jitter/--slowdown``).
+
+    A job then takes at least ``delay · cost(kind) · sample_cost + |N(0, jitter²)|`` seconds,
+    and ``slowdown`` stretches the measured compute time by that factor. cost(GRAD)=1,
+    cost(GRAD_PAIR)=2, cost(FULL_GRAD)=shard size / batch. ``data_dependent`` multiplies by the
+    problem's ``sample_cost`` (e.g. κ for the slow class).
+    """
+
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    slowdown: float = 1.0
+    data_dependent: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("delay_s", "jitter_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and np.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if not (self.slowdown >= 1 and np.isfinite(self.slowdown)):
+            raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
+
+    def extra_s(self, job: Job, compute_s: float, sample_cost: float, rng: np.random.Generator) -> float:
+        if job.kind == JobKind.GRAD_PAIR:
+            cost = 2.0
+        elif job.kind == JobKind.FULL_GRAD and job.shard is not None:
+            cost = (job.shard[1] - job.shard[0]) / max(1, job.batch_size)
+        else:
+            cost = 1.0
+        if self.data_dependent:
+            cost *= sample_cost
+        extra = self.delay_s * cost + (self.slowdown - 1.0) * compute_s
+        if self.jitter_s > 0:
+            extra += abs(rng.normal(0.0, self.jitter_s))
+        return extra
+
+
+class IterateCache:
+    """Iterates by id, least recently used evicted first; never evicts ids pinned by a job."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.items: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def put(self, iid: int, x: np.ndarray) -> None:
+        self.items[iid] = x
+        self.items.move_to_end(iid)
+
+    def get(self, iid: int) -> np.ndarray | None:
+        x = self.items.get(iid)
+        if x is not None:
+            self.items.move_to_end(iid)
+        return x
+
+    def evict(self, pinned: set[int]) -> None:
+        for iid in list(self.items):
+            if len(self.items) <= self.capacity:
+                break
+            if iid not in pinned:
+                del self.items[iid]
+
+    def ids(self) -> tuple[int, ...]:
+        return tuple(self.items)
+
+
+class ComputeThread:
+    """Runs jobs one at a time off the I/O thread."""
+
+    LOAD_FAILED = -1  # job id of the outbox entry that reports a failed problem load
+
+    def __init__(self, load: Callable[[], Problem], delay: DelaySpec) -> None:
+        self._load = load
+        self.problem: Problem | None = None
+        self.delay = delay
+        self.rng = np.random.default_rng(delay.seed)
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.cancelled: set[int] = set()
+        self.current: int | None = None
+        self.current_cancel = threading.Event()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job, points: tuple[np.ndarray, ...]) -> None:
+        self.inbox.put((job, points))
+
+    def cancel(self, job_ids: set[int]) -> None:
+        with self.lock:
+            self.cancelled |= job_ids
+            if self.current in job_ids:
+                self.current_cancel.set()
+
+    def stop(self) -> None:
+        self.inbox.put(None)
+        self.current_cancel.set()
+
+    def drain_wakeups(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        self.stop()
+        self.thread.join(timeout=5)
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _loop(self) -> None:
+        # Load the problem here, not on the I/O thread: importing torch and building data can take
+        # seconds, and heartbeats must keep flowing meanwhile. Jobs queue up until it is done.
+        try:
+            self.problem = self._load()
+        except Exception as e:  # reported to the link, which stops the worker with this message
+            self.outbox.put((self.LOAD_FAILED, None, f"{type(e).__name__}: {e}"))
+            os.write(self.wake_w, b"x")
+            return
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            job, points = item
+            with self.lock:
+                if job.job_id in self.cancelled:
+                    self.cancelled.discard(job.job_id)
+                    continue
+                self.current = job.job_id
+                self.current_cancel.clear()
+            t0 = time.perf_counter()
+            try:
+                reply = run_job(job, points, self.problem)
+                error = None
+            except Exception as e:  # a problem's bug must not kill the worker silently
+                reply, error = None, f"{type(e).__name__}: {e}"
+            compute_s = time.perf_counter() - t0
+            if reply is not None:
+                cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
+                extra = self.delay.extra_s(job, compute_s, cost, self.rng)
+                if extra > 0:
+                    self.current_cancel.wait(extra)
+                reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=reply.grads, loss=reply.loss,
+                              count=reply.count, compute_s=time.perf_counter() - t0)
+            with self.lock:
+                self.current = None
+                dropped = job.job_id in self.cancelled
+                self.cancelled.discard(job.job_id)
+            if not dropped:
+                self.outbox.put((job.job_id, reply, error))
+                os.write(self.wake_w, b"x")
