@@ -221,7 +221,7 @@ def state_arrays_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
             if not state_arrays_equal(x, y):
                 return False
         elif isinstance(x, list) and isinstance(y, list):
-            if len(x) != len(y) or not all(state_arrays_equal({"v": p}, {"v": q}) for p, q in zip(x, y)):
+            if len(x) != len(y) or not all(state_arrays_equal({"v": p}, {"v": q}) for p, q in zip(x, y, strict=True)):
                 return False
         elif x != y:
             return False

@@ -137,23 +137,28 @@ class OrderedMu2SGD(PerReplyAlgorithm):
     α_t = 1, ρ = (1−β)^{t−s}, c = ``gamma_x``.
 
     Choices [I]: no projection (unconstrained); one update per reply (per-reply mode);
-    with constant weights job 1 is still a single GRAD (q_1 = g, there is no x_0); default
-    weights are the official code's constant ones (the theory weights make the w-step
-    lr·t grow with t); which weights the paper's experiments used is open (§10.2).
+    with constant weights job 1 is still a single GRAD (q_1 = g, there is no x_0). Which
+    weights the paper's experiments used is open (§10.2); the default is constant weights,
+    as the official code. Default β = 0.1, not the synchronous code's 0.9: an increment of
+    age δ weighs (1 − β)^δ, and with n workers nearly every reply is n − 1 old, so β = 0.9
+    would shrink the step by 10^−(n−1). Theory weights need lr scaled to the horizon T
+    (the w-step lr·t grows with t; with delays a fixed lr diverges once lr·δ·t ≫ 1).
+    The official code's ``use_alpha_t`` leaves α_t out of the w-step; this class follows
+    the spec's (paper's) w_{t+1} = w_t − lr α_t d_t.
 
     Args:
         lr: η (> 0).
         weights: ``"constant"`` (default) or ``"theory"``.
-        beta: β ∈ (0, 1], weight of the new increment for constant weights (the code's
-            ``gradient_momentum`` 0.9: only 10 % of the old estimate is kept).
-        gamma_x: γ_x ∈ (0, 1], query-point averaging weight for constant weights.
+        beta: β ∈ (0, 1], weight of the new increment for constant weights (d keeps 1 − β
+            of its old value; the code's ``gradient_momentum``).
+        gamma_x: γ_x ∈ (0, 1], query-point averaging weight for constant weights (code: 0.1).
     """
 
     name = "ordered-mu2"
     iterate_fields = ("x", "x_prev")
     lr: float = 0.1
     weights: Literal["constant", "theory"] = "constant"
-    beta: float = 0.9
+    beta: float = 0.1
     gamma_x: float = 0.1
 
     def __post_init__(self) -> None:

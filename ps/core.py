@@ -83,6 +83,7 @@ class WorkerInfo:
     compute_s: float = 0.0
     bad_in_a_row: int = 0
     key: str = ""
+    ready: bool = False  # set by the worker's first Ready (its problem is loaded); no job before
 
 
 @dataclass(slots=True)
@@ -131,7 +132,7 @@ class CoreConfig:
         batch_size: default minibatch per job (an algorithm's JobSpec may override it).
         heartbeat_interval_s: announced to workers; the daemon sends at this period too.
         liveness_timeout_s: a worker silent for longer is declared dead.
-        min_workers: issue no job until this many workers have joined (then never wait again).
+        min_workers: issue no job until this many workers are ready (then never wait again).
         max_bad_replies: quarantine a worker after this many invalid replies in a row (0: never).
         round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
             worker is ready for a job); a number = a round every period on the driver's clock.
@@ -232,6 +233,10 @@ class ServerCore:
             if msg.credit:
                 w.credit = msg.credit
             w.holds = set(msg.holds)
+            if not w.ready:
+                w.ready = True
+                self.round_blocked = False
+                self.events.append({"ev": "ready", "worker_id": worker_id, "credit": w.credit})
             return self._dispatch(now)
         if isinstance(msg, Bye):
             return self.remove_worker(worker_id, now, reason="bye")
@@ -302,6 +307,7 @@ class ServerCore:
             self._settle(entry, "rejected")
             self.counters.rejected += 1
             self.state = self.alg.on_lost(self.state, [entry.job_id])
+            self._sweep_store()
             self.events.append({"ev": "rejected", "job_id": entry.job_id, "worker_id": w.worker_id,
                                 "code": int(code), "message": text})
             w.bad_in_a_row += 1
@@ -488,14 +494,14 @@ class ServerCore:
         return out
 
     def _free_workers(self) -> Iterable[WorkerInfo]:
-        return [w for w in self.workers.values() if len(w.outstanding) < w.credit]
+        return [w for w in self.workers.values() if w.ready and len(w.outstanding) < w.credit]
 
     def _dispatch(self, now: float) -> list[Command]:
         """Give jobs to every worker with free credit, in join order."""
         if not self.issuing:
             return []
         if not self.started:
-            if len(self.workers) < self.cfg.min_workers:
+            if sum(w.ready for w in self.workers.values()) < self.cfg.min_workers:
                 return []
             self.started = True
         out: list[Command] = []

@@ -18,7 +18,7 @@ import numpy as np
 
 from algorithms.base import Algorithm
 from problems.base import Problem
-from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Reply
+from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
 from ps.core import CoreConfig, Disconnect, Send, ServerCore
 from worker.compute import run_job
 
@@ -268,6 +268,7 @@ class Simulator:
         w.alive = True
         self._deliver(self.core.handle(w.worker_id, Hello(worker_id=w.worker_id, boot=w.boot, credit=self.credit),
                                        self.now))
+        self._deliver(self.core.handle(w.worker_id, Ready(credit=self.credit, holds=tuple(w.cache)), self.now))
 
     def _heartbeats(self) -> None:
         for w in self.workers:

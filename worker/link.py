@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,6 +96,7 @@ class Worker:
             load_problem = _lp
         self._load_problem = load_problem
         self.problem_key: tuple | None = None
+        self.loaded = False  # the compute thread has loaded the current problem
         self.compute: ComputeThread | None = None
         self.cache = IterateCache(max(config.cache_size, config.credit + 1))
         self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
@@ -242,12 +244,17 @@ class Worker:
             if self.compute is not None:
                 self.compute.close()
                 self.compute = None
-            if self.cfg.threads:
-                import torch
-                torch.set_num_threads(self.cfg.threads)
-            spec, options, device = w.problem, dict(w.problem_options), self.cfg.device
+            spec, options, device, threads = w.problem, dict(w.problem_options), self.cfg.device, self.cfg.threads
+
+            def load():
+                problem = self._load_problem(spec, options, device=device)
+                if threads and "torch" in sys.modules:  # only torch problems pay for importing torch
+                    sys.modules["torch"].set_num_threads(threads)
+                return problem
+
             self.problem_key = key
-            self.compute = ComputeThread(lambda: self._load_problem(spec, options, device=device), self.cfg.delay)
+            self.loaded = False
+            self.compute = ComputeThread(load, self.cfg.delay)
             self.cache.items.clear()
             self.jobs.clear()
             self.waiting.clear()
@@ -257,6 +264,8 @@ class Worker:
         self.hb_interval = w.heartbeat_interval_s
         self.liveness = w.liveness_timeout_s
         self.welcomed = True
+        if self.loaded:  # same problem as before (e.g. a server restart): ready at once
+            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids()))
         self._send_results()
 
     def _on_job(self, job: Job) -> None:
@@ -288,6 +297,11 @@ class Worker:
             if jid == ComputeThread.LOAD_FAILED:
                 self.stopping = f"cannot load the server's problem: {error}"
                 return
+            if jid == ComputeThread.LOADED:
+                self.loaded = True
+                if self.welcomed:
+                    self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids()))
+                continue
             if self.jobs.pop(jid, None) is None:
                 continue  # cancelled meanwhile
             if error is not None:

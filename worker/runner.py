@@ -93,7 +93,8 @@ class IterateCache:
 class ComputeThread:
     """Runs jobs one at a time off the I/O thread."""
 
-    LOAD_FAILED = -1  # job id of the outbox entry that reports a failed problem load
+    LOAD_FAILED = -1  # outbox job id: the problem could not be loaded (error text follows)
+    LOADED = -2  # outbox job id: the problem is loaded; the worker may say Ready
 
     def __init__(self, load: Callable[[], Problem], delay: DelaySpec) -> None:
         self._load = load
@@ -149,6 +150,8 @@ class ComputeThread:
             self.outbox.put((self.LOAD_FAILED, None, f"{type(e).__name__}: {e}"))
             os.write(self.wake_w, b"x")
             return
+        self.outbox.put((self.LOADED, None, None))
+        os.write(self.wake_w, b"x")
         while True:
             item = self.inbox.get()
             if item is None:

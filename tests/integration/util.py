@@ -1,0 +1,65 @@
+"""Bounded waits for real-process tests: readiness lines and event-log conditions."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import time
+from typing import Any, Callable
+
+
+def wait_line(p: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
+    """Read ``p.stdout`` until a line matches ``pattern``; fail after ``timeout`` seconds."""
+    rx = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    buf = b""
+    fd = p.stdout.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no line matching {pattern!r} within {timeout} s; got {buf[-500:]!r}")
+        r, _, _ = select.select([fd], [], [], left)
+        if not r:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            err = p.stderr.read()[-2000:] if p.stderr else ""
+            raise RuntimeError(f"process exited (rc={p.poll()}) before {pattern!r}: {buf[-500:]!r} {err!r}")
+        buf += chunk
+        for line in buf.decode(errors="replace").splitlines():
+            m = rx.search(line)
+            if m:
+                return m
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            out.append(json.loads(line))
+    return out
+
+
+def wait_events(path: str, cond: Callable[[list[dict]], Any], timeout: float, *, poll_s: float = 0.05) -> Any:
+    """Poll the event log until ``cond(events)`` is truthy; return its value. Fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = read_events(path)
+        v = cond(ev)
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            tail = [e.get("ev") for e in ev[-10:]]
+            raise TimeoutError(f"condition not met within {timeout} s ({len(ev)} events, last {tail})")
+        time.sleep(poll_s)  # polling interval of a bounded wait, not synchronisation
+
+
+def wait_exit(p: subprocess.Popen, timeout: float) -> int:
+    return p.wait(timeout=timeout)

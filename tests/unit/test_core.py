@@ -1,0 +1,293 @@
+"""ServerCore: ledger, credit, validation, liveness, and a stateful hypothesis machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import algorithms
+from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, Ready, Reply, Welcome
+from ps.core import CoreConfig, Disconnect, Send, ServerCore
+
+D = 4
+
+
+def make_core(name="asgd", settings_=None, **cfg) -> ServerCore:
+    alg = algorithms.build(name, settings_ or {"lr": 0.1})
+    cfg.setdefault("liveness_timeout_s", 3.0)
+    return ServerCore(alg, np.ones(D, np.float32), CoreConfig(**cfg))
+
+
+def join(core: ServerCore, wid: str, credit: int = 1, now: float = 0.0, boot: int = 1) -> list:
+    """Hello then Ready, as a real worker does once its problem is loaded."""
+    cmds = core.handle(wid, Hello(worker_id=wid, boot=boot, credit=credit), now)
+    return cmds + core.handle(wid, Ready(credit=credit), now)
+
+
+def jobs_in(cmds) -> list[tuple[str, Job]]:
+    return [(c.worker_id, c.msg) for c in cmds if isinstance(c, Send) and isinstance(c.msg, Job)]
+
+
+def reply_for(job: Job, value=0.5, n=None) -> Reply:
+    n = len(job.iterate_ids) if n is None else n
+    return Reply(job_id=job.job_id, created_at=job.created_at,
+                 grads=tuple(np.full(D, value, np.float32) for _ in range(n)))
+
+
+def snapshot(core: ServerCore):
+    return (core.version, core.params().copy(), core.alg.to_state_dict(core.state))
+
+
+def same(a, b) -> bool:
+    from algorithms.base import state_arrays_equal
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and state_arrays_equal(a[2], b[2])
+
+
+def test_core_hello_gets_welcome_and_as_many_jobs_as_credit():
+    core = make_core(problem="quadratic", problem_options={"d": D})
+    cmds = join(core, "w1", 2, 0.0, boot=1)
+    assert isinstance(cmds[0].msg, Welcome) and cmds[0].msg.problem == "quadratic"
+    assert cmds[0].msg.problem_options == {"d": D}
+    jobs = jobs_in(cmds)
+    assert [j.job_id for _, j in jobs] == [0, 1]
+    assert jobs[0][1].point_ids == (0,) and len(jobs[0][1].points) == 1
+    assert jobs[1][1].point_ids == ()  # the worker already got iterate 0 with the first job
+    cmds = core.handle("w1", reply_for(jobs[0][1]), now=0.1)
+    assert core.version == 1 and [j.job_id for _, j in jobs_in(cmds)] == [2]
+    assert core.accounted() and core.outstanding == 2
+
+
+def test_core_waits_for_min_workers():
+    core = make_core(min_workers=2)
+    assert jobs_in(join(core, "w1", 1, 0.0, boot=1)) == []
+    cmds = join(core, "w2", 1, 0.1, boot=1)
+    assert [w for w, _ in jobs_in(cmds)] == ["w1", "w2"]
+
+
+@pytest.mark.parametrize("case", ["unknown", "other_worker", "duplicate", "wrong_count", "wrong_shape",
+                                  "nan", "inf_loss", "int_dtype"])
+def test_core_bad_reply_leaves_state_unchanged(case):
+    core = make_core()
+    j1 = jobs_in(join(core, "w1", 1, 0.0, boot=1))[0][1]
+    j2 = jobs_in(join(core, "w2", 1, 0.0, boot=1))[0][1]
+    core.handle("w2", reply_for(j2), 0.05)  # one real update first
+    before = snapshot(core)
+    counters = core.counters.as_dict()
+    if case == "unknown":
+        r = Reply(job_id=999, created_at=0, grads=(np.zeros(D, np.float32),))
+    elif case == "other_worker":
+        r = reply_for(j1)
+        cmds = core.handle("w2", r, 0.1)
+        assert any(isinstance(c.msg, Error) and c.msg.code == ErrorCode.UNKNOWN_JOB for c in cmds)
+        assert same(before, snapshot(core)) and core.counters.unknown == counters["unknown"] + 1
+        assert j1.job_id in core.ledger  # still w1's
+        return
+    elif case == "duplicate":
+        r = reply_for(j2)
+    elif case == "wrong_count":
+        r = reply_for(j1, n=2)
+    elif case == "wrong_shape":
+        r = Reply(job_id=j1.job_id, created_at=0, grads=(np.zeros(D + 1, np.float32),))
+    elif case == "nan":
+        g = np.zeros(D, np.float32)
+        g[2] = np.nan
+        r = Reply(job_id=j1.job_id, created_at=0, grads=(g,))
+    elif case == "inf_loss":
+        r = Reply(job_id=j1.job_id, created_at=0, grads=(np.zeros(D, np.float32),), loss=float("inf"))
+    else:
+        r = Reply(job_id=j1.job_id, created_at=0, grads=(np.zeros(D, np.uint16),))
+    sender = "w2" if case == "duplicate" else "w1"
+    cmds = core.handle(sender, r, 0.1)
+    assert same(before, snapshot(core)), "state changed on a bad reply"
+    errors = [c.msg for c in cmds if isinstance(c, Send) and isinstance(c.msg, Error)]
+    if case == "duplicate":
+        assert core.counters.late == counters["late"] + 1
+    elif case == "unknown":
+        assert errors and errors[0].code == ErrorCode.UNKNOWN_JOB
+        assert core.counters.unknown == counters["unknown"] + 1
+    else:
+        assert errors and errors[0].code in (ErrorCode.BAD_SHAPE, ErrorCode.NON_FINITE)
+        assert core.counters.rejected == counters["rejected"] + 1
+        assert j1.job_id not in core.ledger  # written off: its credit is free again
+    assert core.accounted()
+
+
+def test_core_quarantines_after_k_bad_replies_in_a_row():
+    core = make_core(max_bad_replies=3)
+    cmds = join(core, "w1", 1, 0.0, boot=1)
+    bad = np.full(D, np.nan, np.float32)
+    for k in range(3):
+        job = jobs_in(cmds)[0][1]
+        cmds = core.handle("w1", Reply(job_id=job.job_id, created_at=0, grads=(bad,)), 0.1 * k)
+    assert "w1" not in core.workers and core.counters.quarantined == 1
+    assert any(isinstance(c, Disconnect) for c in cmds)
+    assert any(isinstance(c, Send) and isinstance(c.msg, Bye) for c in cmds)
+    assert core.version == 0 and core.accounted()
+
+
+def test_core_liveness_timeout_writes_off_jobs_as_lost():
+    core = make_core(liveness_timeout_s=2.0)
+    join(core, "w1", 2, 0.0, boot=1)
+    join(core, "w2", 1, 0.0, boot=1)
+    core.handle("w2", Heartbeat(boot=1, busy=(2,), seen=2), 1.5)
+    assert core.next_deadline() == pytest.approx(2.0)
+    core.on_tick(2.1)
+    assert "w1" not in core.workers and "w2" in core.workers
+    assert core.counters.lost == 2 and core.counters.workers_lost == 1 and core.accounted()
+    # the dead worker's late reply is counted as late and changes nothing
+    before = snapshot(core)
+    join(core, "w1", 1, 2.2, boot=2)  # comes back: a new join
+    core.handle("w1", Reply(job_id=0, created_at=0, grads=(np.zeros(D, np.float32),)), 2.3)
+    assert core.counters.late == 1 and same(before, snapshot(core))
+
+
+def test_core_new_boot_is_a_new_join():
+    core = make_core()
+    join(core, "w1", 1, 0.0, boot=1)
+    join(core, "w1", 1, 0.5, boot=2)
+    assert core.counters.lost == 1 and core.counters.workers_joined == 2 and core.accounted()
+
+
+def test_core_missing_iterate_resends_points():
+    core = make_core()
+    cmds = join(core, "w1", 1, 0.0, boot=1)
+    job = jobs_in(cmds)[0][1]
+    core.handle("w1", Ready(credit=1, holds=()), 0.1)  # the worker says its cache is empty
+    cmds = core.handle("w1", Error(ErrorCode.MISSING_ITERATE, "miss", job_id=job.job_id, iterate_ids=(0,)), 0.2)
+    again = jobs_in(cmds)
+    assert len(again) == 1 and again[0][1].job_id == job.job_id and again[0][1].point_ids == (0,)
+    np.testing.assert_array_equal(again[0][1].points[0], np.ones(D, np.float32))
+    assert core.counters.issued == 1
+
+
+def test_core_heartbeat_reveals_vanished_job():
+    core = make_core()
+    cmds = join(core, "w1", 1, 0.0, boot=1)
+    job = jobs_in(cmds)[0][1]
+    core.handle("w1", Heartbeat(boot=1, credit=1, busy=(job.job_id,), seen=job.job_id), 0.5)
+    assert core.counters.lost == 0
+    cmds = core.handle("w1", Heartbeat(boot=1, credit=1, busy=(), seen=job.job_id), 1.0)
+    assert core.counters.lost == 1 and jobs_in(cmds), "the lost job is written off and a new one issued"
+    assert core.accounted()
+
+
+def test_core_bye_writes_off_and_forgets():
+    core = make_core()
+    join(core, "w1", 1, 0.0, boot=1)
+    core.handle("w1", Bye("sigterm"), 0.2)
+    assert core.workers == {} and core.counters.lost == 1 and core.accounted()
+    assert core.store == {}, "no outstanding job refers to iterate 0 any more"
+
+
+def test_core_message_before_hello_is_refused():
+    core = make_core()
+    cmds = core.handle("ghost", Heartbeat(boot=1), 0.0)
+    assert cmds[0].msg.code == ErrorCode.UNKNOWN_WORKER and core.workers == {}
+
+
+class CoreMachine(RuleBasedStateMachine):
+    """Random joins, replies (good, duplicate, bad), heartbeats, crashes and ticks."""
+
+    def __init__(self):
+        super().__init__()
+        self.core = make_core("ordered-momentum", {"lr": 0.05, "beta": 0.5}, liveness_timeout_s=1.0,
+                              max_bad_replies=0)
+        self.now = 0.0
+        self.held: dict[str, list[Job]] = {}
+        self.applied: set[int] = set()
+        self.boots: dict[str, int] = {}
+        self.last_version = 0
+
+    def _absorb(self, cmds):
+        for wid, job in jobs_in(cmds):
+            self.held.setdefault(wid, []).append(job)
+        for c in cmds:
+            if isinstance(c, Send) and isinstance(c.msg, Cancel):
+                self.held[c.worker_id] = [j for j in self.held.get(c.worker_id, []) if j.job_id not in c.msg.job_ids]
+        for ev in self.core.drain_events():
+            if ev["ev"] == "applied":
+                assert ev["job_id"] not in self.applied, "a reply was applied twice"
+                self.applied.add(ev["job_id"])
+
+    @rule(w=st.sampled_from(["a", "b", "c"]), credit=st.integers(1, 3))
+    def join(self, w, credit):
+        self.boots[w] = self.boots.get(w, 0) + 1
+        self.held[w] = []
+        self._absorb(join(self.core, w, credit, self.now, boot=self.boots[w]))
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data(), value=st.floats(-1, 1))
+    def reply(self, data, value):
+        w = data.draw(st.sampled_from(sorted(w for w, js in self.held.items() if js)))
+        job = self.held[w].pop(data.draw(st.integers(0, len(self.held[w]) - 1)))
+        self.now += 0.01
+        self._absorb(self.core.handle(w, reply_for(job, value), self.now))
+
+    @precondition(lambda self: self.applied)
+    @rule(data=st.data())
+    def duplicate(self, data):
+        jid = data.draw(st.sampled_from(sorted(self.applied)))
+        before = snapshot(self.core)
+        w = next(iter(self.core.workers), "a")
+        self._absorb(self.core.handle(w, Reply(job_id=jid, created_at=0, grads=(np.zeros(D, np.float32),)),
+                                      self.now))
+        assert same(before, snapshot(self.core))
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def bad_reply(self, data):
+        w = data.draw(st.sampled_from(sorted(w for w, js in self.held.items() if js)))
+        job = self.held[w].pop(0)
+        before = snapshot(self.core)
+        self._absorb(self.core.handle(w, Reply(job_id=job.job_id, created_at=0,
+                                               grads=(np.full(D, np.inf, np.float32),)), self.now))
+        assert same(before, snapshot(self.core))
+
+    @rule(w=st.sampled_from(["a", "b", "c"]))
+    def heartbeat(self, w):
+        if w in self.core.workers:
+            self._absorb(self.core.handle(w, Heartbeat(boot=self.boots[w], busy=tuple(j.job_id for j in
+                                                                                    self.held.get(w, [])),
+                                                       seen=max([j.job_id for j in self.held.get(w, [])],
+                                                                default=-1)), self.now))
+
+    @rule(dt=st.floats(0.1, 2.0))
+    def tick(self, dt):
+        self.now += dt
+        self._absorb(self.core.on_tick(self.now))
+        for w in list(self.held):
+            if w not in self.core.workers:
+                self.held[w] = []
+
+    @invariant()
+    def accounting_holds(self):
+        assert self.core.accounted()
+
+    @invariant()
+    def version_never_decreases(self):
+        assert self.core.version >= self.last_version
+        self.last_version = self.core.version
+
+    @invariant()
+    def each_job_outstanding_once_and_store_bounded(self):
+        ids = [j for w in self.core.workers.values() for j in w.outstanding]
+        assert len(ids) == len(set(ids))
+        assert set(ids) <= set(self.core.ledger)
+        referenced = {i for e in self.core.ledger.values() for i in e.iterate_ids}
+        assert set(self.core.store) <= referenced | self.core.alg.live_iterate_ids(self.core.state)
+        for w in self.core.workers.values():
+            assert len(w.outstanding) <= w.credit
+
+
+TestCoreMachine = CoreMachine.TestCase
+TestCoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_core_sends_no_job_before_ready():
+    core = make_core()
+    cmds = core.handle("w1", Hello(worker_id="w1", boot=1, credit=2), 0.0)
+    assert jobs_in(cmds) == [] and isinstance(cmds[0].msg, Welcome)
+    assert len(jobs_in(core.handle("w1", Ready(credit=2), 0.5))) == 2
