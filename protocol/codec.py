@@ -314,7 +314,7 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
         if type(metas) is not list or len(metas) != n - 1:
             raise RemoteProtocolError(f"{t}: header describes {len(metas) if type(metas) is list else '?'} "
                                       f"arrays, {n - 1} frames follow")
-        kwargs[afield] = tuple(_decode_array(m, f, max_array_bytes) for m, f in zip(metas, frames[1:]))
+        kwargs[afield] = tuple(_decode_array(m, f, max_array_bytes) for m, f in zip(metas, frames[1:], strict=True))
     if cls is Job and len(kwargs.get("point_ids", ())) != n - 1:
         raise RemoteProtocolError("job: point_ids and array frames differ in length")
     return cls(**kwargs)

@@ -14,11 +14,11 @@ import secrets
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import tomllib
 
 DEFAULT_PORT = 5555
 
@@ -431,8 +431,9 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"counters": trace.counters, "points": trace.points[-1:], "final_t": trace.final_t}, f, indent=1)
     first, last = trace.points[0], trace.points[-1]
-    click.echo(f"simulated {trace.final_t:.1f} s: {trace.counters['updates']} updates, "
-               f"applied {trace.counters['applied']}, dropped {trace.counters['dropped']}, lost {trace.counters['lost']}")
+    c = trace.counters
+    click.echo(f"simulated {trace.final_t:.1f} s: {c['updates']} updates, applied {c['applied']}, "
+               f"dropped {c['dropped']}, lost {c['lost']}")
     for key in ("loss", "grad_norm_sq", "accuracy"):
         if key in first:
             click.echo(f"  {key}: {first[key]:.6g} -> {last[key]:.6g}")

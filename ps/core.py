@@ -447,7 +447,7 @@ class ServerCore:
             else:
                 self._settle(entry, "dropped")
                 self.counters.dropped += 1
-        ages = dict(zip(outcome.applied, outcome.ages))
+        ages = dict(zip(outcome.applied, outcome.ages, strict=True))
         for r in results:
             if r.job_id in ages:
                 self.events.append({"ev": "applied", "job_id": r.job_id, "worker_id": r.worker_id,
@@ -527,7 +527,7 @@ class ServerCore:
     def _issue(self, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
         if len(spec.iterate_ids) != len(spec.points):
             raise ValueError(f"{self.alg.name}: JobSpec has {len(spec.iterate_ids)} ids and {len(spec.points)} points")
-        for iid, p in zip(spec.iterate_ids, spec.points):
+        for iid, p in zip(spec.iterate_ids, spec.points, strict=True):
             if iid not in self.store:
                 self.store[iid] = p
                 self.refs.setdefault(iid, 0)

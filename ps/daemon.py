@@ -92,6 +92,7 @@ class Daemon:
         self.events_file = open(events_path, "a", encoding="utf-8") if events_path else None
         self.stopping: str | None = None
         self.started_at = clock()
+        self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
         self.last_eval_version = -1
         self.send_failures = 0
@@ -106,7 +107,11 @@ class Daemon:
         signal.signal(signal.SIGINT, handler)
 
     def evaluate(self) -> dict[str, float]:
-        ev = {"t": self.clock() - self.started_at, "version": float(self.core.version),
+        """Evaluate the current iterate. ``t`` counts from the first job issued (0 before)."""
+        if self.training_started_at is None and self.core.started:
+            self.training_started_at = self.clock()
+        t = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+        ev = {"t": t, "version": float(self.core.version),
               **{k: float(v) for k, v in self.problem.evaluate(self.core.params()).items()}}
         self.evaluations.append(ev)
         self.last_eval_version = self.core.version
@@ -133,6 +138,8 @@ class Daemon:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
+                        if self.training_started_at is None and core.started:
+                            self.training_started_at = self.clock()
                         if self._check_stop():
                             break
                 now = self.clock()

@@ -199,7 +199,7 @@ class Simulator:
                 continue
             m = c.msg
             if isinstance(m, Job):
-                for iid, p in zip(m.point_ids, m.points):
+                for iid, p in zip(m.point_ids, m.points, strict=True):
                     w.cache[iid] = p
                 w.seen = max(w.seen, m.job_id)
                 self._accept_job(w, m)
@@ -297,10 +297,10 @@ class Simulator:
         next_eval_t = eval_interval or math.inf
         last_v = core.version
         while self.heap:
-            t, _, kind, payload = heapq.heappop(self.heap)
-            if t > max_time:
-                self.now = max_time
+            if self.heap[0][0] > max_time:
+                self.now = max_time  # leave the event for a later run() call
                 break
+            t, _, kind, payload = heapq.heappop(self.heap)
             self.now = t
             if kind == "finish":
                 idx, token, d = payload

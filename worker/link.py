@@ -272,7 +272,7 @@ class Worker:
         if self.compute is None:
             return
         self.seen = max(self.seen, job.job_id)
-        for iid, p in zip(job.point_ids, job.points):
+        for iid, p in zip(job.point_ids, job.points, strict=True):
             self.cache.put(iid, p)
         self.jobs[job.job_id] = job
         missing = tuple(i for i in job.iterate_ids if self.cache.get(i) is None)

@@ -1,0 +1,89 @@
+"""CLI parsing: bad arguments give one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ps.cli import main
+
+
+@pytest.fixture
+def cli():
+    return CliRunner()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["serve", "--algorithm", "nope"], "unknown algorithm 'nope'"),
+    (["serve", "--set", "lr=-1"], "Invalid lr"),
+    (["serve", "--set", "lr"], "expected KEY=VALUE"),
+    (["serve", "--set", "momentum=0.9"], "unknown hyper-parameter 'momentum'"),
+    (["serve", "--problem", "nope"], "nope"),
+    (["serve", "--problem", "quadratic", "--problem-opt", "d=abc"], "d"),
+    (["serve", "--liveness-timeout", "0"], "must be > 0"),
+    (["serve", "--heartbeat-interval", "5", "--liveness-timeout", "3"], "smaller than --liveness-timeout"),
+    (["serve", "--config", "/nonexistent.toml"], "cannot read"),
+    (["work"], "Missing option '--server'"),
+    (["work", "--server", "localhost:5555"], "expected tcp://HOST:PORT"),
+    (["work", "--server", "tcp://127.0.0.1:1", "--credit", "0"], "--credit"),
+    (["work", "--server", "tcp://127.0.0.1:1", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["run", "--delays", "a,b"], "expected numbers"),
+    (["run", "--delays", "-1"], "delays must be finite numbers >= 0"),
+    (["simulate", "--crash", "x"], "expected WORKER@TIME"),
+    (["simulate", "--workers", "2", "--crash", "5@1"], "out of range"),
+])
+def test_cli_bad_arguments(cli, args, needle):
+    r = cli.invoke(main, args)
+    assert r.exit_code != 0
+    assert needle in r.output, r.output
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_cli_bad_toml(cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[algorithm\nname=")
+    r = cli.invoke(main, ["serve", "--config", str(cfg)])
+    assert r.exit_code == 2 and "not valid TOML" in r.output
+    cfg.write_text("[optimizer]\nlr=1\n")
+    r = cli.invoke(main, ["serve", "--config", str(cfg)])
+    assert r.exit_code == 2 and "unknown section" in r.output
+
+
+def test_cli_toml_and_flags_merge(tmp_path):
+    from ps.cli import training_spec
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[problem]\nname = "quadratic"\nd = 8\n[algorithm]\nname = "ringmaster"\nlr = 0.2\nR = 3\n')
+    spec = training_spec(None, ("d=12",), None, ("R=5",), str(cfg), default_problem="digits",
+                         default_algorithm="asgd")
+    assert spec.problem == "quadratic" and spec.problem_options == {"d": "12"}
+    assert spec.algorithm == "ringmaster" and spec.settings == {"lr": 0.2, "R": "5"}
+    problem, alg = spec.build()
+    assert problem.dim == 12 and alg.R == 5 and alg.lr == 0.2
+
+
+def test_cli_lists_algorithms(cli):
+    import algorithms
+
+    r = cli.invoke(main, ["algorithms"])
+    assert r.exit_code == 0
+    for name in algorithms.ALGORITHMS:
+        assert name in r.output
+
+
+def test_cli_simulate_writes_trace_and_plot(cli, tmp_path):
+    out = tmp_path / "sim"
+    r = cli.invoke(main, ["simulate", "--workers", "4", "--time", "40", "--problem-opt", "d=8", "--set", "lr=0.3",
+                          "--crash", "1@10+5", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "trace.csv").stat().st_size > 100 and (out / "convergence.png").stat().st_size > 1000
+    assert "loss:" in r.output
+
+
+def test_cli_entry_point_runs_as_module():
+    r = subprocess.run([sys.executable, "-m", "ps", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "serve" in r.stdout and "simulate" in r.stdout
