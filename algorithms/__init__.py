@@ -11,6 +11,7 @@ from algorithms.registry import build as _build
 from algorithms.registry import hyper_parameters
 from algorithms.rennala import RennalaMuon, RennalaMVR, RennalaMVRInexact, RennalaSGD
 from algorithms.ringmaster import DelayAdaptiveMuon, RingmasterASGD, RingmasterLMO
+from algorithms.storm import DelayedStormVR, SnapshotVR
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     VanillaASGD.name: VanillaASGD,
@@ -26,6 +27,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     RennalaMVR.name: RennalaMVR,
     RennalaMVRInexact.name: RennalaMVRInexact,
     RennalaMuon.name: RennalaMuon,
+    DelayedStormVR.name: DelayedStormVR,
+    SnapshotVR.name: SnapshotVR,
 }
 
 

@@ -182,7 +182,9 @@ class Daemon:
         if self.events_file:
             self.events_file.close()
             self.events_file = None
-        self.sock.close(linger=0)
+        # A short linger lets the final Bye messages reach the workers; everything else the
+        # server would have sent is re-derivable from the job ledger.
+        self.sock.close(linger=1000)
 
     # ------------------------------------------------------------------ inbound
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
