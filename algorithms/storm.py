@@ -196,7 +196,7 @@ class _DelayedVR(Algorithm):
         dt = state.v.dtype
         applied: list[int] = []
         dropped: list[int] = []
-        ages: list[int] = []
+        age_of: dict[int, int] = {}
         fresh: list[tuple[int, int]] = []  # (job_id, s) of corrections accepted in this call
         lost_before = state.lost_total
         for r in results:
@@ -214,7 +214,7 @@ class _DelayedVR(Algorithm):
                 if state.snap_anchor != _NONE and s > state.snap_anchor:
                     state.corr_acc += q
                 applied.append(r.job_id)
-                ages.append(k - s)
+                age_of[r.job_id] = k - s
                 fresh.append((r.job_id, s))
             else:
                 j = self._take_part(state, r)
@@ -222,7 +222,7 @@ class _DelayedVR(Algorithm):
                     dropped.append(r.job_id)
                 else:
                     applied.append(r.job_id)
-                    ages.append(k - state.snap_anchor)
+                    age_of[r.job_id] = k - state.snap_anchor
 
         events: dict[str, float] = {}
         ready = state.issued >= k
@@ -247,7 +247,8 @@ class _DelayedVR(Algorithm):
         metrics = self.metrics(state)
         metrics.update(applied=float(len(applied)), dropped=float(len(dropped)),
                        lost=float(state.lost_total - lost_before), **events)
-        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=ready, ages=tuple(ages),
+        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=ready,
+                              ages=tuple(age_of[j] for j in applied),
                               metrics=metrics)
 
     def cancel(self, state: DelayedVRState, outstanding: Sequence[Any]) -> list[int]:
