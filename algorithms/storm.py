@@ -690,7 +690,8 @@ class SnapshotVR(_DelayedVR):
     * A written-off shard (``on_lost``) is reissued; a written-off pair job stays missing until a
       snapshot covers it. There is no τ_lost: the next snapshot bounds the history.
     * G = Σ shard sums / N; a shard whose reported ``count`` (if non-zero) differs from hi − lo is
-      dropped and asked again.
+      dropped and asked again. FULL_GRAD jobs carry ``batch_size = batch`` (the shard is summed in
+      chunks of b; §2.5 charges N/b).
 
     Args:
         lr: η (> 0).
@@ -762,8 +763,10 @@ class SnapshotVR(_DelayedVR):
 
     def _part_job(self, state: DelayedVRState, j: int) -> JobSpec:
         anchor = state.snap_anchor
+        # batch_size = b: the shard is summed in chunks of b (the simulator charges shard size / b).
         return JobSpec(kind=JobKind.FULL_GRAD, created_at=state.version, iterate_ids=(anchor,),
-                       points=(state.snap_x,), shard=self._shard(j), deadline=anchor + self._window(anchor))
+                       points=(state.snap_x,), batch_size=int(self.batch), shard=self._shard(j),
+                       deadline=anchor + self._window(anchor))
 
     def _snapshot_value(self, state: DelayedVRState) -> np.ndarray:
         return state.snap_sum / np.asarray(self.num_samples, state.snap_sum.dtype)

@@ -48,6 +48,7 @@ from protocol.messages import (
 _DTYPE_NAMES = {v: k for k, v in ALLOWED_DTYPES.items()}
 U64_MAX = (1 << 64) - 1
 I64_MAX = (1 << 63) - 1
+I64_MIN = -(1 << 63)
 
 
 # --------------------------------------------------------------------------- field checkers
@@ -72,6 +73,8 @@ def _str(max_len: int, *, nonempty: bool = False) -> Callable[[Any], str]:
 
 
 def _float(v: Any) -> float:
+    if type(v) is int and not I64_MIN <= v <= U64_MAX:  # msgpack cannot carry it (nor float() some of them)
+        raise ValueError(f"expected a finite number, got an integer out of range {v!r:.80}")
     if type(v) not in (int, float) or isinstance(v, bool) or not math.isfinite(v):
         raise ValueError(f"expected a finite number, got {v!r:.80}")
     return float(v)
@@ -119,9 +122,9 @@ def _options(v: Any) -> dict:
         _str(MAX_ID_LEN, nonempty=True)(k)
         if type(val) is str:
             _str(MAX_STR_LEN)(val)
-        elif type(val) is float:
+        elif type(val) in (int, float):
             _float(val)
-        elif type(val) not in (int, bool):
+        elif type(val) is not bool:
             raise ValueError(f"option {k!r} must be a string, number or boolean")
         out[k] = val
     return out
@@ -224,8 +227,10 @@ def _buffer(frame: Any) -> memoryview:
             buf = memoryview(frame)
         except TypeError:
             raise RemoteProtocolError(f"frame of type {type(frame).__name__} is not a buffer") from None
+    if not buf.c_contiguous:
+        raise RemoteProtocolError("frame buffer is not contiguous")
     if buf.ndim != 1 or buf.itemsize != 1:
-        buf = buf.cast("B")
+        buf = buf.cast("B") if buf.nbytes else memoryview(b"")  # cast() refuses zeros in the shape
     return buf
 
 
@@ -234,7 +239,8 @@ def _unpack_header(buf: memoryview) -> dict:
         raise RemoteProtocolError(f"header frame too large ({len(buf)} bytes)")
     try:
         header = msgpack.unpackb(
-            buf, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_STR_LEN, max_bin_len=0,
+            # max_str_len counts UTF-8 bytes; the schema counts code points (at most 4 bytes each).
+            buf, raw=False, strict_map_key=True, use_list=True, max_str_len=4 * MAX_STR_LEN, max_bin_len=0,
             max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
@@ -253,11 +259,11 @@ def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
     shape = meta.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM or any(type(s) is not int or s < 0 for s in shape):
         raise RemoteProtocolError(f"bad array shape {shape!r:.80}")
-    nbytes = dtype.itemsize
-    for s in shape:
-        nbytes *= s
-        if nbytes > max_array_bytes:
-            raise RemoteProtocolError(f"array larger than the limit of {max_array_bytes} bytes")
+    # Zero dims count as 1 in the bound: numpy refuses the shape [0, 2**63] as it refuses [2**63].
+    bound = dtype.itemsize * math.prod(max(s, 1) for s in shape)
+    if bound > max_array_bytes:
+        raise RemoteProtocolError(f"array larger than the limit of {max_array_bytes} bytes")
+    nbytes = 0 if 0 in shape else bound
     buf = _buffer(frame)
     if len(buf) != nbytes:
         raise RemoteProtocolError(f"frame holds {len(buf)} bytes, shape {shape} needs {nbytes}")

@@ -3,9 +3,11 @@ quadratic with heterogeneous (sqrt) delays and crashed workers, and a state-dict
 mid-run continues bit for bit. A class added to ``algorithms.ALGORITHMS`` is enrolled here
 automatically (with its default hyper-parameters unless it has an entry below).
 
-Convergence threshold: f(x) - f* falls to at most 5 % of its starting value within 300
-simulated seconds (d = 16, 6 workers with tau_i = sqrt(i) plus half-normal noise, worker 2
-crashes at t = 50 and rejoins 10 s later, worker 5 crashes for good at t = 120).
+Convergence threshold: within 300 simulated seconds (6 workers with tau_i = sqrt(i) plus
+half-normal noise, worker 2 crashes at t = 50 and rejoins 10 s later, worker 5 crashes for good
+at t = 120), f(x) - f* on the d = 16 quadratic falls to at most 5 % of its starting value; for
+the finite-sum algorithm, which needs a finite-sum problem (logistic regression, N = 400), the
+squared gradient norm falls to at most 1 % of its starting value.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from ps.sim import Crash, DelayModel, Simulator
 
 N_WORKERS = 6
 HORIZON = 300.0
-THRESHOLD = 0.05
 QUAD = ("quadratic", {"d": 16})
+LOGREG = ("logreg", {"n": 400, "p": 10})
+CRITERION = {"quadratic": ("loss", 0.05), "logreg": ("grad_norm_sq", 0.01)}
 
 # Hyper-parameters for this test problem (a small grid was tried; see the note above).
 SETTINGS: dict[str, tuple[tuple[str, dict], dict]] = {
@@ -39,6 +42,8 @@ SETTINGS: dict[str, tuple[tuple[str, dict], dict]] = {
     "rennala-muon": (QUAD, {"lr": 0.05, "B": 3}),
     "ringmaster-lmo": (QUAD, {"lr": 0.05, "R": 3}),
     "delay-adaptive-muon": (QUAD, {"lr": 0.05, "n_workers": N_WORKERS}),
+    "storm-vr": (QUAD, {"lr": 0.3, "a": 0.1, "B_init": 4}),
+    "snapshot-vr": (LOGREG, {"lr": 0.5, "m": 30, "D": 20, "num_samples": 400, "shards": 4, "batch": 10}),
 }
 
 
@@ -56,8 +61,9 @@ def test_contract_converges_with_crashes(name):
     sim = make_sim(name)
     trace = sim.run(max_time=HORIZON, eval_every=100)
     first, last = trace.points[0], trace.points[-1]
-    assert np.isfinite(last["loss"])
-    assert last["loss"] <= THRESHOLD * first["loss"], f"{name}: {first['loss']:.4g} -> {last['loss']:.4g}"
+    key, fraction = CRITERION[SETTINGS.get(name, (QUAD, {}))[0][0]]
+    assert np.isfinite(last[key])
+    assert last[key] <= fraction * first[key], f"{name}: {key} {first[key]:.4g} -> {last[key]:.4g}"
     c = trace.counters
     assert c["workers_lost"] >= 2 and c["lost"] >= 1
     assert sim.core.accounted()
