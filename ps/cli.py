@@ -363,7 +363,7 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
     ]
     for key in ("loss", "accuracy", "f1", "grad_norm_sq"):
         if key in first:
-            lines.append(f"  {key + ':':10s} {first[key]:.4f} -> {last[key]:.4f}")
+            lines.append(f"  {key + ':':10s} {first[key]:.4g} -> {last[key]:.4g}")
     lines.append(f"  plot:      {plot_path}")
     return "\n".join(lines)
 

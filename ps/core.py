@@ -460,6 +460,8 @@ class ServerCore:
             self.counters.updates += self.version - v_before
         if outcome.metrics:
             self.last_metrics = dict(outcome.metrics)
+            if self.version != v_before:  # per-step algorithm figures (M_k, batch fill, ...)
+                self.events.append({"ev": "metrics", "version": self.version, "t": now, **self.last_metrics})
         out = self._cancel(now)
         self._sweep_store()
         return out

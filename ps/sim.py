@@ -182,6 +182,8 @@ class Simulator:
         for w in self.workers:
             self._push(0.0, "join", w.index)
         self._push(self.heartbeat_s, "heartbeat", None)
+        if self.cfg.round_period_s:  # clock-driven rounds (round-mode algorithms)
+            self._push(self.cfg.round_period_s, "round", None)
 
     # ------------------------------------------------------------------ events
     def _push(self, t: float, kind: str, payload: Any) -> None:
@@ -308,6 +310,9 @@ class Simulator:
             elif kind == "heartbeat":
                 self._heartbeats()
                 self._push(t + self.heartbeat_s, "heartbeat", None)
+            elif kind == "round":
+                self._deliver(core.on_tick(t))
+                self._push(t + self.cfg.round_period_s, "round", None)
             elif kind == "join":
                 self._join(self.workers[payload])
             elif kind == "crash":

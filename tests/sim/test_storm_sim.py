@@ -43,3 +43,16 @@ def test_storm_vr_block_stops_rounds_above_the_bound_and_resumes():
     assert mass.max() <= m_max + 1.0
     assert max(m["missing_mass"] for m in warn.metrics) > m_max + 1.0, "without blocking the bound is exceeded"
     assert block.points[-1]["loss"] < 0.05 * block.points[0]["loss"]
+
+
+def test_storm_vr_clock_driven_rounds_run_without_replies():
+    problem = load_problem("quadratic", {"d": 16})
+    alg = algorithms.build("storm-vr", {"lr": 0.1, "a": 0.1, "B_init": 4, "tau_lost": 30})
+    # 6 workers with tau_i = sqrt(i), a pair job costing 2 tau_i plus half-normal noise, finish
+    # about 1.5 jobs per second: a round every 0.8 s keeps the FIFO of round jobs short (§2.3)
+    cfg = CoreConfig(min_workers=6, liveness_timeout_s=5.0, seed=1, round_period_s=0.8)
+    tr = simulate(alg, problem, DelayModel.named("sqrt", 6), cfg, seed=2, max_time=200, eval_every=100)
+    rounds = tr.counters["updates"]
+    assert abs(rounds - 200 / 0.8) <= 3, "one round per period, replies or not"
+    assert tr.counters["applied"] > 0.8 * rounds
+    assert tr.points[-1]["loss"] < 0.05 * tr.points[0]["loss"]

@@ -122,7 +122,7 @@ def assert_same(sent: Any, got: Any) -> None:
         a, b = getattr(sent, f.name), getattr(got, f.name)
         if f.name in ARRAY_FIELDS:
             assert type(b) is tuple and len(b) == len(a)
-            for x, y in zip(a, b):
+            for x, y in zip(a, b, strict=True):
                 assert isinstance(y, np.ndarray)
                 assert y.dtype == x.dtype and y.dtype.str in ALLOWED_DTYPES
                 assert y.shape == x.shape
@@ -180,8 +180,12 @@ welcomes = st.builds(Welcome, server_boot=u64, version=st.integers(0, 0xFFFF), p
 readies = st.builds(Ready, credit=st.integers(0, 1024), holds=id_list)
 
 
+SOME_POINTS = st.lists(arrays, max_size=2)
+SOME_GRADS = st.lists(arrays, max_size=MAX_ARRAYS)
+
+
 @st.composite
-def jobs(draw: Any, points: st.SearchStrategy = st.lists(arrays, max_size=2)) -> Job:
+def jobs(draw: Any, points: st.SearchStrategy = SOME_POINTS) -> Job:
     points = tuple(draw(points))
     shard = draw(st.none() | st.tuples(nat, nat).map(lambda p: (min(p), max(p))))
     return Job(job_id=draw(nat), kind=draw(st.sampled_from(JobKind)), created_at=draw(nat),
@@ -192,7 +196,7 @@ def jobs(draw: Any, points: st.SearchStrategy = st.lists(arrays, max_size=2)) ->
 
 
 
-def replies(grads: st.SearchStrategy = st.lists(arrays, max_size=MAX_ARRAYS)) -> st.SearchStrategy[Reply]:
+def replies(grads: st.SearchStrategy = SOME_GRADS) -> st.SearchStrategy[Reply]:
     return st.builds(Reply, job_id=nat, created_at=nat, grads=grads.map(tuple), loss=st.none() | finite,
                      count=nat, compute_s=finite, holds=id_list)
 
@@ -487,7 +491,8 @@ BAD_JOB_HEADERS = {
     "shape [3.0]": {"arrays": _desc(shape=[3.0])}, "shape [true]": {"arrays": _desc(shape=[True, 3])},
     "shape missing": {"arrays": _desc(shape=_DELETE)}, "shape map": {"arrays": _desc(shape={"0": 3})},
     "shape [2] (8 of 12 bytes)": {"arrays": _desc(shape=[2])}, "shape [4] (16 of 12)": {"arrays": _desc(shape=[4])},
-    "shape [0, 2**63]": {"arrays": _desc(shape=[0, 2**63])}, "shape [0, 2**64-1]": {"arrays": _desc(shape=[0, U64_MAX])},
+    "shape [0, 2**63]": {"arrays": _desc(shape=[0, 2**63])},
+    "shape [0, 2**64-1]": {"arrays": _desc(shape=[0, U64_MAX])},
     "shape [2**40, 0]": {"arrays": _desc(shape=[2**40, 0])},
     "shape [0, 2**30 x3]": {"arrays": _desc(shape=[0, 2**30, 2**30, 2**30])},
     "shape [u64max]": {"arrays": _desc(shape=[U64_MAX])},
