@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import msgpack
 import numpy as np
 
-from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
     ALLOWED_DTYPES,
     DEFAULT_MAX_ARRAY_BYTES,
@@ -80,6 +80,20 @@ def _float(v: Any) -> float:
     return float(v)
 
 
+def _number(v: Any) -> float:
+    """Any float, NaN and infinities included (a worker's loss: the server judges it)."""
+    if type(v) is float:
+        return v
+    return _float(v)
+
+
+def _ascii_id(v: Any) -> str:
+    s = _str(MAX_ID_LEN, nonempty=True)(v)
+    if not s.isascii():
+        raise ValueError("ids are printable ASCII")
+    return s
+
+
 def _optional(inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def check(v: Any) -> Any:
         return None if v is None else inner(v)
@@ -130,26 +144,27 @@ def _options(v: Any) -> dict:
     return out
 
 
-_ID = _str(MAX_ID_LEN, nonempty=True)
+_ID = _ascii_id
 _U64 = _int(0, U64_MAX)
 _NAT = _int(0, I64_MAX)
-_CREDIT = _int(1, 1024)
+_CREDIT = _int(1, MAX_LIST_LEN)  # busy lists are capped at MAX_LIST_LEN
 _VER = _int(0, 0xFFFF)
 _IDS = _int_tuple(0, I64_MAX)
 
 # Per message type: field name -> checker. Array-valued fields are listed in _ARRAY_FIELD.
 _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
-            "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS},
-    Welcome: {"server_boot": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
+            "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
+            "seen": _int(-1, I64_MAX), "run_id": _U64},
+    Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float},
-    Ready: {"credit": _int(0, 1024), "holds": _IDS},
+    Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
           "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2)},
-    Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_float), "count": _NAT,
+    Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_number), "count": _NAT,
             "compute_s": _float, "holds": _IDS},
-    Heartbeat: {"boot": _U64, "credit": _int(0, 1024), "busy": _IDS, "seen": _int(-1, I64_MAX)},
+    Heartbeat: {"boot": _U64, "credit": _int(0, MAX_LIST_LEN), "busy": _IDS, "seen": _int(-1, I64_MAX)},
     Cancel: {"job_ids": _IDS},
     Bye: {"reason": _str(MAX_STR_LEN)},
     Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),
@@ -296,7 +311,7 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
     header = _unpack_header(_buffer(frames[0]))
     v = header.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
-        raise RemoteProtocolError(f"unsupported protocol version {v!r:.20}")
+        raise UnsupportedVersion(f"unsupported protocol version {v!r:.20}")
     t = header.get("t")
     cls = TYPES_BY_NAME.get(t) if type(t) is str else None
     if cls is None:

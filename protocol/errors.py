@@ -14,3 +14,7 @@ class RemoteProtocolError(ProtocolError):
 
     Decoding untrusted bytes raises this type and never anything else.
     """
+
+
+class UnsupportedVersion(RemoteProtocolError):
+    """The peer speaks a protocol version we do not (answer ``Error(UNSUPPORTED_VERSION)``)."""

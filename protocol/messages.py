@@ -72,6 +72,9 @@ class Hello:
     device: str = "cpu"
     host_id: str = ""
     holds: tuple[int, ...] = ()  # iterate ids in the worker's cache
+    busy: tuple[int, ...] = ()  # job ids it holds unanswered (after a reconnect: still computing)
+    seen: int = -1  # highest job id received from run ``run_id``
+    run_id: int = 0  # the run the worker last worked for (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class Welcome:
     server_boot: int  # random u64 per server process start
     version: int  # chosen protocol version
     problem: str  # problem spec: a built-in name or "module:callable"
+    run_id: int = 0  # random u64 per training run; a resumed run (--state) keeps it
     problem_options: dict = field(default_factory=dict)  # msgpack-able: str -> str|int|float|bool
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import numpy as np
 import tomllib
 
 DEFAULT_PORT = 5555
@@ -162,10 +163,21 @@ def list_algorithms() -> None:
 @click.option("--events", type=click.Path(dir_okay=False), default=None, help="Append every event as JSON lines.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Write summary.json and final_x.npy here at the end.")
+@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None,
+              help="State directory: journal and checkpoints; start again with the same DIR to resume.")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="With --state: checkpoint every N updates (0: only by time and at exit).")
+@click.option("--checkpoint-interval", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="With --state: checkpoint at least every this many seconds (0: never by time).")
+@click.option("--fsync", type=click.Choice(["always", "batch", "never"]), default="batch", show_default=True,
+              help="With --state: journal durability (batch = group commit every 10 ms).")
+@click.option("--log-payloads/--no-log-payloads", default=False, show_default=True,
+              help="With --state: journal every gradient (replay without recomputing; costs 4 bytes per "
+                   "parameter per reply on disk).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          log_level) -> None:
+          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, log_level) -> None:
     """Run the server daemon in the foreground."""
     _setup_logging(log_level)
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="digits",
@@ -175,7 +187,9 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     daemon = _make_daemon(spec, bind, batch_size=batch_size, max_steps=max_steps, max_time=max_time,
                           target_loss=target_loss, eval_every=eval_every, liveness_timeout=liveness_timeout,
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
-                          seed=seed, events=events)
+                          seed=seed, events=events,
+                          state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
+                          if state_dir else None)
     daemon.install_signal_handlers()
     click.echo(f"latecomer: listening on {daemon.endpoint}", nl=True)
     sys.stdout.flush()
@@ -191,31 +205,119 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     try:
         reason = daemon.run()
     finally:
-        if out:
-            from ps.daemon import write_outputs
-            write_outputs(out, daemon)
+        from ps.daemon import write_outputs
+        for d in (out, state_dir):
+            if d:
+                write_outputs(d, daemon)
+        if daemon.persist is not None:
+            daemon.persist.close()
         daemon.close()
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
 
 
+@dataclass(frozen=True)
+class StateOptions:
+    """``serve --state DIR`` and its persistence settings."""
+
+    state_dir: str
+    checkpoint_every: int = 1000
+    checkpoint_interval_s: float = 30.0
+    fsync: str = "batch"
+    log_payloads: bool = False
+
+
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
-                 liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None):
+                 liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
+                 state: StateOptions | None = None):
     import zmq
 
     from ps.core import CoreConfig, ServerCore
     from ps.daemon import Daemon, StopCondition
 
-    problem, alg = spec.build()
-    cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
-                     batch_size=batch_size, heartbeat_interval_s=heartbeat_interval,
-                     liveness_timeout_s=liveness_timeout, min_workers=min_workers, round_period_s=round_period,
-                     seed=seed)
-    core = ServerCore(alg, problem.init_params(seed), cfg, server_boot=secrets.randbits(63), now=time.monotonic())
+    persistence = None
+    boot = secrets.randbits(63)
+    if state is not None:
+        core, problem, persistence, spec = _open_state(state, spec, batch_size=batch_size, liveness_timeout=liveness_timeout,
+                                                       heartbeat_interval=heartbeat_interval, min_workers=min_workers,
+                                                       round_period=round_period, seed=seed, boot=boot)
+        events = events or os.path.join(state.state_dir, "events.jsonl")
+    else:
+        problem, alg = spec.build()
+        cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
+                         batch_size=batch_size, heartbeat_interval_s=heartbeat_interval,
+                         liveness_timeout_s=liveness_timeout, min_workers=min_workers, round_period_s=round_period,
+                         seed=seed, run_id=secrets.randbits(63) + 1)
+        core = ServerCore(alg, problem.init_params(seed), cfg, server_boot=boot, now=time.monotonic())
     try:
         return Daemon(core, problem, bind, stop=StopCondition(max_steps, max_time, target_loss), eval_every=eval_every,
-                      events_path=events, on_progress=on_progress)
+                      events_path=events, on_progress=on_progress, persistence=persistence)
     except zmq.ZMQError as e:
+        if persistence is not None:
+            persistence.close()
         raise click.ClickException(f"cannot bind {bind}: {e}") from None
+
+
+def _core_config(run: dict[str, Any]):
+    from ps.core import CoreConfig
+
+    return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+
+
+def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, **core_kw):
+    """Start a new run in an empty state directory, or resume the one it holds."""
+    from ps.core import ServerCore
+    from ps.persist import Journal, Persistence, read_run, recover, write_run
+
+    d = state.state_dir
+    os.makedirs(d, exist_ok=True)
+    run = read_run(d)
+    log = logging.getLogger("latecomer.server")
+    if run is None:
+        problem, alg = spec.build()
+        run = {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
+               "algorithm": spec.algorithm, "settings": dict(spec.settings), "format": 1,
+               "core": {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
+                        "batch_size": core_kw["batch_size"], "heartbeat_interval_s": core_kw["heartbeat_interval"],
+                        "liveness_timeout_s": core_kw["liveness_timeout"], "min_workers": core_kw["min_workers"],
+                        "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],
+                        "run_id": secrets.randbits(63) + 1}}
+        write_run(d, run)
+        core = ServerCore(alg, problem.init_params(run["core"]["seed"]), _core_config(run), server_boot=boot,
+                          now=time.monotonic())
+        journal = Journal(d, next_lsn=0, fsync=state.fsync)
+        journal.append("start", run=run)
+        log.info("new run in %s", d)
+    else:
+        resumed = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
+                               algorithm=run["algorithm"], settings=run["settings"])
+        if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
+            log.warning("%s holds a run of %s on %s: resuming it (the command-line problem and algorithm are "
+                        "ignored)", d, resumed.algorithm, resumed.problem)
+        spec = resumed
+        problem, alg = spec.build()
+        cfg = _core_config(run)
+        _deterministic_oracle()
+        core, last, n = recover(lambda: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot),
+                                lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem)
+        core.server_boot = boot
+        journal = Journal(d, next_lsn=last + 1, fsync=state.fsync)
+        now = time.monotonic()
+        journal.append("restart", now=now)
+        core.issuing = True
+        core.rebase_clock(now)
+        log.info("resumed %s at step %d (%d journal records replayed)", d, core.version, n)
+    with open(os.path.join(d, "server.pid"), "w", encoding="utf-8") as f:
+        f.write(f"{os.getpid()}\n")
+    persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
+                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads)
+    return core, problem, persistence, spec
+
+
+def _deterministic_oracle() -> None:
+    """Recomputing gradients must give the workers' bits: torch problems run single-threaded,
+    as workers do by default (``latecomer work --threads 1``)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 # --------------------------------------------------------------------------- work
@@ -438,6 +540,110 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
         if key in first:
             click.echo(f"  {key}: {first[key]:.6g} -> {last[key]:.6g}")
     click.echo(f"  trace: {os.path.join(out, 'trace.csv')}  plot: {plot}")
+
+
+# --------------------------------------------------------------------------- replay, stop
+
+@main.command()
+@click.argument("state_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--algorithm", "-a", default=None,
+              help="Re-run the recorded delay trace under this algorithm instead (in the simulator).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Its hyper-parameters.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="With --algorithm: trace and plot here.")
+def replay(state_dir, algorithm, settings, out) -> None:
+    """Re-run a recorded run exactly from its journal and check the final iterate bit for bit.
+
+    Gradients journaled without payload are recomputed from their seeds with the problem's
+    oracle (deterministic on CPU). With --algorithm, the recorded per-worker job durations are
+    played back in the simulator under another algorithm, for a like-for-like comparison.
+    """
+    from ps.replay import recorded_final_x, replay_run
+
+    try:
+        result = replay_run(state_dir)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    recorded = recorded_final_x(state_dir)
+    click.echo(f"replayed {result.records} journal records: step {result.version}, "
+               f"applied {result.counters['applied']}, lost {result.counters['lost']}, "
+               f"final iterate sha256 {result.sha256[:16]}")
+    if algorithm is None:
+        if recorded is None:
+            click.echo("no final_x.npy (the server did not stop cleanly): nothing to compare with")
+            return
+        same = recorded.dtype == result.final_x.dtype and np.array_equal(recorded, result.final_x)
+        click.echo(f"bit-identical to the recorded final iterate: {'yes' if same else 'NO'}")
+        if not same:
+            diff = float(np.max(np.abs(recorded.astype(np.float64) - result.final_x)))
+            raise click.ClickException(f"replay differs from the recorded iterate (max abs diff {diff:.3g})")
+        return
+    _replay_other_algorithm(state_dir, result, algorithm, _parse_pairs(settings, "--set"), out)
+
+
+def _replay_other_algorithm(state_dir, result, algorithm, settings, out) -> None:
+    from ps.persist import read_run
+    from ps.replay import TraceDelays, build_from_run
+    from ps.sim import Simulator
+
+    run = read_run(state_dir)
+    try:
+        problem, alg, cfg = build_from_run(run, algorithm=algorithm, settings=settings)
+        _, base_alg, _ = build_from_run(run)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
+    workers = sorted(result.durations, key=lambda w: (len(w), w))
+    seqs = [result.durations[w] for w in workers]
+    horizon = sum(sum(s) for s in seqs) / max(1, len(seqs))
+    rows = []
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, min_workers=len(workers))
+    for name, a in ((run["algorithm"], base_alg), (algorithm, alg)):
+        tr = Simulator(a, problem, TraceDelays(seqs), cfg).run(max_time=horizon, eval_every=50)
+        rows.append((name, tr))
+    click.echo(f"the recorded delay trace of {len(workers)} workers ({', '.join(workers)}), "
+               f"{horizon:.1f} s per worker, played back in the simulator:")
+    for name, tr in rows:
+        last = tr.points[-1]
+        figs = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "accuracy", "grad_norm_sq") if k in last)
+        click.echo(f"  {name:24s} steps {tr.counters['updates']:6d}  {figs}")
+    if out:
+        from ps.report import write_trace_csv
+
+        os.makedirs(out, exist_ok=True)
+        for name, tr in rows:
+            write_trace_csv(tr, os.path.join(out, f"trace-{name}.csv"))
+
+
+@main.command()
+@click.option("--state", "state_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The server's state directory.")
+@click.option("--timeout", type=float, default=60.0, show_default=True, callback=_positive,
+              help="Seconds to wait for the server to exit.")
+def stop(state_dir, timeout) -> None:
+    """Ask a running server to drain: checkpoint, say bye to the workers, exit."""
+    import signal
+
+    pid_path = os.path.join(state_dir, "server.pid")
+    try:
+        with open(pid_path, encoding="utf-8") as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        raise click.ClickException(f"no server.pid in {state_dir}: is a server running with --state there?") \
+            from None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        raise click.ClickException(f"no process {pid} (the server is not running)") from None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            click.echo(f"server {pid} stopped")
+            return
+        time.sleep(0.1)
+    raise click.ClickException(f"server {pid} still running after {timeout:g} s")
 
 
 if __name__ == "__main__":  # pragma: no cover

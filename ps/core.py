@@ -84,6 +84,7 @@ class WorkerInfo:
     bad_in_a_row: int = 0
     key: str = ""
     ready: bool = False  # set by the worker's first Ready (its problem is loaded); no job before
+    reconnecting: bool = False  # restored after a server restart: its next hello settles its jobs
 
 
 @dataclass(slots=True)
@@ -137,6 +138,7 @@ class CoreConfig:
         round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
             worker is ready for a job); a number = a round every period on the driver's clock.
         seed: seeds the job sample seeds.
+        run_id: this training run's id, announced in Welcome (kept when a run is resumed).
     """
 
     problem: str = "quadratic"
@@ -148,6 +150,7 @@ class CoreConfig:
     max_bad_replies: int = 5
     round_period_s: float | None = None
     seed: int = 0
+    run_id: int = 0
 
 
 class ServerCore:
@@ -209,6 +212,81 @@ class ServerCore:
         c = self.counters
         return c.issued == c.applied + c.dropped + c.lost + c.cancelled + c.rejected + len(self.ledger)
 
+    # ------------------------------------------------------------------ persistence
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: a nested structure of plain values and arrays
+        (see ``ps.persist.pack_tree``). Arrays are shared, not copied: serialize it at once."""
+        return {
+            "format": 1,
+            "algorithm": self.alg.name,
+            "alg_state": self.alg.to_state_dict(self.state),
+            "rng": self.rng.bit_generator.state,
+            "workers": [{f: getattr(w, f) for f in WorkerInfo.__slots__} for w in self.workers.values()],
+            "ledger": [{f: getattr(e, f) for f in LedgerEntry.__slots__} for e in self.ledger.values()],
+            "store": dict(self.store),
+            "refs": dict(self.refs),
+            "store_peak": self.store_peak,
+            "pending_specs": [{f: getattr(sp, f) for f in JobSpec.__slots__} for sp in self.pending_specs],
+            "buffer": [{f: getattr(r, f) for f in Result.__slots__} for r in self.buffer],
+            "closed": [[k, v] for k, v in self.closed.items()],
+            "counters": self.counters.as_dict(),
+            "next_job_id": self.next_job_id,
+            "started": self.started,
+            "issuing": self.issuing,
+            "next_round_at": self.next_round_at,
+            "round_blocked": self.round_blocked,
+            "last_metrics": dict(self.last_metrics),
+            "dim": self.dim,
+            "dtype": self.dtype.str,
+        }
+
+    @classmethod
+    def restore(cls, algorithm: Algorithm, snap: dict[str, Any], config: CoreConfig | None = None, *,
+                server_boot: int = 0) -> ServerCore:
+        """Rebuild a core from :meth:`snapshot` (the inverse, bit for bit)."""
+        if snap.get("format") != 1 or snap.get("algorithm") != algorithm.name:
+            raise ValueError(f"snapshot of {snap.get('algorithm')!r} (format {snap.get('format')}) "
+                             f"cannot be restored into {algorithm.name!r}")
+        self = cls.__new__(cls)
+        self.alg = algorithm
+        self.cfg = config or CoreConfig()
+        self.server_boot = server_boot
+        self.dim = int(snap["dim"])
+        self.dtype = np.dtype(snap["dtype"])
+        self.state = algorithm.from_state_dict(snap["alg_state"])
+        self.rng = np.random.default_rng()
+        self.rng.bit_generator.state = snap["rng"]
+        self.workers = {w["worker_id"]: WorkerInfo(**w) for w in snap["workers"]}
+        self.ledger = {e["job_id"]: LedgerEntry(**e) for e in snap["ledger"]}
+        for e in self.ledger.values():
+            e.kind = JobKind(e.kind)
+        self.store = {int(k): v for k, v in snap["store"].items()}
+        for v in self.store.values():
+            v.setflags(write=False)
+        self.refs = {int(k): int(v) for k, v in snap["refs"].items()}
+        self.store_peak = int(snap["store_peak"])
+        self.pending_specs = deque(JobSpec(**{**sp, "kind": JobKind(sp["kind"])}) for sp in snap["pending_specs"])
+        self.buffer = [Result(**{**r, "kind": JobKind(r["kind"])}) for r in snap["buffer"]]
+        self.closed = OrderedDict((int(k), v) for k, v in snap["closed"])
+        self.counters = Counters(**snap["counters"])
+        self.next_job_id = int(snap["next_job_id"])
+        self.started = bool(snap["started"])
+        self.issuing = bool(snap["issuing"])
+        self.next_round_at = float(snap["next_round_at"])
+        self.round_blocked = bool(snap["round_blocked"])
+        self.last_metrics = dict(snap["last_metrics"])
+        self.events = []
+        return self
+
+    def rebase_clock(self, now: float) -> None:
+        """After a restart the driver's clock is a different one: count every worker as seen
+        now (each gets a full liveness timeout to reconnect) and restart the round clock."""
+        for w in self.workers.values():
+            w.last_seen = now
+            w.reconnecting = True
+        if self.cfg.round_period_s:
+            self.next_round_at = now + self.cfg.round_period_s
+
     def drain_events(self) -> list[dict[str, Any]]:
         ev, self.events = self.events, []
         return ev
@@ -247,14 +325,7 @@ class ServerCore:
                                 "message": msg.message, "job_id": msg.job_id})
             entry = self.ledger.get(msg.job_id) if msg.job_id is not None else None
             if entry is not None and entry.worker_id == worker_id and not entry.received:
-                # The worker could not compute this job: write it off so its credit frees up.
-                self._settle(entry, "lost")
-                self.counters.lost += 1
-                self.events.append({"ev": "lost", "job_id": entry.job_id, "worker_id": worker_id,
-                                    "reason": "worker_error"})
-                self.state = self.alg.on_lost(self.state, [entry.job_id])
-                self.round_blocked = False
-                self._sweep_store()
+                self._write_off(w, [entry.job_id], "worker_error")  # frees its credit
             return self._dispatch(now)
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
@@ -276,10 +347,17 @@ class ServerCore:
             self.counters.workers_joined += 1
             self.round_blocked = False
             self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device})
-        else:  # same incarnation saying hello again (e.g. after a reconnect): refresh
+        else:  # same incarnation saying hello again (after a reconnect or a server restart)
             old.credit, old.last_seen, old.holds = hello.credit, now, set(hello.holds)
+            busy = set(hello.busy)
+            if hello.run_id == self.cfg.run_id:
+                # Jobs it has seen but neither holds nor answered are gone. After a server restart
+                # every message in flight died with the old process: only what it holds survives.
+                gone = sorted(j for j in old.outstanding if j not in busy and (old.reconnecting or j <= hello.seen))
+                self._write_off(old, gone, "server_restart" if old.reconnecting else "vanished")
+            old.reconnecting = False
         out.append(Send(worker_id, Welcome(
-            server_boot=self.server_boot, version=PROTOCOL_VERSION, problem=self.cfg.problem,
+            server_boot=self.server_boot, run_id=self.cfg.run_id, version=PROTOCOL_VERSION, problem=self.cfg.problem,
             problem_options=dict(self.cfg.problem_options),
             heartbeat_interval_s=self.cfg.heartbeat_interval_s,
             liveness_timeout_s=self.cfg.liveness_timeout_s)))
@@ -296,9 +374,10 @@ class ServerCore:
                 return self._dispatch(now)
             self.counters.unknown += 1
             return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job id not outstanding", job_id=reply.job_id))]
-        if entry.worker_id != w.worker_id:
+        if entry.worker_id != w.worker_id or entry.created_at != reply.created_at:
             self.counters.unknown += 1
-            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker",
+            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker"
+                                            if entry.worker_id != w.worker_id else "created_at does not match the job",
                                             job_id=reply.job_id))]
         problem = self._check_grads(entry, reply)
         if problem is not None:
@@ -338,16 +417,29 @@ class ServerCore:
         if hb.credit:
             w.credit = hb.credit
         busy = set(hb.busy)
-        vanished = sorted(j for j in w.outstanding if j <= hb.seen and j not in busy)
-        for jid in vanished:
+        self._write_off(w, sorted(j for j in w.outstanding if j <= hb.seen and j not in busy), "vanished")
+        return self._dispatch(now)
+
+    def _write_off(self, w: WorkerInfo, job_ids: list[int], reason: str) -> None:
+        """These outstanding jobs of ``w`` will never be answered: lost; the algorithm is told."""
+        for jid in job_ids:
             self._settle(self.ledger[jid], "lost")
             self.counters.lost += 1
-            self.events.append({"ev": "lost", "job_id": jid, "worker_id": w.worker_id, "reason": "vanished"})
-        if vanished:
-            self.state = self.alg.on_lost(self.state, vanished)
+            self.events.append({"ev": "lost", "job_id": jid, "worker_id": w.worker_id, "reason": reason})
+        if job_ids:
+            self.state = self.alg.on_lost(self.state, job_ids)
             self.round_blocked = False
             self._sweep_store()
-        return self._dispatch(now)
+
+    def reply_verdict(self, worker_id: str, reply: Reply) -> str:
+        """Without changing anything: ``"ok"`` if ``reply`` answers an outstanding job of this
+        worker with valid gradients, ``"bad"`` if it answers one with invalid gradients,
+        ``"other"`` if it would be ignored (late, unknown, another worker's)."""
+        entry = self.ledger.get(reply.job_id)
+        if worker_id not in self.workers or entry is None or entry.received or entry.worker_id != worker_id \
+                or entry.created_at != reply.created_at:
+            return "other"
+        return "ok" if self._check_grads(entry, reply) is None else "bad"
 
     def on_missing(self, w: WorkerInfo, err: Error) -> list[Command]:
         """The worker lacks iterates a job references: send the job again with those points."""
@@ -384,15 +476,8 @@ class ServerCore:
         if w is None:
             return []
         lost = sorted(w.outstanding)
-        for jid in lost:
-            self._settle(self.ledger[jid], "lost")
-            self.counters.lost += 1
-            self.events.append({"ev": "lost", "job_id": jid, "worker_id": worker_id, "reason": reason})
-        if lost:
-            self.state = self.alg.on_lost(self.state, lost)
-            self.round_blocked = False
+        self._write_off(w, lost, reason)
         self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost)})
-        self._sweep_store()
         return self._dispatch(now)
 
     # ------------------------------------------------------------------ internals

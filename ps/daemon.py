@@ -22,9 +22,10 @@ import zmq
 
 from problems.base import Problem
 from protocol.codec import decode, encode
-from protocol.errors import RemoteProtocolError
+from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello
 from ps.core import Disconnect, Send, ServerCore
+from ps.persist import Persistence
 
 log = logging.getLogger("latecomer.server")
 
@@ -66,8 +67,10 @@ class Daemon:
     def __init__(self, core: ServerCore, problem: Problem, bind: str, *, stop: StopCondition | None = None,
                  eval_every: int = 0, events_path: str | None = None,
                  on_progress: Callable[[Daemon, dict[str, float] | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None,
+                 persistence: Persistence | None = None) -> None:
         self.core = core
+        self.persist = persistence
         self.problem = problem
         self.stop = stop or StopCondition()
         self.eval_every = eval_every
@@ -80,9 +83,10 @@ class Daemon:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.sndhwm = 64
         self.sock.rcvhwm = 256
-        # Largest legal message: a reply with two gradients plus header slack.
+        # Largest legal frame: one float64 gradient (libzmq applies MAXMSGSIZE per frame); the
+        # header frame is far smaller. A peer sending more is disconnected by libzmq.
         self.max_array_bytes = core.dim * 8
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_array_bytes + MAX_HEADER_BYTES + 4096)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_array_bytes, MAX_HEADER_BYTES) + 4096)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         self.sock.bind(bind)
@@ -144,7 +148,10 @@ class Daemon:
                             break
                 now = self.clock()
                 if now >= core.next_deadline():
+                    self._journal("tick", now=now)
                     self._execute(core.on_tick(now))
+                if self.persist is not None:
+                    self.persist.after_batch(core, now)
                 if now >= next_hb:
                     self._heartbeat_all()
                     next_hb = now + hb_every
@@ -170,7 +177,10 @@ class Daemon:
         return self.stopping is not None
 
     def _shutdown(self) -> None:
+        self._journal("stop_issuing")
         self.core.issuing = False
+        if self.persist is not None:
+            self.persist.checkpoint(self.core)
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
             self.evaluate()
         self._flush_events()
@@ -194,9 +204,11 @@ class Daemon:
             msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
         except RemoteProtocolError as e:
             self.invalid_messages += 1
+            self._journal("invalid")
             self.core.counters.invalid += 1
             log.debug("invalid message from %r: %s", rid[:32], e)
-            self._send_raw(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
+            code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
+            self._send_raw(rid, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, Hello):
@@ -206,6 +218,7 @@ class Daemon:
                 self.owners.pop(old_rid, None)
             prev_owner = self.owners.get(rid)
             if prev_owner is not None and prev_owner != wid:  # one connection cannot be two workers
+                self._journal("invalid")
                 self.core.counters.invalid += 1
                 self._send_raw(rid, Error(ErrorCode.REFUSED, "routing id already bound to another worker"))
                 return
@@ -215,9 +228,12 @@ class Daemon:
             wid = self.owners.get(rid)
             if wid is None:
                 if not isinstance(msg, Bye):
+                    self._journal("invalid")
                     self.core.counters.invalid += 1
                     self._send_raw(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
                 return
+        if self.persist is not None:
+            self.persist.record_message(self.core, wid, msg, frames[1:], now)
         self._execute(self.core.handle(wid, msg, now))
         if isinstance(msg, Bye):
             self._forget(wid)
@@ -229,7 +245,9 @@ class Daemon:
                 if not self._send(c.worker_id, c.msg):
                     # The peer is gone (or its pipe is full): write it off now rather than
                     # waiting for the liveness timeout.
-                    self._execute(self.core.remove_worker(c.worker_id, self.clock(), reason="unreachable"))
+                    now = self.clock()
+                    self._journal("remove", wid=c.worker_id, now=now, reason="unreachable")
+                    self._execute(self.core.remove_worker(c.worker_id, now, reason="unreachable"))
                     self._forget(c.worker_id)
             elif isinstance(c, Disconnect):
                 self._forget(c.worker_id)
@@ -253,6 +271,11 @@ class Daemon:
                 self.send_failures += 1
                 return False
             raise
+
+    def _journal(self, op: str, **body: Any) -> None:
+        """Write-ahead: record a core input before the core sees it (see ps/persist.py)."""
+        if self.persist is not None:
+            self.persist.journal.append(op, **body)
 
     def _forget(self, wid: str) -> None:
         rid = self.routes.pop(wid, None)

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -102,7 +103,12 @@ class Worker:
         self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
         self.unsent: list[Reply] = []  # replies that could not be sent (disconnected)
-        self.seen = -1
+        # Replies sent within the last liveness timeout: a server that crashes may never have
+        # read them. Resent to a restarted server of the same run (it ignores duplicates).
+        # Bounded by count too: each holds a gradient, and only the last few can be in flight.
+        self.recent: deque[tuple[float, Reply]] = deque(maxlen=2 * config.credit + 2)
+        self.seen = -1  # highest job id received in run ``run_id``
+        self.run_id = 0  # the run this worker works for (from Welcome; 0: none yet)
         self.server_boot: int | None = None
         self.hb_interval = HEARTBEAT_INTERVAL_S
         self.liveness = LIVENESS_TIMEOUT_S
@@ -134,9 +140,18 @@ class Worker:
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
 
+    def _busy(self, *, recent: bool = False) -> tuple[int, ...]:
+        """Jobs received and not answered yet: computing, queued, waiting, or reply unsent (and,
+        for a hello, replies sent so recently that a crashed server may not have read them)."""
+        ids = tuple(self.jobs) + tuple(r.job_id for r in self.unsent)
+        if recent:
+            ids += tuple(r.job_id for _, r in self.recent if r.job_id not in ids)
+        return ids[:256]
+
     def _hello(self) -> bool:
         return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
-                                device=self.cfg.device, host_id=host_id(), holds=self.cache.ids()))
+                                device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
+                                busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -160,7 +175,7 @@ class Worker:
                     next_hello = now + backoff
                     backoff = min(backoff * 2, self.cfg.backoff_max_s)
                 if self.welcomed and now >= next_hb:
-                    self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=tuple(self.jobs),
+                    self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=self._busy(),
                                          seen=self.seen))
                     next_hb = now + self.hb_interval
                 if now - last_contact > self.liveness and self.welcomed:
@@ -198,8 +213,8 @@ class Worker:
 
     def _close(self) -> None:
         if self.sock is not None:
-            if self.welcomed and not self.stopping.startswith("server"):
-                self._send(Bye(self.stopping or "exit"))
+            if self.welcomed and not (self.stopping or "").startswith("server"):
+                self._send(Bye(_printable(self.stopping or "exit")))
             self.sock.close(linger=500)
             self.sock = None
         if self.compute is not None:
@@ -258,8 +273,22 @@ class Worker:
             self.cache.items.clear()
             self.jobs.clear()
             self.waiting.clear()
-        if self.server_boot is not None and w.server_boot != self.server_boot:
-            self.seen = -1  # a new server incarnation numbers jobs on its own
+        if w.run_id != self.run_id:
+            # Another run (a fresh server): nothing we hold belongs to it. A resumed run keeps its
+            # run id, and then our unanswered jobs and unsent replies are still wanted.
+            if self.jobs and self.compute is not None:
+                self.compute.cancel(set(self.jobs))
+            self.jobs.clear()
+            self.waiting.clear()
+            self.unsent.clear()
+            self.recent.clear()
+            self.seen = -1
+            self.run_id = w.run_id
+        elif self.server_boot is not None and w.server_boot != self.server_boot:
+            # The same run, resumed by a new server process: resend what it may not have read.
+            pending = {r.job_id for r in self.unsent}
+            self.unsent = [r for _, r in self.recent if r.job_id not in pending] + self.unsent
+            self.recent.clear()
         self.server_boot = w.server_boot
         self.hb_interval = w.heartbeat_interval_s
         self.liveness = w.liveness_timeout_s
@@ -306,7 +335,7 @@ class Worker:
                 continue  # cancelled meanwhile
             if error is not None:
                 log.error("job %d failed: %s", jid, error)
-                self._send(Error(ErrorCode.REFUSED, f"worker failed: {error}"[:1000], job_id=jid))
+                self._send(Error(ErrorCode.REFUSED, _printable(f"worker failed: {error}")[:1000], job_id=jid))
                 continue
             self.unsent.append(reply)
         while self.unsent and self.welcomed:
@@ -317,6 +346,15 @@ class Worker:
                 break
             self.unsent.pop(0)
             self.replies_sent += 1
+            now = self.clock()
+            self.recent.append((now, r))
+            while self.recent and now - self.recent[0][0] > self.liveness:
+                self.recent.popleft()
+
+
+def _printable(text: str) -> str:
+    """Protocol strings are printable: tracebacks and odd bytes become spaces."""
+    return "".join(c if c.isprintable() else " " for c in text)
 
 
 def run_worker(config: WorkerConfig) -> str:

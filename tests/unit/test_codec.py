@@ -112,10 +112,6 @@ def as_frames(encoded: list, kind: str) -> list:
 FRAME_KINDS = ["as-is", "bytes", "bytearray", "memoryview", "frame"]
 
 
-def _fields(msg: Any) -> dict:
-    return {f.name: getattr(msg, f.name) for f in fields(msg)}
-
-
 def assert_same(sent: Any, got: Any) -> None:
     assert type(got) is type(sent)
     for f in fields(sent):
@@ -152,7 +148,9 @@ nat = st.integers(0, I64_MAX)
 u64 = st.integers(0, U64_MAX)
 finite = st.floats(allow_nan=False, allow_infinity=False)
 id_list = st.lists(nat, max_size=MAX_LIST_LEN).map(tuple)
-credit = st.integers(1, 1024)
+credit = st.integers(1, MAX_LIST_LEN)
+ascii_ids = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), min_size=1,
+                    max_size=MAX_ID_LEN)
 
 
 @st.composite
@@ -172,12 +170,13 @@ arrays = st.sampled_from(DTYPES).flatmap(
 
 option_values = (text(MAX_STR_LEN) | st.integers(I64_MIN, U64_MAX) | finite | st.booleans())
 
-hellos = st.builds(Hello, worker_id=text(MAX_ID_LEN, 1), boot=u64, credit=credit, vmin=st.integers(0, 0xFFFF),
-                   vmax=st.integers(0, 0xFFFF), device=text(MAX_ID_LEN), host_id=text(MAX_STR_LEN), holds=id_list)
-welcomes = st.builds(Welcome, server_boot=u64, version=st.integers(0, 0xFFFF), problem=text(MAX_STR_LEN, 1),
+hellos = st.builds(Hello, worker_id=ascii_ids, boot=u64, credit=credit, vmin=st.integers(0, 0xFFFF),
+                   vmax=st.integers(0, 0xFFFF), device=text(MAX_ID_LEN), host_id=text(MAX_STR_LEN), holds=id_list,
+                   busy=id_list, seen=st.integers(-1, I64_MAX), run_id=u64)
+welcomes = st.builds(Welcome, server_boot=u64, run_id=u64, version=st.integers(0, 0xFFFF), problem=text(MAX_STR_LEN, 1),
                      problem_options=st.dictionaries(text(MAX_ID_LEN, 1), option_values, max_size=8),
                      heartbeat_interval_s=finite, liveness_timeout_s=finite)
-readies = st.builds(Ready, credit=st.integers(0, 1024), holds=id_list)
+readies = st.builds(Ready, credit=st.integers(0, MAX_LIST_LEN), holds=id_list)
 
 
 SOME_POINTS = st.lists(arrays, max_size=2)
@@ -194,14 +193,12 @@ def jobs(draw: Any, points: st.SearchStrategy = SOME_POINTS) -> Job:
                point_ids=tuple(draw(st.lists(nat, min_size=len(points), max_size=len(points)))), points=points)
 
 
-
-
 def replies(grads: st.SearchStrategy = SOME_GRADS) -> st.SearchStrategy[Reply]:
     return st.builds(Reply, job_id=nat, created_at=nat, grads=grads.map(tuple), loss=st.none() | finite,
                      count=nat, compute_s=finite, holds=id_list)
 
 
-heartbeats = st.builds(Heartbeat, boot=u64, credit=st.integers(0, 1024), busy=id_list,
+heartbeats = st.builds(Heartbeat, boot=u64, credit=st.integers(0, MAX_LIST_LEN), busy=id_list,
                        seen=st.integers(-1, I64_MAX))
 cancels = st.builds(Cancel, job_ids=id_list)
 byes = st.builds(Bye, reason=text(MAX_STR_LEN))
@@ -292,16 +289,17 @@ def test_unknown_keys_are_ignored() -> None:
 @pytest.mark.parametrize("s", ["é" * MAX_STR_LEN, "\U0001f600" * MAX_STR_LEN, "a" * MAX_STR_LEN])
 def test_longest_strings_round_trip_whatever_their_utf8_length(s: str) -> None:
     """Lengths count code points; a 1024-character string may take up to 4096 UTF-8 bytes."""
-    for msg in (Bye(s), Error(ErrorCode.REFUSED, s), Hello(worker_id=s[:MAX_ID_LEN], boot=0, credit=1, host_id=s)):
+    for msg in (Bye(s), Error(ErrorCode.REFUSED, s), Hello(worker_id="w" * MAX_ID_LEN, boot=0, credit=1, host_id=s)):
         assert decode(encode(msg)) == msg
 
 
 def test_limits_are_inclusive() -> None:
     big = tuple(range(I64_MAX - MAX_LIST_LEN + 1, I64_MAX + 1))
-    for msg in (Cancel(big), Heartbeat(boot=U64_MAX, credit=1024, busy=big, seen=I64_MAX),
-                Hello(worker_id="w" * MAX_ID_LEN, boot=U64_MAX, credit=1024, vmin=0xFFFF, vmax=0xFFFF,
-                      device="d" * MAX_ID_LEN, host_id="h" * MAX_STR_LEN, holds=big),
-                Welcome(server_boot=0, version=0, problem="p" * MAX_STR_LEN,
+    for msg in (Cancel(big), Heartbeat(boot=U64_MAX, credit=MAX_LIST_LEN, busy=big, seen=I64_MAX),
+                Hello(worker_id="w" * MAX_ID_LEN, boot=U64_MAX, credit=MAX_LIST_LEN, vmin=0xFFFF, vmax=0xFFFF,
+                      device="d" * MAX_ID_LEN, host_id="h" * MAX_STR_LEN, holds=big, busy=big, seen=I64_MAX,
+                      run_id=U64_MAX),
+                Welcome(server_boot=0, run_id=U64_MAX, version=0, problem="p" * MAX_STR_LEN,
                         problem_options={f"k{i}": i for i in range(MAX_MAP_LEN)}),
                 Job(job_id=I64_MAX, kind=JobKind.FULL_GRAD, created_at=I64_MAX, iterate_ids=(I64_MAX, 0),
                     seed=U64_MAX, batch_size=1 << 30, shard=(I64_MAX, I64_MAX), deadline=I64_MAX)):
@@ -379,7 +377,7 @@ def schema_fuzz(draw: Any) -> list:
             h["point_ids"] = list(range(len(frames)))
     try:
         header = pack(h)
-    except (OverflowError, ValueError, TypeError):  # e.g. a float NaN key: not packable, not interesting
+    except (OverflowError, ValueError, TypeError):  # not representable in msgpack: not a wire message
         assume(False)
     return [header, *frames]
 
@@ -414,21 +412,21 @@ def test_array_descriptors_are_checked_cleanly(dtype: str, shape: list, frame: s
 @FUZZ
 @given(msg=messages, data=st.data())
 def test_flipped_header_bytes_never_escape(msg: Any, data: st.DataObject) -> None:
-    header, *arrays = as_frames(encode(msg), "bytes")
+    header, *rest = as_frames(encode(msg), "bytes")
     h = bytearray(header)
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(h) - 1))
         h[i] ^= data.draw(st.integers(1, 255))
-    decode_or_none([bytes(h), *arrays])
+    decode_or_none([bytes(h), *rest])
 
 
 @FUZZ
 @given(msg=messages, data=st.data())
 def test_truncated_or_padded_header_is_rejected(msg: Any, data: st.DataObject) -> None:
-    header, *arrays = as_frames(encode(msg), "bytes")
+    header, *rest = as_frames(encode(msg), "bytes")
     cut = data.draw(st.integers(0, len(header) - 1))
-    rejects([header[:cut], *arrays])
-    rejects([header + data.draw(st.binary(min_size=1, max_size=8)), *arrays])  # trailing bytes
+    rejects([header[:cut], *rest])
+    rejects([header + data.draw(st.binary(min_size=1, max_size=8)), *rest])  # trailing bytes
 
 
 @FUZZ
@@ -456,6 +454,9 @@ def test_dropped_or_added_frames_are_rejected(msg: Any, data: st.DataObject) -> 
     decode_or_none(frames[1:])  # header dropped: the first array becomes the header
 
 
+_DELETE = object()  # an override value that removes the key
+
+
 def _job_frames(**override: Any) -> list:
     points = (np.arange(3, dtype="<f4"),)
     frames = encode(Job(job_id=4, kind=JobKind.GRAD, created_at=2, iterate_ids=(7,), seed=11, point_ids=(7,),
@@ -470,8 +471,6 @@ def _desc(**override: Any) -> list:
     d.update(override)
     return [{k: v for k, v in d.items() if v is not _DELETE}]
 
-
-_DELETE = object()
 
 BAD_JOB_HEADERS = {
     # version and type
@@ -559,7 +558,7 @@ RAW_HEADERS = {
     "unknown key list over 256": pack({"v": 1, "t": "bye", "x": [0] * (MAX_LIST_LEN + 1)}),
     "map over 64": pack({"v": 1, "t": "bye", **{f"k{i}": 0 for i in range(MAX_MAP_LEN)}}),
     "non-printable string": pack({"v": 1, "t": "bye", "reason": "a\nb"}),
-    "NaN float": pack({"v": 1, "t": "reply", "job_id": 0, "created_at": 0, "loss": float("nan")}),
+    "NaN float": pack({"v": 1, "t": "reply", "job_id": 0, "created_at": 0, "compute_s": float("nan")}),
     "inf float": pack({"v": 1, "t": "reply", "job_id": 0, "created_at": 0, "compute_s": float("-inf")}),
     "bool as float": pack({"v": 1, "t": "reply", "job_id": 0, "created_at": 0, "compute_s": True}),
     "empty worker_id": pack({"v": 1, "t": "hello", "worker_id": "", "boot": 0, "credit": 1}),
@@ -663,7 +662,7 @@ BAD_MESSAGES = {
     "job 2 ids 1 point": Job(**_J, point_ids=(0, 1), points=(_F4,)),
     "job 3 points": Job(**_J, point_ids=(0, 1, 2), points=(_F4, _F4, _F4)),
     "reply 17 grads": Reply(job_id=0, created_at=0, grads=(_F4,) * (MAX_ARRAYS + 1)),
-    "reply NaN loss": Reply(job_id=0, created_at=0, grads=(), loss=math.nan),
+    "reply NaN compute_s": Reply(job_id=0, created_at=0, grads=(), compute_s=math.nan),
     "reply compute_s 2**70": Reply(job_id=0, created_at=0, grads=(), compute_s=2**70),
     "reply compute_s 10**400": Reply(job_id=0, created_at=0, grads=(), compute_s=10**400),
     "reply count -1": Reply(job_id=0, created_at=0, grads=(), count=-1),
@@ -831,3 +830,25 @@ def test_protocol_md_examples_are_what_the_codec_produces(name: str, msg: Any) -
     got = [frames[0].hex(), *(a.tobytes().hex() for a in frames[1:])]
     assert got == list(EXAMPLE_HEX[name])
     assert_same(msg, decode([bytes.fromhex(h) for h in EXAMPLE_HEX[name]]))
+
+
+def test_non_finite_loss_travels_so_the_server_can_judge_it() -> None:
+    """A worker's NaN loss must not crash the worker's encoder; the server rejects the reply."""
+    for loss in (math.nan, math.inf, -math.inf):
+        got = decode(encode(Reply(job_id=0, created_at=0, grads=(), loss=loss)))
+        assert got.loss is not None and not math.isfinite(got.loss) and (math.isnan(loss) == math.isnan(got.loss))
+
+
+def test_ids_are_ascii_so_routing_ids_fit_in_255_bytes() -> None:
+    with pytest.raises(LocalProtocolError):
+        encode(Hello(worker_id="\U0001f600" * 10, boot=0, credit=1))
+    header = msgpack.packb({"v": 1, "t": "hello", "worker_id": "é", "boot": 0, "credit": 1})
+    with pytest.raises(RemoteProtocolError):
+        decode([header])
+
+
+def test_other_protocol_version_raises_unsupported_version() -> None:
+    from protocol.errors import UnsupportedVersion
+
+    with pytest.raises(UnsupportedVersion):
+        decode([msgpack.packb({"v": 2, "t": "hello", "worker_id": "w", "boot": 0, "credit": 1})])

@@ -1,0 +1,106 @@
+"""Exact replay of a recorded run, and re-running its delay trace under another algorithm.
+
+``replay_run`` feeds the whole journal of a state directory through a fresh ServerCore, the
+way the daemon fed it (including server restarts), recomputing journaled-without-payload
+gradients from their seeds with the problem's oracle. On a deterministic (CPU) oracle the
+final iterate equals the recorded one bit for bit.
+
+``recorded_durations`` extracts, per worker, the sequence of job durations of the recorded run
+(issue to reply); ``TraceDelays`` plays them back in the simulator, so another algorithm can be
+compared on the very same heterogeneity (like for like).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ps.core import CoreConfig, ServerCore
+from ps.persist import apply_record, read_journal, read_run
+
+
+@dataclass
+class ReplayResult:
+    records: int
+    version: int
+    final_x: np.ndarray
+    counters: dict[str, int]
+    durations: dict[str, list[float]] = field(default_factory=dict)  # worker -> job durations (s)
+    applied: list[tuple[int, int, str]] = field(default_factory=list)  # (job_id, created_at, worker)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(np.ascontiguousarray(self.final_x).tobytes()).hexdigest()
+
+
+def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, settings: dict | None = None):
+    """(problem, algorithm, core config) of a recorded run, optionally with another algorithm."""
+    import algorithms
+    from problems import load_problem
+
+    problem = load_problem(run["problem"], run["problem_options"])
+    alg = algorithms.build(algorithm or run["algorithm"], settings if algorithm else run["settings"])
+    bind = getattr(alg, "bind", None)
+    if bind is not None:
+        alg = bind(problem.layout)
+    cfg = CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    return problem, alg, cfg
+
+
+def replay_run(state_dir: str) -> ReplayResult:
+    """Replay the journal of ``state_dir`` from the start. Raises ValueError if there is no run."""
+    run = read_run(state_dir)
+    if run is None:
+        raise ValueError(f"{state_dir} holds no run (no run.json)")
+    if "torch" in run["problem"] or run["problem"] in ("digits", "mnist"):
+        import torch
+
+        torch.set_num_threads(1)  # the workers' default: same bits
+    problem, alg, cfg = build_from_run(run)
+    core = ServerCore(alg, problem.init_params(cfg.seed), cfg)
+    issued_at: dict[int, tuple[str, float]] = {}
+    durations: dict[str, list[float]] = {}
+    applied: list[tuple[int, int, str]] = []
+    n = 0
+    for rec in read_journal(state_dir):
+        apply_record(core, rec, problem)
+        n += 1
+        for ev in core.drain_events():
+            kind = ev["ev"]
+            if kind == "issued":
+                issued_at[ev["job_id"]] = (ev["worker_id"], ev["t"])
+            elif kind in ("applied", "dropped") and ev["job_id"] in issued_at:
+                wid, t0 = issued_at.pop(ev["job_id"])
+                durations.setdefault(wid, []).append(ev["t"] - t0)
+                if kind == "applied":
+                    applied.append((ev["job_id"], ev["created_at"], ev["worker_id"]))
+    return ReplayResult(records=n, version=core.version, final_x=np.array(core.params(), copy=True),
+                        counters=core.counters.as_dict(), durations=durations, applied=applied)
+
+
+def recorded_final_x(state_dir: str) -> np.ndarray | None:
+    """The iterate the server held when it last stopped cleanly (final_x.npy), else None."""
+    path = os.path.join(state_dir, "final_x.npy")
+    return np.load(path, allow_pickle=False) if os.path.exists(path) else None
+
+
+class TraceDelays:
+    """Plays back recorded per-worker job durations in the simulator (cycling when the new run
+    needs more jobs than were recorded). Duck-types :class:`ps.sim.DelayModel`."""
+
+    def __init__(self, seqs: list[list[float]]) -> None:
+        if not seqs or any(len(s) == 0 for s in seqs):
+            raise ValueError("every worker needs at least one recorded duration")
+        self.tau = tuple(float(np.mean(s)) for s in seqs)
+        self._seqs = [list(s) for s in seqs]
+        self._next = [0] * len(seqs)
+
+    def duration(self, i: int, job: Any, sample_cost: float, rng: np.random.Generator) -> float:
+        seq = self._seqs[i]
+        d = seq[self._next[i] % len(seq)]
+        self._next[i] += 1
+        return d
