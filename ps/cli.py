@@ -211,6 +211,10 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                 write_outputs(d, daemon)
         if daemon.persist is not None:
             daemon.persist.close()
+            try:  # a clean exit: `latecomer stop` watches for this file to go
+                os.remove(os.path.join(state_dir, "server.pid"))
+            except OSError:
+                pass
         daemon.close()
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
 
@@ -635,15 +639,39 @@ def stop(state_dir, timeout) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         raise click.ClickException(f"no process {pid} (the server is not running)") from None
+    import psutil
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE or not os.path.exists(pid_path)
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone:
             click.echo(f"server {pid} stopped")
             return
         time.sleep(0.1)
     raise click.ClickException(f"server {pid} still running after {timeout:g} s")
+
+
+@main.command()
+@click.option("--duration", type=float, default=60.0, show_default=True, callback=_positive, help="Seconds.")
+@click.option("--workers", "-n", type=click.IntRange(2, 32), default=5, show_default=True)
+@click.option("--kills", type=click.IntRange(min=0), default=10, show_default=True, help="Worker kills (-9).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None,
+              help="State directory of the server (default: a new temporary one).")
+def chaos(duration, workers, kills, seed, state_dir) -> None:
+    """Kill, freeze and restart random workers and once the server; then judge the run."""
+    from ps.chaos import Chaos
+
+    if state_dir and os.path.exists(os.path.join(state_dir, "run.json")):
+        raise click.BadParameter(f"{state_dir} already holds a run", param_hint="--state")
+    report = Chaos(duration_s=duration, workers=workers, kills=kills, seed=seed, state_dir=state_dir,
+                   log=lambda line: click.echo(line, err=True)).run()
+    click.echo(report.render())
+    if not report.passed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

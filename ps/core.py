@@ -325,7 +325,7 @@ class ServerCore:
                                 "message": msg.message, "job_id": msg.job_id})
             entry = self.ledger.get(msg.job_id) if msg.job_id is not None else None
             if entry is not None and entry.worker_id == worker_id and not entry.received:
-                self._write_off(w, [entry.job_id], "worker_error")  # frees its credit
+                self._write_off(w, [entry.job_id], "worker_error", now)  # frees its credit
             return self._dispatch(now)
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
@@ -354,7 +354,7 @@ class ServerCore:
                 # Jobs it has seen but neither holds nor answered are gone. After a server restart
                 # every message in flight died with the old process: only what it holds survives.
                 gone = sorted(j for j in old.outstanding if j not in busy and (old.reconnecting or j <= hello.seen))
-                self._write_off(old, gone, "server_restart" if old.reconnecting else "vanished")
+                self._write_off(old, gone, "server_restart" if old.reconnecting else "vanished", now)
             old.reconnecting = False
         out.append(Send(worker_id, Welcome(
             server_boot=self.server_boot, run_id=self.cfg.run_id, version=PROTOCOL_VERSION, problem=self.cfg.problem,
@@ -417,15 +417,15 @@ class ServerCore:
         if hb.credit:
             w.credit = hb.credit
         busy = set(hb.busy)
-        self._write_off(w, sorted(j for j in w.outstanding if j <= hb.seen and j not in busy), "vanished")
+        self._write_off(w, sorted(j for j in w.outstanding if j <= hb.seen and j not in busy), "vanished", now)
         return self._dispatch(now)
 
-    def _write_off(self, w: WorkerInfo, job_ids: list[int], reason: str) -> None:
+    def _write_off(self, w: WorkerInfo, job_ids: list[int], reason: str, now: float) -> None:
         """These outstanding jobs of ``w`` will never be answered: lost; the algorithm is told."""
         for jid in job_ids:
             self._settle(self.ledger[jid], "lost")
             self.counters.lost += 1
-            self.events.append({"ev": "lost", "job_id": jid, "worker_id": w.worker_id, "reason": reason})
+            self.events.append({"ev": "lost", "job_id": jid, "worker_id": w.worker_id, "reason": reason, "t": now})
         if job_ids:
             self.state = self.alg.on_lost(self.state, job_ids)
             self.round_blocked = False
@@ -476,8 +476,8 @@ class ServerCore:
         if w is None:
             return []
         lost = sorted(w.outstanding)
-        self._write_off(w, lost, reason)
-        self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost)})
+        self._write_off(w, lost, reason, now)
+        self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost), "t": now})
         return self._dispatch(now)
 
     # ------------------------------------------------------------------ internals

@@ -285,9 +285,14 @@ class Daemon:
     def _heartbeat_all(self) -> None:
         hb = Heartbeat(boot=self.core.server_boot)
         for wid in list(self.routes):
-            if wid in self.core.workers:
-                self._send(wid, hb)
-            else:
+            if wid not in self.core.workers:
+                self._forget(wid)
+            elif not self._send(wid, hb):
+                # ROUTER_MANDATORY: the peer's connection is gone (a killed process closes its
+                # sockets at once): write it off now, not after the liveness timeout.
+                now = self.clock()
+                self._journal("remove", wid=wid, now=now, reason="unreachable")
+                self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
                 self._forget(wid)
 
     def _flush_events(self) -> None:

@@ -1,5 +1,15 @@
-"""A frozen worker (SIGSTOP: no FIN, no heartbeat) is declared dead by the liveness timeout,
-training goes on without it, and after SIGCONT its late reply is not applied and it rejoins."""
+"""A frozen worker (SIGSTOP: no FIN, no heartbeat, its TCP connection stays up) is declared dead by
+the liveness timeout, training goes on without it, and after SIGCONT its late reply to the job that
+was written off is counted as late (never applied) and it rejoins by itself.
+
+Two timings of the late reply, because they take different paths through worker and server:
+
+* ``due_at_thaw``: a short job (0.2 s) frozen in the middle; its injected delay runs out while the
+  process is stopped, so the reply is ready the instant the worker thaws, before the worker has
+  noticed that the server forgot it.
+* ``due_after_rejoin``: a long job (2.5 s) frozen right after it was issued; the reply is ready only
+  after the thawed worker has said hello again.
+"""
 
 from __future__ import annotations
 
@@ -30,13 +40,16 @@ def outstanding_of(events, wid):
 
 
 def story(events, wid, since=0):
-    """The events about ``wid`` from index ``since`` on, compactly (for failure messages)."""
+    """What happened to ``wid`` from event index ``since`` on, compactly (for failure messages)."""
     keep = ("joined", "ready", "lost", "left", "late", "applied", "issued", "worker_error", "rejected")
     return [(e["ev"], e.get("job_id"), e.get("reason", e.get("was"))) for e in events[since:]
             if e.get("worker_id") == wid and e["ev"] in keep][:40]
 
 
-def test_frozen_worker_is_declared_dead_its_late_reply_is_not_applied_and_it_rejoins(procs, tmp_path):
+@pytest.mark.parametrize("victim_delay", [pytest.param(0.2, id="due_at_thaw"),
+                                          pytest.param(2.5, id="due_after_rejoin")])
+def test_frozen_worker_is_declared_dead_its_late_reply_is_not_applied_and_it_rejoins(procs, tmp_path,
+                                                                                     victim_delay):
     events = str(tmp_path / "events.jsonl")
     out = str(tmp_path / "out")
     server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", "d=64",
@@ -44,23 +57,25 @@ def test_frozen_worker_is_declared_dead_its_late_reply_is_not_applied_and_it_rej
                          "--liveness-timeout", str(LIVENESS_S), "--heartbeat-interval", "0.25", "--min-workers", "3",
                          "--events", events, "--out", out, "--eval-every", "50", "--log-level", "warning")
     endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
-    # The victim is slow (0.2 s a job) so that the freeze catches it in the middle of a job whose
-    # reply then arrives after the server has written the job off.
     workers = {w: procs.start("work", "--server", endpoint, "--worker-id", w, "--delay", str(d))
-               for w, d in (("w1", 0.01), ("w2", 0.2), ("w3", 0.02))}
-    wait_events(events, lambda ev: all(applied_by(ev, w) >= 3 for w in workers), timeout=60)
+               for w, d in (("w1", 0.01), ("w2", victim_delay), ("w3", 0.02))}
+    wait_events(events, lambda ev: all(applied_by(ev, w) >= (1 if w == "w2" else 3) for w in workers), timeout=60)
+    # Freeze w2 just after it was handed a job, so that job is in the middle of being computed.
+    n = len(read_events(events))
+    wait_events(events, lambda ev: any(e["ev"] == "issued" and e["worker_id"] == "w2" for e in ev[n:]),
+                timeout=victim_delay + 10, poll_s=0.01)
 
     victim = workers["w2"]
     victim.send_signal(signal.SIGSTOP)
     frozen_at = time.monotonic()
     try:
         left = wait_events(events, lambda ev: [e for e in ev if e["ev"] == "left" and e["worker_id"] == "w2"],
-                           timeout=LIVENESS_S + 5)
+                           timeout=LIVENESS_S + 5, poll_s=0.01)
         detected_s = time.monotonic() - frozen_at
         ev = read_events(events)
         lost = [e for e in ev if e["ev"] == "lost" and e["worker_id"] == "w2"]
         assert left[0]["reason"] == "timeout", story(ev, "w2")
-        assert detected_s <= LIVENESS_S + 1.0, f"frozen worker declared dead after {detected_s:.2f} s"
+        assert detected_s <= LIVENESS_S + 1.0, f"frozen worker declared dead {detected_s:.2f} s after the freeze"
         # credit 1: it held exactly one job, written off as lost because of the timeout
         assert len(lost) == 1 and lost[0]["reason"] == "timeout" and left[0]["lost"] == 1, story(ev, "w2")
         old_jobs = {e["job_id"] for e in lost}
@@ -69,52 +84,45 @@ def test_frozen_worker_is_declared_dead_its_late_reply_is_not_applied_and_it_rej
         # training goes on with the other two while w2 is still frozen
         wait_events(events, lambda ev: applied_by(ev[n_dead:], "w1") >= 10 and applied_by(ev[n_dead:], "w3") >= 5,
                     timeout=30)
-        assert victim.poll() is None, "the frozen worker must still be alive"
-        time.sleep(float(os.environ.get("FREEZE_EXTRA", "0")))
+        assert victim.poll() is None, "the frozen worker must still be there"
     finally:
         victim.send_signal(signal.SIGCONT)
     thawed_at = time.monotonic()
-    print(f"\nfreeze: declared dead after {detected_s:.2f} s (liveness timeout {LIVENESS_S} s), "
-          f"frozen for {thawed_at - frozen_at:.2f} s")
+    print(f"\nfreeze ({victim_delay} s jobs): declared dead {detected_s:.2f} s after SIGSTOP "
+          f"(liveness timeout {LIVENESS_S} s); SIGCONT after {thawed_at - frozen_at:.2f} s")
 
-    # it rejoins by itself: a new join, ready, then new jobs of its own are applied
+    # It rejoins by itself: a new join and ready, then replies to new jobs are applied.
     def rejoined(ev):
-        later = ev[n_dead + 1:]
-        kinds = [e["ev"] for e in later if e.get("worker_id") == "w2"]
-        if "joined" in kinds and "ready" in kinds[kinds.index("joined"):] \
-                and any(e["ev"] == "applied" and e["worker_id"] == "w2" and e["job_id"] not in old_jobs
-                        for e in later):
-            return later
-        return None
+        kinds = [e["ev"] for e in ev[n_dead + 1:] if e.get("worker_id") == "w2"]
+        return "joined" in kinds and "ready" in kinds[kinds.index("joined"):] \
+            and any(e["ev"] == "applied" and e["worker_id"] == "w2" and e["job_id"] not in old_jobs
+                    for e in ev[n_dead + 1:])
 
     try:
-        wait_events(events, rejoined, timeout=30)
+        wait_events(events, rejoined, timeout=30 + 2 * victim_delay)
     except TimeoutError as e:
         raise AssertionError(f"w2 did not rejoin after SIGCONT: {story(read_events(events), 'w2', n_dead)}") from e
-    rejoin_s = time.monotonic() - thawed_at
-    print(f"freeze: rejoined and contributing {rejoin_s:.2f} s after SIGCONT")
-    assert wait_events(events, lambda ev: applied_by(ev[n_dead:], "w2") >= 3, timeout=30)
+    print(f"freeze ({victim_delay} s jobs): rejoined and a new reply applied {time.monotonic() - thawed_at:.2f} s "
+          f"after SIGCONT")
 
     server.send_signal(signal.SIGTERM)
     assert wait_exit(server, timeout=30) == 0
-    for w, p in workers.items():  # told bye, they exit by themselves
-        assert wait_exit(p, timeout=15) == 0, w
     ev = read_events(events)
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     c = summary["counters"]
 
-    # the late reply to the written-off job was recognised as late and not applied
-    late = [e for e in ev if e["ev"] == "late" and e["worker_id"] == "w2"]
+    # The reply to the written-off job was not applied, and was counted as late.
     assert not [e for e in ev if e["ev"] in ("applied", "dropped") and e["job_id"] in old_jobs], story(ev, "w2")
-    assert c["late"] >= 1 or late, (f"the thawed worker's reply to job(s) {sorted(old_jobs)} was not counted as late: "
-                                    f"counters {c}; w2's events after the timeout: {story(ev, 'w2', n_dead)}")
+    late = [e for e in ev if e["ev"] == "late" and e["worker_id"] == "w2"]
+    assert c["late"] >= 1 or late, (
+        f"the thawed worker's reply to job {sorted(old_jobs)} was not counted as late: late={c['late']} "
+        f"invalid={c['invalid']} unknown={c['unknown']}; w2 after the timeout: {story(ev, 'w2', n_dead)[:8]}")
     assert {e["job_id"] for e in late} <= old_jobs, late
-    print("DEBUG", story(ev, "w2", n_dead-3)[:15], {k: c[k] for k in ("late", "invalid", "unknown")})
-    joins = [e for e in ev if e["ev"] == "joined" and e["worker_id"] == "w2"]
-    assert len(joins) == 2 and c["workers_lost"] >= 1
+    assert [e["ev"] for e in ev if e["ev"] == "joined" and e["worker_id"] == "w2"] == ["joined", "joined"]
+    assert c["workers_lost"] == 1
 
-    # every job is accounted for
+    # Every job is accounted for.
     assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
     issued = {e["job_id"] for e in ev if e["ev"] == "issued"}

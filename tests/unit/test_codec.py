@@ -803,16 +803,18 @@ def test_max_array_bytes_applies_to_every_array() -> None:
 
 # --------------------------------------------------------------------------- PROTOCOL.md examples
 
-HELLO_EXAMPLE = Hello(worker_id="gpu7-4242", boot=0x5EED, credit=2, device="cuda:0", host_id="h1", holds=(3,))
+HELLO_EXAMPLE = Hello(worker_id="gpu7-4242", boot=0x5EED, credit=2, device="cuda:0", host_id="h1", holds=(3,),
+                      busy=(16,), seen=16, run_id=0x3C5A9E01D2B4F687)
 JOB_EXAMPLE = Job(job_id=17, kind=JobKind.GRAD, created_at=5, iterate_ids=(5,), seed=123456789, batch_size=32,
                   point_ids=(5,), points=(np.array([1.0, -2.0, 0.5], dtype="<f4"),))
 REPLY_EXAMPLE = Reply(job_id=17, created_at=5, grads=(np.array([0.25, 0.0, -1.5], dtype="<f4"),), loss=0.75,
                       count=32, compute_s=0.003, holds=(5,))
 
-# The bytes shown in protocol/PROTOCOL.md section 10; if the encoding changes, the document must change too.
+# The bytes shown in protocol/PROTOCOL.md section 11; if the encoding changes, the document must change too.
 EXAMPLE_HEX = {
-    "hello": ("8aa17601a174a568656c6c6fa9776f726b65725f6964a9677075372d34323432a4626f6f74cd5eeda663726564697402"
-              "a4766d696e01a4766d617801a6646576696365a6637564613a30a7686f73745f6964a26831a5686f6c64739103",),
+    "hello": ("8da17601a174a568656c6c6fa9776f726b65725f6964a9677075372d34323432a4626f6f74cd5eeda663726564697402"
+              "a4766d696e01a4766d617801a6646576696365a6637564613a30a7686f73745f6964a26831a5686f6c64739103"
+              "a4627573799110a47365656e10a672756e5f6964cf3c5a9e01d2b4f687",),
     "job": ("8ca17601a174a36a6f62a66a6f625f696411a46b696e6401aa637265617465645f617405ab697465726174655f696473"
             "9105a473656564ce075bcd15aa62617463685f73697a6520a57368617264c0a8646561646c696e65c0a9706f696e745f"
             "6964739105a66172726179739182a56474797065a33c6634a573686170659103",
@@ -830,6 +832,11 @@ def test_protocol_md_examples_are_what_the_codec_produces(name: str, msg: Any) -
     got = [frames[0].hex(), *(a.tobytes().hex() for a in frames[1:])]
     assert got == list(EXAMPLE_HEX[name])
     assert_same(msg, decode([bytes.fromhex(h) for h in EXAMPLE_HEX[name]]))
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "protocol" / "PROTOCOL.md").read_text(encoding="utf-8").split()
+    for h in EXAMPLE_HEX[name]:
+        assert h in doc, f"{name}: {h[:16]}... is not among the hex strings of PROTOCOL.md section 11"
 
 
 def test_non_finite_loss_travels_so_the_server_can_judge_it() -> None:
