@@ -128,7 +128,7 @@ class Reply:
     """
 
     job_id: int
-    created_at: int  # echoed from the job (the server trusts its own ledger, not this)
+    created_at: int  # echoed from the job; must equal the ledger's (guards against another run's replies)
     grads: tuple[np.ndarray, ...]
     loss: float | None = None
     count: int = 0
@@ -143,7 +143,7 @@ class Heartbeat:
     boot: int  # sender's incarnation (worker boot or server boot)
     credit: int = 0
     busy: tuple[int, ...] = ()  # job ids received and not yet answered (worker -> server)
-    seen: int = -1  # highest job id the worker has received (worker -> server); -1: none
+    seen: int = -1  # highest job id the worker has received in this run (worker -> server); -1: none
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,7 +241,8 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
     persistence = None
     boot = secrets.randbits(63)
     if state is not None:
-        core, problem, persistence, spec = _open_state(state, spec, batch_size=batch_size, liveness_timeout=liveness_timeout,
+        core, problem, persistence, spec = _open_state(state, spec, batch_size=batch_size,
+                                                       liveness_timeout=liveness_timeout,
                                                        heartbeat_interval=heartbeat_interval, min_workers=min_workers,
                                                        round_period=round_period, seed=seed, boot=boot)
         events = events or os.path.join(state.state_dir, "events.jsonl")
@@ -353,6 +354,8 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
     _setup_logging(log_level)
     if not server.startswith(("tcp://", "ipc://", "inproc://")):
         raise click.BadParameter(f"expected tcp://HOST:PORT, got {server!r}", param_hint="--server")
+    if worker_id and not (worker_id.isascii() and worker_id.isprintable() and len(worker_id) <= 64):
+        raise click.BadParameter("1-64 printable ASCII characters", param_hint="--worker-id")
     if device != "cpu" and not device.startswith("cuda"):
         raise click.BadParameter(f"expected cpu, cuda or cuda:N, got {device!r}", param_hint="--device")
     if device.startswith("cuda"):

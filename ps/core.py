@@ -340,21 +340,25 @@ class ServerCore:
         if old is not None and old.boot != hello.boot:
             out += self.remove_worker(worker_id, now, reason="restarted")  # new incarnation = new join
             old = None
+        same_run = hello.run_id == self.cfg.run_id  # else its cache and jobs belong to another run
+        holds = set(hello.holds) if same_run else set()
         if old is None:
             self.workers[worker_id] = WorkerInfo(
                 worker_id=worker_id, boot=hello.boot, credit=hello.credit, device=hello.device,
-                host_id=hello.host_id, joined_at=now, last_seen=now, holds=set(hello.holds))
+                host_id=hello.host_id, joined_at=now, last_seen=now, holds=holds)
             self.counters.workers_joined += 1
             self.round_blocked = False
             self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device})
         else:  # same incarnation saying hello again (after a reconnect or a server restart)
-            old.credit, old.last_seen, old.holds = hello.credit, now, set(hello.holds)
+            old.credit, old.last_seen, old.holds = hello.credit, now, holds
             busy = set(hello.busy)
-            if hello.run_id == self.cfg.run_id:
+            if same_run:
                 # Jobs it has seen but neither holds nor answered are gone. After a server restart
                 # every message in flight died with the old process: only what it holds survives.
                 gone = sorted(j for j in old.outstanding if j not in busy and (old.reconnecting or j <= hello.seen))
                 self._write_off(old, gone, "server_restart" if old.reconnecting else "vanished", now)
+            else:  # it worked for another run: on our welcome it drops everything it holds
+                self._write_off(old, sorted(old.outstanding), "other_run", now)
             old.reconnecting = False
         out.append(Send(worker_id, Welcome(
             server_boot=self.server_boot, run_id=self.cfg.run_id, version=PROTOCOL_VERSION, problem=self.cfg.problem,
@@ -455,7 +459,6 @@ class ServerCore:
         out: list[Command] = []
         timeout = self.cfg.liveness_timeout_s
         for wid in [wid for wid, w in self.workers.items() if now - w.last_seen > timeout]:
-            self.counters.workers_lost += 1
             out += self.remove_worker(wid, now, reason="timeout")
         if self.alg.mode == "round" and self.cfg.round_period_s and now >= self.next_round_at:
             while now >= self.next_round_at:
@@ -475,6 +478,8 @@ class ServerCore:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
+        if reason not in ("bye", "restarted"):  # it did not leave of its own accord
+            self.counters.workers_lost += 1
         lost = sorted(w.outstanding)
         self._write_off(w, lost, reason, now)
         self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost), "t": now})

@@ -30,6 +30,7 @@ from ps.persist import Persistence
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
+DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ class Daemon:
         self.eval_every = eval_every
         self.on_progress = on_progress
         self.clock = clock
-        self.ctx = context or zmq.Context.instance()
+        self.own_ctx = context is None
+        self.ctx = context or zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -184,17 +186,42 @@ class Daemon:
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
             self.evaluate()
         self._flush_events()
-        for wid in list(self.routes):
-            self._send(wid, Bye(f"server stopping: {self.stopping}"))
+        self._drain(Bye(f"server stopping: {self.stopping}"))
         log.info("stopping: %s", self.stopping)
+
+    def _drain(self, bye: Bye) -> None:
+        """Tell every worker bye and wait (at most DRAIN_S) for their acknowledging bye. A worker
+        that missed it (it was reconnecting) gets it again in answer to whatever it sends. The
+        run is over: nothing received now reaches the core."""
+        pending = set(self.routes.values())
+        for rid in list(pending):
+            if not self._send_raw(rid, bye):
+                pending.discard(rid)
+        deadline = self.clock() + DRAIN_S
+        while pending and self.clock() < deadline:
+            if not self.sock.poll(max(1, int((deadline - self.clock()) * 1000)), zmq.POLLIN):
+                break
+            frames = self.sock.recv_multipart(copy=False)
+            rid = frames[0].bytes
+            try:
+                msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
+            except RemoteProtocolError:
+                continue
+            if isinstance(msg, Bye):
+                pending.discard(rid)
+            else:
+                self._send_raw(rid, bye)
 
     def close(self) -> None:
         if self.events_file:
             self.events_file.close()
             self.events_file = None
         # A short linger lets the final Bye messages reach the workers; everything else the
-        # server would have sent is re-derivable from the job ledger.
+        # server would have sent is re-derivable from the job ledger. Terminating the context
+        # waits for that flush (an exiting process would otherwise drop it).
         self.sock.close(linger=1000)
+        if self.own_ctx:
+            self.ctx.term()
 
     # ------------------------------------------------------------------ inbound
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
@@ -213,15 +240,15 @@ class Daemon:
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, Hello):
             wid = msg.worker_id
-            old_rid = self.routes.get(wid)
-            if old_rid is not None and old_rid != rid:
-                self.owners.pop(old_rid, None)
             prev_owner = self.owners.get(rid)
             if prev_owner is not None and prev_owner != wid:  # one connection cannot be two workers
                 self._journal("invalid")
                 self.core.counters.invalid += 1
                 self._send_raw(rid, Error(ErrorCode.REFUSED, "routing id already bound to another worker"))
                 return
+            old_rid = self.routes.get(wid)
+            if old_rid is not None and old_rid != rid:
+                self.owners.pop(old_rid, None)
             self.routes[wid] = rid
             self.owners[rid] = wid
         else:

@@ -88,10 +88,14 @@ class Worker:
         if config.credit < 1:
             raise ValueError("credit must be >= 1")
         self.cfg = config
-        self.worker_id = config.worker_id or f"{socket.gethostname()}-{os.getpid()}"[:64]
+        default_id = "".join(c if c.isascii() and c.isprintable() else "_" for c in socket.gethostname())
+        self.worker_id = config.worker_id or f"{default_id[:50]}-{os.getpid()}"
+        if not (self.worker_id.isascii() and self.worker_id.isprintable() and 0 < len(self.worker_id) <= 64):
+            raise ValueError(f"worker id must be 1-64 printable ASCII characters, got {self.worker_id!r}")
         self.boot = secrets.randbits(63)
         self.clock = clock
-        self.ctx = context or zmq.Context.instance()
+        self.own_ctx = context is None
+        self.ctx = context or zmq.Context()
         if load_problem is None:
             from problems import load_problem as _lp
             load_problem = _lp
@@ -213,10 +217,12 @@ class Worker:
 
     def _close(self) -> None:
         if self.sock is not None:
-            if self.welcomed and not (self.stopping or "").startswith("server"):
-                self._send(Bye(_printable(self.stopping or "exit")))
+            if self.welcomed:  # our own leaving, or the acknowledgement of the server's bye
+                self._send(Bye(_printable(self.stopping or "exit")[:1000]))
             self.sock.close(linger=500)
             self.sock = None
+        if self.own_ctx:
+            self.ctx.term()  # waits (up to the linger) for the bye to leave
         if self.compute is not None:
             self.compute.close()
             self.compute = None
@@ -282,6 +288,7 @@ class Worker:
             self.waiting.clear()
             self.unsent.clear()
             self.recent.clear()
+            self.cache.items.clear()  # iterate ids restart at 0 in every run
             self.seen = -1
             self.run_id = w.run_id
         elif self.server_boot is not None and w.server_boot != self.server_boot:

@@ -291,3 +291,37 @@ def test_core_sends_no_job_before_ready():
     cmds = core.handle("w1", Hello(worker_id="w1", boot=1, credit=2), 0.0)
     assert jobs_in(cmds) == [] and isinstance(cmds[0].msg, Welcome)
     assert len(jobs_in(core.handle("w1", Ready(credit=2), 0.5))) == 2
+
+
+def test_core_hello_after_restart_keeps_held_jobs_and_writes_off_the_rest():
+    core = make_core(run_id=77, liveness_timeout_s=2.0)
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=2, run_id=77), 0.0)
+    jobs = jobs_in(core.handle("w1", Ready(credit=2), 0.0))
+    assert len(jobs) == 2
+    core.rebase_clock(100.0)  # what a restored server does
+    cmds = core.handle("w1", Hello(worker_id="w1", boot=1, credit=2, busy=(jobs[1][1].job_id,), seen=-1, run_id=77,
+                                   holds=(0,)), 100.1)
+    assert core.counters.lost == 1 and jobs[1][1].job_id in core.ledger and jobs[0][1].job_id not in core.ledger
+    assert len(jobs_in(cmds)) == 1, "the freed credit gets a new job at once"
+    assert core.accounted()
+
+
+def test_core_hello_from_another_run_trusts_nothing_it_claims():
+    core = make_core(run_id=5)
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=1, run_id=5), 0.0)
+    core.handle("w1", Ready(credit=1), 0.0)
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=1, run_id=99, busy=(0,), holds=(0,)), 0.5)
+    assert core.counters.lost == 1 and core.outstanding == 1  # written off, then a fresh job
+    job = next(iter(core.ledger.values()))
+    assert job.job_id == 1
+    assert core.workers["w1"].holds == {0}, "only what we sent since: the new job's point"
+
+
+def test_core_rejects_reply_with_wrong_created_at():
+    core = make_core()
+    job = jobs_in(join(core, "w1"))[0][1]
+    before = snapshot(core)
+    cmds = core.handle("w1", Reply(job_id=job.job_id, created_at=job.created_at + 1,
+                                   grads=(np.zeros(D, np.float32),)), 0.1)
+    assert cmds[0].msg.code == ErrorCode.UNKNOWN_JOB and same(before, snapshot(core))
+    assert core.counters.unknown == 1 and job.job_id in core.ledger
