@@ -297,10 +297,15 @@ class ServerCore:
         if isinstance(msg, Hello):
             return self.on_hello(worker_id, msg, now)
         w = self.workers.get(worker_id)
-        if w is None:
+        if w is None:  # never joined, or declared dead (it may come back: it must say hello again)
             if isinstance(msg, Bye):
                 return []
-            self.counters.invalid += 1
+            if isinstance(msg, Reply) and msg.job_id in self.closed:
+                self.counters.late += 1  # e.g. a frozen worker thawed: its job was written off meanwhile
+                self.events.append({"ev": "late", "job_id": msg.job_id, "worker_id": worker_id,
+                                    "was": self.closed[msg.job_id], "t": now})
+            elif not isinstance(msg, (Heartbeat, Ready)):
+                self.counters.invalid += 1
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
         w.last_seen = now
         if isinstance(msg, Reply):

@@ -270,12 +270,7 @@ class Daemon:
         for c in cmds:
             if isinstance(c, Send):
                 if not self._send(c.worker_id, c.msg):
-                    # The peer is gone (or its pipe is full): write it off now rather than
-                    # waiting for the liveness timeout.
-                    now = self.clock()
-                    self._journal("remove", wid=c.worker_id, now=now, reason="unreachable")
-                    self._execute(self.core.remove_worker(c.worker_id, now, reason="unreachable"))
-                    self._forget(c.worker_id)
+                    self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):
                 self._forget(c.worker_id)
         self._flush_events()
@@ -313,14 +308,18 @@ class Daemon:
         hb = Heartbeat(boot=self.core.server_boot)
         for wid in list(self.routes):
             if wid not in self.core.workers:
-                self._forget(wid)
-            elif not self._send(wid, hb):
-                # ROUTER_MANDATORY: the peer's connection is gone (a killed process closes its
-                # sockets at once): write it off now, not after the liveness timeout.
-                now = self.clock()
-                self._journal("remove", wid=wid, now=now, reason="unreachable")
-                self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
-                self._forget(wid)
+                continue  # declared dead: keep its route, so what it still sends is recognised
+            if not self._send(wid, hb):
+                self._unreachable(wid)
+
+    def _unreachable(self, wid: str) -> None:
+        """ROUTER_MANDATORY refused a send: the peer's connection is gone (a killed process closes
+        its sockets at once) or its pipe is full. Write it off now, not after the liveness
+        timeout. Its route is kept, so a reply it still sends is recognised as late."""
+        if wid in self.core.workers:
+            now = self.clock()
+            self._journal("remove", wid=wid, now=now, reason="unreachable")
+            self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
 
     def _flush_events(self) -> None:
         events = self.core.drain_events()
