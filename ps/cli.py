@@ -174,12 +174,22 @@ def list_algorithms() -> None:
 @click.option("--log-payloads/--no-log-payloads", default=False, show_default=True,
               help="With --state: journal every gradient (replay without recomputing; costs 4 bytes per "
                    "parameter per reply on disk).")
+@click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="CurveZMQ keys directory (`latecomer keys init`): encrypt, and accept only allow-listed workers.")
+@click.option("--insecure", is_flag=True, default=False,
+              help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, log_level) -> None:
+          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure,
+          log_level) -> None:
     """Run the server daemon in the foreground."""
+    from ps.security import is_loopback_endpoint
+
     _setup_logging(log_level)
+    if not keys_dir and not insecure and not is_loopback_endpoint(bind):
+        raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
+                               "read the traffic: give --keys DIR (see `latecomer keys`) or --insecure")
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="digits",
                          default_algorithm="ordered-momentum")
     if heartbeat_interval >= liveness_timeout:
@@ -189,7 +199,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                           seed=seed, events=events,
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
-                          if state_dir else None)
+                          if state_dir else None, keys_dir=keys_dir)
     daemon.install_signal_handlers()
     click.echo(f"latecomer: listening on {daemon.endpoint}", nl=True)
     sys.stdout.flush()
@@ -232,7 +242,7 @@ class StateOptions:
 
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
                  liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
-                 state: StateOptions | None = None):
+                 state: StateOptions | None = None, keys_dir: str | None = None):
     import zmq
 
     from ps.core import CoreConfig, ServerCore
@@ -255,7 +265,11 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
         core = ServerCore(alg, problem.init_params(seed), cfg, server_boot=boot, now=time.monotonic())
     try:
         return Daemon(core, problem, bind, stop=StopCondition(max_steps, max_time, target_loss), eval_every=eval_every,
-                      events_path=events, on_progress=on_progress, persistence=persistence)
+                      events_path=events, on_progress=on_progress, persistence=persistence, keys_dir=keys_dir)
+    except ValueError as e:  # unusable keys
+        if persistence is not None:
+            persistence.close()
+        raise click.BadParameter(str(e), param_hint="--keys") from None
     except zmq.ZMQError as e:
         if persistence is not None:
             persistence.close()
@@ -347,9 +361,13 @@ def _deterministic_oracle() -> None:
 @click.option("--max-jobs", type=click.IntRange(min=1), default=None, help="Exit after this many jobs.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="Torch CPU threads.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the delay jitter.")
+@click.option("--key", "key_secret", type=click.Path(exists=True, dir_okay=False), default=None,
+              envvar="LATECOMER_KEY", help="CurveZMQ: this worker's NAME.key_secret (from `keys add-worker`).")
+@click.option("--server-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              envvar="LATECOMER_SERVER_KEY", help="CurveZMQ: the server's public server.key.")
 @click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
 def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay, cache_size, give_up, max_jobs,
-         threads, seed, log_level) -> None:
+         threads, seed, key_secret, server_key, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     _setup_logging(log_level)
     if not server.startswith(("tcp://", "ipc://", "inproc://")):
@@ -365,11 +383,17 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
     from worker.link import WorkerConfig, run_worker
     from worker.runner import DelaySpec
 
+    if bool(key_secret) != bool(server_key):
+        raise click.UsageError("CurveZMQ needs both --key and --server-key")
     cfg = WorkerConfig(server=server, worker_id=worker_id, credit=credit, device=device, cache_size=cache_size,
-                       give_up_s=give_up, max_jobs=max_jobs, threads=threads,
+                       give_up_s=give_up, max_jobs=max_jobs, threads=threads, key_secret=key_secret,
+                       server_key=server_key,
                        delay=DelaySpec(delay_s=delay, jitter_s=jitter, slowdown=slowdown, data_dependent=data_delay,
                                        seed=seed))
-    reason = run_worker(cfg)
+    try:
+        reason = run_worker(cfg)
+    except ValueError as e:  # unusable keys
+        raise click.BadParameter(str(e), param_hint="--key/--server-key") from None
     click.echo(f"latecomer worker: stopped ({reason})", err=True)
 
 
@@ -549,6 +573,56 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
     click.echo(f"  trace: {os.path.join(out, 'trace.csv')}  plot: {plot}")
 
 
+# --------------------------------------------------------------------------- keys
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ keys: the server's key pair and the allow-list of worker keys."""
+
+
+@keys.command("init")
+@click.argument("keys_dir", type=click.Path(file_okay=False))
+def keys_init(keys_dir) -> None:
+    """Make the server key pair and an empty allow-list in KEYS_DIR."""
+    from ps.security import fingerprint, init_keys, load_public
+
+    try:
+        pub = init_keys(keys_dir)
+    except FileExistsError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"server key {fingerprint(load_public(pub))}: give {pub} to every worker; "
+               f"the secret stays in {keys_dir}")
+
+
+@keys.command("add-worker")
+@click.argument("name")
+@click.option("--keys", "keys_dir", required=True, type=click.Path(exists=True, file_okay=False))
+def keys_add_worker(name, keys_dir) -> None:
+    """Make a key pair for worker NAME and allow it (takes effect at the next SIGHUP or start)."""
+    from ps.security import add_worker, fingerprint, load_public
+
+    try:
+        pub, sec = add_worker(keys_dir, name)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"worker key {name} ({fingerprint(load_public(pub))}): give {sec} and "
+               f"{os.path.join(keys_dir, 'server.key')} to the worker (--key, --server-key)")
+
+
+@keys.command("revoke")
+@click.argument("name")
+@click.option("--keys", "keys_dir", required=True, type=click.Path(exists=True, file_okay=False))
+def keys_revoke(name, keys_dir) -> None:
+    """Remove worker NAME from the allow-list (send the server SIGHUP to apply it now)."""
+    from ps.security import revoke_worker
+
+    try:
+        revoke_worker(keys_dir, name)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"revoked {name}: `kill -HUP <server pid>` applies it without a restart")
+
+
 # --------------------------------------------------------------------------- replay, stop
 
 @main.command()
@@ -675,6 +749,92 @@ def chaos(duration, workers, kills, seed, state_dir) -> None:
     click.echo(report.render())
     if not report.passed:
         raise SystemExit(1)
+
+
+# --------------------------------------------------------------------------- launch, report (issue 8)
+
+@main.command()
+@click.option("--hosts", "hosts_file", type=click.Path(dir_okay=False), default=None,
+              help="Hosts file: one line per host, HOST COUNT [DEVICE] (DEVICE cpu, cuda or cuda:N).")
+@click.option("--server", default=None, help="Server endpoint the workers connect to, tcp://HOST:PORT.")
+@click.option("--launch-file", default="latecomer-launch.json", show_default=True, type=click.Path(dir_okay=False),
+              help="JSON record of the started workers (hosts and remote PIDs), read by --stop.")
+@click.option("--stop", "stop_", is_flag=True, help="Stop the workers recorded in --launch-file.")
+@click.option("--ssh", default="ssh", show_default=True, help="The ssh program (and options), e.g. 'ssh -p 2222'.")
+@click.option("--remote-cmd", default="latecomer", show_default=True,
+              help="The latecomer command on the hosts, e.g. ~/venv/bin/latecomer.")
+@click.option("--worker-args", default="", help="Extra `latecomer work` options for every worker, e.g. '--credit 2'.")
+@click.option("--log-dir", default="/tmp", show_default=True, help="Directory on the hosts for the worker logs.")
+@click.option("--grace", type=float, default=10.0, show_default=True, callback=_positive,
+              help="With --stop: seconds between SIGTERM and SIGKILL.")
+@click.option("--ssh-timeout", type=float, default=30.0, show_default=True, callback=_positive,
+              help="Seconds to wait for each ssh command.")
+@click.option("--dry-run", is_flag=True, help="Print the ssh commands instead of running them.")
+def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args, log_dir, grace, ssh_timeout,
+           dry_run) -> None:
+    """Start workers on the hosts of a hosts file over ssh (or stop them again with --stop)."""
+    import shlex
+
+    from ps import launch as lm
+
+    try:
+        if stop_:
+            if dry_run:
+                record = lm.read_launch_file(launch_file)
+                pids: dict[str, list[int]] = {}
+                for w in record["workers"]:
+                    pids.setdefault(w["host"], []).append(int(w["pid"]))
+                for host, ps_ in pids.items():
+                    click.echo(shlex.join(lm.ssh_argv(ssh if ssh != "ssh" else record.get("ssh", ssh), host,
+                                                      lm.remote_stop_command(ps_, grace))))
+                return
+            lm.stop(launch_file, ssh=None if ssh == "ssh" else ssh, grace_s=grace, timeout=ssh_timeout,
+                    echo=click.echo)
+            return
+        if not hosts_file:
+            raise click.UsageError("missing option '--hosts' (or --stop)")
+        if not server:
+            raise click.UsageError("missing option '--server'")
+        if not server.startswith(("tcp://", "ipc://")):
+            raise click.BadParameter(f"expected tcp://HOST:PORT, got {server!r}", param_hint="--server")
+        try:
+            extra = tuple(shlex.split(worker_args))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--worker-args") from None
+        hosts = lm.read_hosts(hosts_file)
+        if dry_run:
+            for w in lm.plan(hosts, log_dir):
+                click.echo(shlex.join(lm.ssh_argv(ssh, w.host, lm.remote_start_command(w, server, remote_cmd,
+                                                                                         extra))))
+            return
+        if os.path.exists(launch_file):
+            raise click.ClickException(f"{launch_file} exists (workers already launched?): stop them with "
+                                       f"`latecomer launch --stop --launch-file {launch_file}` or pick another "
+                                       f"--launch-file")
+        record = lm.launch(hosts, server, launch_file, ssh=ssh, remote_cmd=remote_cmd, worker_args=extra,
+                           log_dir=log_dir, timeout=ssh_timeout, echo=click.echo)
+        click.echo(f"{len(record['workers'])} workers started; launch file {launch_file}")
+    except lm.LaunchError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.argument("state_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Where the plots and report.md go (default STATE_DIR/report).")
+@click.option("--events", "events_path", type=click.Path(dir_okay=False), default=None,
+              help="The event log (default STATE_DIR/events.jsonl).")
+def report(state_dir, out, events_path) -> None:
+    """Plots and a markdown summary of a run from its state (or --out) directory's events.jsonl."""
+    from ps.report import make_report
+
+    out = out or os.path.join(state_dir, "report")
+    try:
+        result = make_report(state_dir, out, events_path=events_path)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    for path in result["files"]:
+        click.echo(path)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -117,6 +117,8 @@ class Counters:
     workers_joined: int = 0
     workers_lost: int = 0
     quarantined: int = 0
+    refused: int = 0  # hellos refused (quarantined id, too many workers, wrong key)
+    stray: int = 0  # heartbeats/ready from workers not (or no longer) known
     missing_iterates: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -135,6 +137,8 @@ class CoreConfig:
         liveness_timeout_s: a worker silent for longer is declared dead.
         min_workers: issue no job until this many workers are ready (then never wait again).
         max_bad_replies: quarantine a worker after this many invalid replies in a row (0: never).
+        quarantine_s: how long a quarantined worker id is refused.
+        max_workers: refuse new workers beyond this many (bounds the worker table).
         round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
             worker is ready for a job); a number = a round every period on the driver's clock.
         seed: seeds the job sample seeds.
@@ -148,6 +152,8 @@ class CoreConfig:
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S
     min_workers: int = 1
     max_bad_replies: int = 5
+    quarantine_s: float = 300.0
+    max_workers: int = 4096
     round_period_s: float | None = None
     seed: int = 0
     run_id: int = 0
@@ -191,6 +197,7 @@ class ServerCore:
         self.next_round_at = now + self.cfg.round_period_s if self.cfg.round_period_s else math.inf
         self.events: list[dict[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
+        self.quarantine: dict[str, float] = {}  # worker id -> refused until (time)
         # Round mode: after make_job said "nothing now", no round runs until something new happens
         # (a result arrives, a worker joins or is written off), so heartbeats never advance the model.
         self.round_blocked = False
@@ -236,6 +243,7 @@ class ServerCore:
             "next_round_at": self.next_round_at,
             "round_blocked": self.round_blocked,
             "last_metrics": dict(self.last_metrics),
+            "quarantine": dict(self.quarantine),
             "dim": self.dim,
             "dtype": self.dtype.str,
         }
@@ -275,6 +283,7 @@ class ServerCore:
         self.next_round_at = float(snap["next_round_at"])
         self.round_blocked = bool(snap["round_blocked"])
         self.last_metrics = dict(snap["last_metrics"])
+        self.quarantine = dict(snap.get("quarantine", {}))
         self.events = []
         return self
 
@@ -284,6 +293,7 @@ class ServerCore:
         for w in self.workers.values():
             w.last_seen = now
             w.reconnecting = True
+        self.quarantine = {wid: now + self.cfg.quarantine_s for wid in self.quarantine}
         if self.cfg.round_period_s:
             self.next_round_at = now + self.cfg.round_period_s
 
@@ -292,10 +302,10 @@ class ServerCore:
         return ev
 
     # ------------------------------------------------------------------ inbound
-    def handle(self, worker_id: str, msg: Any, now: float) -> list[Command]:
-        """Dispatch one decoded message from ``worker_id``."""
+    def handle(self, worker_id: str, msg: Any, now: float, key: str = "") -> list[Command]:
+        """Dispatch one decoded message from ``worker_id`` (``key``: fingerprint of its CURVE key)."""
         if isinstance(msg, Hello):
-            return self.on_hello(worker_id, msg, now)
+            return self.on_hello(worker_id, msg, now, key)
         w = self.workers.get(worker_id)
         if w is None:  # never joined, or declared dead (it may come back: it must say hello again)
             if isinstance(msg, Bye):
@@ -304,7 +314,9 @@ class ServerCore:
                 self.counters.late += 1  # e.g. a frozen worker thawed: its job was written off meanwhile
                 self.events.append({"ev": "late", "job_id": msg.job_id, "worker_id": worker_id,
                                     "was": self.closed[msg.job_id], "t": now})
-            elif not isinstance(msg, (Heartbeat, Ready)):
+            elif isinstance(msg, (Heartbeat, Ready)):
+                self.counters.stray += 1
+            else:
                 self.counters.invalid += 1
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
         w.last_seen = now
@@ -335,13 +347,20 @@ class ServerCore:
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
 
-    def on_hello(self, worker_id: str, hello: Hello, now: float) -> list[Command]:
+    def on_hello(self, worker_id: str, hello: Hello, now: float, key: str = "") -> list[Command]:
         if hello.vmax < PROTOCOL_VERSION_MIN or hello.vmin > PROTOCOL_VERSION:
             self.counters.invalid += 1
             return [Send(worker_id, Error(ErrorCode.UNSUPPORTED_VERSION,
                                           f"server speaks {PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}"))]
+        if self.quarantine.get(worker_id, -math.inf) > now:
+            self.counters.refused += 1
+            return [Send(worker_id, Error(ErrorCode.REFUSED, "quarantined"))]
+        self.quarantine.pop(worker_id, None)
         out: list[Command] = []
         old = self.workers.get(worker_id)
+        if old is None and len(self.workers) >= self.cfg.max_workers:
+            self.counters.refused += 1
+            return [Send(worker_id, Error(ErrorCode.REFUSED, f"too many workers ({self.cfg.max_workers})"))]
         if old is not None and old.boot != hello.boot:
             out += self.remove_worker(worker_id, now, reason="restarted")  # new incarnation = new join
             old = None
@@ -350,10 +369,10 @@ class ServerCore:
         if old is None:
             self.workers[worker_id] = WorkerInfo(
                 worker_id=worker_id, boot=hello.boot, credit=hello.credit, device=hello.device,
-                host_id=hello.host_id, joined_at=now, last_seen=now, holds=holds)
+                host_id=hello.host_id, joined_at=now, last_seen=now, holds=holds, key=key)
             self.counters.workers_joined += 1
             self.round_blocked = False
-            self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device})
+            self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device, "key": key, "t": now})
         else:  # same incarnation saying hello again (after a reconnect or a server restart)
             old.credit, old.last_seen, old.holds = hello.credit, now, holds
             busy = set(hello.busy)
@@ -511,7 +530,9 @@ class ServerCore:
 
     def _quarantine(self, w: WorkerInfo, now: float) -> list[Command]:
         self.counters.quarantined += 1
-        self.events.append({"ev": "quarantined", "worker_id": w.worker_id, "bad_in_a_row": w.bad_in_a_row})
+        self.quarantine[w.worker_id] = now + self.cfg.quarantine_s
+        self.events.append({"ev": "quarantined", "worker_id": w.worker_id, "bad_in_a_row": w.bad_in_a_row,
+                            "key": w.key, "t": now})
         out: list[Command] = [Send(w.worker_id, Bye("quarantined: too many invalid replies"))]
         out += self.remove_worker(w.worker_id, now, reason="quarantined")
         out.append(Disconnect(w.worker_id, "quarantined"))
@@ -545,9 +566,10 @@ class ServerCore:
         ages = dict(zip(outcome.applied, outcome.ages, strict=True))
         for r in results:
             if r.job_id in ages:
+                w = self.workers.get(r.worker_id)
                 self.events.append({"ev": "applied", "job_id": r.job_id, "worker_id": r.worker_id,
                                     "created_at": r.created_at, "age": ages[r.job_id], "seed": r.seed,
-                                    "version": self.version, "t": now})
+                                    "version": self.version, "t": now, "key": w.key if w else ""})
             else:
                 self.events.append({"ev": "dropped", "job_id": r.job_id, "worker_id": r.worker_id,
                                     "created_at": r.created_at, "age": v_before - r.created_at, "t": now})

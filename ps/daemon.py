@@ -23,7 +23,7 @@ import zmq
 from problems.base import Problem
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
-from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello
+from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello, Ready
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence
 
@@ -69,7 +69,7 @@ class Daemon:
                  eval_every: int = 0, events_path: str | None = None,
                  on_progress: Callable[[Daemon, dict[str, float] | None], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None,
-                 persistence: Persistence | None = None) -> None:
+                 persistence: Persistence | None = None, keys_dir: str | None = None) -> None:
         self.core = core
         self.persist = persistence
         self.problem = problem
@@ -91,6 +91,15 @@ class Daemon:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_array_bytes, MAX_HEADER_BYTES) + 4096)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self.security = None
+        if keys_dir is not None:
+            from ps.security import ServerSecurity
+
+            self.security = ServerSecurity(self.ctx, keys_dir)
+            self.security.apply(self.sock)
+        self.keys: dict[str, str] = {}  # worker id -> fingerprint of the CURVE key it said hello with
+        self.banned_keys: set[str] = set()  # keys of quarantined workers
+        self.reload_keys = False  # set by SIGHUP
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
@@ -111,6 +120,10 @@ class Daemon:
             self.stopping = f"signal {signal.Signals(signum).name}"
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+
+        def hup(signum: int, frame: Any) -> None:
+            self.reload_keys = True
+        signal.signal(signal.SIGHUP, hup)
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the current iterate. ``t`` counts from the first job issued (0 before)."""
@@ -149,6 +162,10 @@ class Daemon:
                         if self._check_stop():
                             break
                 now = self.clock()
+                if self.reload_keys:
+                    self.reload_keys = False
+                    if self.security is not None:
+                        self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
                 if now >= core.next_deadline():
                     self._journal("tick", now=now)
                     self._execute(core.on_tick(now))
@@ -220,10 +237,16 @@ class Daemon:
         # server would have sent is re-derivable from the job ledger. Terminating the context
         # waits for that flush (an exiting process would otherwise drop it).
         self.sock.close(linger=1000)
+        if self.security is not None:
+            self.security.stop()
         if self.own_ctx:
             self.ctx.term()
 
     # ------------------------------------------------------------------ inbound
+    def _count(self, kind: str) -> None:
+        """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
+        self._journal("count", kind=kind)
+        setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         now = self.clock()
         rid = frames[0].bytes
@@ -231,37 +254,52 @@ class Daemon:
             msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
         except RemoteProtocolError as e:
             self.invalid_messages += 1
-            self._journal("invalid")
-            self.core.counters.invalid += 1
+            self._count("invalid")
             log.debug("invalid message from %r: %s", rid[:32], e)
             code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
             self._send_raw(rid, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return
         self.bytes_in += sum(len(f) for f in frames)
+        key = ""
+        if self.security is not None:
+            from ps.security import fingerprint
+
+            user = frames[1].get("User-Id")  # the z85 public key CURVE authenticated
+            key = fingerprint(user) if user else ""
         if isinstance(msg, Hello):
             wid = msg.worker_id
             prev_owner = self.owners.get(rid)
+            refusal = None
             if prev_owner is not None and prev_owner != wid:  # one connection cannot be two workers
-                self._journal("invalid")
-                self.core.counters.invalid += 1
-                self._send_raw(rid, Error(ErrorCode.REFUSED, "routing id already bound to another worker"))
+                refusal = "routing id already bound to another worker"
+            elif key and key in self.banned_keys:
+                refusal = "this key is quarantined"
+            elif self.keys.get(wid, key) != key and wid in self.core.workers:
+                refusal = "worker id in use with another key"
+            if refusal:
+                self._count("refused")
+                self._send_raw(rid, Error(ErrorCode.REFUSED, refusal))
                 return
             old_rid = self.routes.get(wid)
             if old_rid is not None and old_rid != rid:
                 self.owners.pop(old_rid, None)
             self.routes[wid] = rid
             self.owners[rid] = wid
+            self.keys[wid] = key
         else:
             wid = self.owners.get(rid)
             if wid is None:
                 if not isinstance(msg, Bye):
-                    self._journal("invalid")
-                    self.core.counters.invalid += 1
+                    self._count("stray" if isinstance(msg, (Heartbeat, Ready)) else "invalid")
                     self._send_raw(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
                 return
+            if self.keys.get(wid, "") != key:  # another key took this routing id over
+                self._count("invalid")
+                self._send_raw(rid, Error(ErrorCode.REFUSED, "key does not match the worker's"))
+                return
         if self.persist is not None:
-            self.persist.record_message(self.core, wid, msg, frames[1:], now)
-        self._execute(self.core.handle(wid, msg, now))
+            self.persist.record_message(self.core, wid, msg, frames[1:], now, key)
+        self._execute(self.core.handle(wid, msg, now, key))
         if isinstance(msg, Bye):
             self._forget(wid)
 
@@ -272,6 +310,8 @@ class Daemon:
                 if not self._send(c.worker_id, c.msg):
                     self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):
+                if self.keys.get(c.worker_id):
+                    self.banned_keys.add(self.keys[c.worker_id])  # it cannot come back under a new id
                 self._forget(c.worker_id)
         self._flush_events()
 
@@ -311,6 +351,20 @@ class Daemon:
                 continue  # declared dead: keep its route, so what it still sends is recognised
             if not self._send(wid, hb):
                 self._unreachable(wid)
+
+    def _revoke(self, allowed: set[str]) -> None:
+        """Workers whose key left the allow-list are dropped now (CURVE only checks keys at the
+        handshake, so their open connections would otherwise live on) and their keys banned."""
+        for wid, key in list(self.keys.items()):
+            if key and key not in allowed:
+                self.banned_keys.add(key)
+                if wid in self.core.workers:
+                    log.warning("worker %s: key %s revoked, disconnecting it", wid, key)
+                    self._send(wid, Bye("revoked"))
+                    now = self.clock()
+                    self._journal("remove", wid=wid, now=now, reason="revoked")
+                    self._execute(self.core.remove_worker(wid, now, reason="revoked"))
+                self._forget(wid)
 
     def _unreachable(self, wid: str) -> None:
         """ROUTER_MANDATORY refused a send: the peer's connection is gone (a killed process closes

@@ -320,7 +320,7 @@ class Persistence:
         self.checkpoints = 0
         self.checkpoint_s = 0.0
 
-    def record_message(self, core: Any, wid: str, msg: Any, frames: list, now: float) -> None:
+    def record_message(self, core: Any, wid: str, msg: Any, frames: list, now: float, key: str = "") -> None:
         from protocol.messages import Reply
 
         if isinstance(msg, Reply) and not self.log_payloads and core.reply_verdict(wid, msg) != "bad":
@@ -329,7 +329,7 @@ class Persistence:
                       "compute_s": msg.compute_s, "holds": list(msg.holds)}
             self.journal.append("reply", wid=wid, now=now, reply=fields)
         else:
-            self.journal.append("msg", wid=wid, now=now, frames=[_frame_bytes(f) for f in frames])
+            self.journal.append("msg", wid=wid, now=now, frames=[_frame_bytes(f) for f in frames], key=key)
 
     def after_batch(self, core: Any, now: float) -> None:
         self.journal.maybe_sync()
@@ -377,14 +377,16 @@ def apply_record(core: Any, rec: Record, problem: Any) -> list:
     b = rec.body
     op = rec.op
     if op == "msg":
-        return core.handle(b["wid"], decode(b["frames"]), b["now"])
+        return core.handle(b["wid"], decode(b["frames"]), b["now"], b.get("key", ""))
     if op == "reply":
         return core.handle(b["wid"], recompute_reply(core, b["wid"], b["reply"], problem), b["now"])
     if op == "tick":
         return core.on_tick(b["now"])
     if op == "remove":
         return core.remove_worker(b["wid"], b["now"], reason=b["reason"])
-    if op == "invalid":
+    if op == "count":
+        setattr(core.counters, b["kind"], getattr(core.counters, b["kind"]) + 1)
+    elif op == "invalid":  # older journals
         core.counters.invalid += 1
     elif op == "stop_issuing":
         core.issuing = False

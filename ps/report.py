@@ -94,3 +94,270 @@ def write_trace_csv(trace: Any, path: str) -> None:
         w.writeheader()
         for p in trace.points:
             w.writerow(p)
+
+
+# --------------------------------------------------------------------------- `latecomer report DIR`
+
+_SETTLED = ("applied", "dropped", "lost", "cancelled", "rejected")
+
+
+def _read_summary(state_dir: str) -> dict[str, Any] | None:
+    try:
+        with open(f"{state_dir}/summary.json", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def job_intervals(events: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float, str]]]:
+    """Per worker: (issued t, settled t, outcome) of every job that was settled."""
+    issued: dict[Any, tuple[str, float]] = {}
+    out: dict[str, list[tuple[float, float, str]]] = {}
+    for e in events:
+        ev = e.get("ev")
+        if ev == "issued" and "t" in e:
+            issued[e["job_id"]] = (e["worker_id"], float(e["t"]))
+        elif ev in _SETTLED and "job_id" in e:
+            start = issued.pop(e["job_id"], None)
+            if start is not None and "t" in e:
+                out.setdefault(start[0], []).append((start[1], float(e["t"]), ev))
+    return out
+
+
+def _merge(intervals: list[tuple[float, float]], gap: float = 0.0) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def worker_table(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per worker: device, jobs by outcome, mean job time, age statistics, busy fraction."""
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(wid: str) -> dict[str, Any]:
+        return rows.setdefault(wid, {"device": "", "joins": 0, "issued": 0, **{k: 0 for k in _SETTLED},
+                                     "ages": [], "job_times": [], "busy_s": 0.0, "span_s": 0.0})
+
+    ts = [float(e["t"]) for e in events if "t" in e]
+    t_end = max(ts) if ts else 0.0
+    first_seen: dict[str, float] = {}
+    for e in events:
+        wid = e.get("worker_id")
+        if wid is None:
+            continue
+        r = row(wid)
+        if "t" in e:
+            first_seen.setdefault(wid, float(e["t"]))
+        ev = e.get("ev")
+        if ev == "joined":
+            r["joins"] += 1
+            r["device"] = e.get("device") or r["device"]
+        elif ev == "issued":
+            r["issued"] += 1
+        elif ev in _SETTLED:
+            r[ev] += 1
+            if ev == "applied":
+                r["ages"].append(e["age"])
+    for wid, jobs in job_intervals(events).items():
+        r = row(wid)
+        r["job_times"] = [b - a for a, b, how in jobs if how in ("applied", "dropped")]
+        r["busy_s"] = sum(b - a for a, b in _merge([(a, b) for a, b, _ in jobs]))
+        r["span_s"] = max(0.0, t_end - first_seen.get(wid, t_end))
+    return rows
+
+
+def plot_utilisation(events: Sequence[dict[str, Any]], path: str, *, max_segments: int = 4000) -> str:
+    """Worker utilisation timeline: a bar while a worker holds a job, a cross where one was lost."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    jobs = job_intervals(events)
+    ts = [float(e["t"]) for e in events if "t" in e]
+    t0 = min(ts) if ts else 0.0
+    span = (max(ts) - t0) if ts else 1.0
+    workers = sorted({e["worker_id"] for e in events if "worker_id" in e}, key=lambda w: (len(w), w))
+    fig, (ax, ax_rate) = plt.subplots(2, 1, figsize=(12, 3.6 + 0.45 * max(1, len(workers))), sharex=True,
+                                      gridspec_kw={"height_ratios": [max(1, len(workers)), 3]})
+    edges = np.linspace(0.0, max(span, 1e-9), 61)
+    for wid in workers:
+        done = [b - t0 for a, b, how in jobs.get(wid, []) if how in ("applied", "dropped")]
+        if done:
+            hist, _ = np.histogram(done, bins=edges)
+            ax_rate.plot((edges[:-1] + edges[1:]) / 2, hist / np.diff(edges), label=wid)
+    ax_rate.set_ylabel("replies / s")
+    ax_rate.set_xlabel("time since the first event (s)")
+    if ax_rate.get_legend_handles_labels()[1]:
+        ax_rate.legend(fontsize=8, ncol=min(6, len(workers)))
+    for y, wid in enumerate(workers):
+        segs = _merge([(a - t0, b - t0) for a, b, _ in jobs.get(wid, [])])
+        if len(segs) > max_segments:  # very long runs: close gaps shorter than a pixel or so
+            segs = _merge(segs, gap=span / max_segments)
+        ax.broken_barh([(a, max(b - a, span * 1e-4)) for a, b in segs], (y - 0.35, 0.7), color="tab:blue")
+        lost = [float(e["t"]) - t0 for e in events if e.get("ev") == "lost" and e.get("worker_id") == wid
+                and "t" in e]
+        if lost:
+            ax.plot(lost, [y] * len(lost), "x", color="tab:red", markersize=8,
+                    label="lost job" if y == 0 or not ax.get_legend_handles_labels()[1] else None)
+        left = [float(e["t"]) - t0 for e in events if e.get("ev") == "left" and e.get("worker_id") == wid
+                and "t" in e]
+        if left:
+            ax.plot(left, [y] * len(left), "|", color="black", markersize=14)
+    ax.set_yticks(range(len(workers)), workers)
+    ax.set_ylim(-0.6, len(workers) - 0.4)
+    ax.set_title("worker utilisation (blue: holding a job; red x: job lost; |: worker left)")
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_ages(events: Sequence[dict[str, Any]], path: str) -> str:
+    """Histogram of the ages of applied replies, one panel per worker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_worker: dict[str, list[int]] = {}
+    for e in events:
+        if e.get("ev") == "applied":
+            by_worker.setdefault(e["worker_id"], []).append(e["age"])
+    wids = sorted(by_worker, key=lambda w: (len(w), w)) or ["(no applied replies)"]
+    cols = min(4, len(wids))
+    rows = (len(wids) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    top = max((max(a) for a in by_worker.values()), default=1)
+    bins = np.arange(-0.5, top + 1.5, max(1, (top + 1) // 40))
+    for i, ax in enumerate(axes.flat):
+        if i >= len(wids):
+            ax.axis("off")
+            continue
+        ages = by_worker.get(wids[i], [])
+        if ages:
+            ax.hist(ages, bins=bins, color="tab:blue")
+        ax.set_title(f"{wids[i]} ({len(ages)} replies)", fontsize=9)
+        ax.set_xlabel("age (steps)")
+        ax.set_ylabel("replies")
+    fig.suptitle("age of applied replies per worker")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_evaluations(evaluations: Sequence[dict[str, float]], path: str) -> str:
+    """Every evaluated figure (loss, accuracy, ...) against server steps and against time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in evaluations[0] if k not in ("t", "version")]
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3 * len(keys)), squeeze=False)
+    steps = [e["version"] for e in evaluations]
+    times = [e["t"] for e in evaluations]
+    for row, key in zip(axes, keys, strict=True):
+        ys = [e.get(key, float("nan")) for e in evaluations]
+        for ax, xs, label in ((row[0], steps, "server step (version)"), (row[1], times, "time (s)")):
+            ax.plot(xs, ys, marker=".")
+            ax.set_xlabel(label)
+            ax.set_ylabel(key)
+            finite = [y for y in ys if np.isfinite(y)]
+            if key in ("loss", "grad_norm_sq") and finite and min(finite) > 0 and max(finite) / min(finite) > 20:
+                ax.set_yscale("log")
+    fig.suptitle("evaluations")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    if isinstance(x, float) and not np.isfinite(x):
+        return "-"
+    return format(x, spec)
+
+
+def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | None, figures: Sequence[str],
+                    source: str) -> str:
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.get("ev", "?")] = counts.get(e.get("ev", "?"), 0) + 1
+    ts = [float(e["t"]) for e in events if "t" in e]
+    lines = [f"# latecomer run report: {source}", ""]
+    if summary:
+        c = summary.get("counters", {})
+        lines += [f"- stopped: {summary.get('stopped') or 'running or killed'} at step {summary.get('version')}, "
+                  f"after {_fmt(float(summary.get('elapsed_s', float('nan'))), '.1f')} s",
+                  f"- accounted (issued = applied + dropped + lost + cancelled + rejected + outstanding): "
+                  f"{summary.get('accounted')}", ""]
+        evals = summary.get("evaluations") or []
+        if evals:
+            first, last = evals[0], evals[-1]
+            figs = [k for k in first if k not in ("t", "version")]
+            lines += [f"- {k}: {_fmt(first[k], '.4g')} -> {_fmt(last[k], '.4g')}" for k in figs] + [""]
+        lines += ["## Counters (summary.json)", "", "| counter | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in c.items()]
+        lines += [f"| outstanding | {summary.get('outstanding')} |", ""]
+    lines += ["## Events (events.jsonl)", "",
+              f"{len(events)} events over {_fmt(max(ts) - min(ts) if ts else 0.0, '.1f')} s", "",
+              "| event | count |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())]
+    ages = age_stats(events)
+    lines += ["", f"Ages of applied replies (all workers): mean {_fmt(ages['mean'], '.2f')}, median "
+              f"{_fmt(ages['p50'], '.0f')}, p90 {_fmt(ages['p90'], '.0f')}, max {_fmt(ages['max'], '.0f')}", ""]
+    table = worker_table(events)
+    lines += ["## Workers", "",
+              "| worker | device | joins | issued | applied | dropped | lost | cancelled | rejected | "
+              "mean job time (ms) | age mean | age median | age p90 | age max | busy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wid in sorted(table, key=lambda w: (len(w), w)):
+        r = table[wid]
+        a = np.array(r["ages"], dtype=float)
+        st = [float(a.mean()), float(np.median(a)), float(np.percentile(a, 90)), float(a.max())] if a.size else \
+            [float("nan")] * 4
+        jt = float(np.mean(r["job_times"]) * 1000) if r["job_times"] else float("nan")
+        busy = f"{100 * r['busy_s'] / r['span_s']:.0f}%" if r["span_s"] > 0 else "-"
+        lines.append(f"| {wid} | {r['device'] or '-'} | {r['joins']} | {r['issued']} | {r['applied']} | "
+                     f"{r['dropped']} | {r['lost']} | {r['cancelled']} | {r['rejected']} | {_fmt(jt, '.1f')} | "
+                     f"{_fmt(st[0], '.2f')} | {_fmt(st[1], '.0f')} | {_fmt(st[2], '.0f')} | {_fmt(st[3], '.0f')} | "
+                     f"{busy} |")
+    lines += ["", "Job time: from `issued` to the reply being applied or dropped, as the server saw it. Busy: the "
+              "share of time since the worker first appeared during which it held at least one job.", ""]
+    if figures:
+        lines += ["## Figures", ""] + [f"![{name}]({name})" for name in figures] + [""]
+    return "\n".join(lines)
+
+
+def make_report(state_dir: str, out_dir: str, *, events_path: str | None = None) -> dict[str, Any]:
+    """Write ``report.md`` and the PNGs of a run into ``out_dir``; return the paths and the counts."""
+    import os
+
+    events_path = events_path or os.path.join(state_dir, "events.jsonl")
+    if not os.path.exists(events_path):
+        raise ValueError(f"no {events_path}: is {state_dir} a state directory (serve --state) or an --out "
+                         f"directory with --events?")
+    events = read_events(events_path)
+    summary = _read_summary(state_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    figures = []
+    if summary and summary.get("evaluations"):
+        figures.append(os.path.basename(plot_evaluations(summary["evaluations"],
+                                                         os.path.join(out_dir, "evaluations.png"))))
+    figures.append(os.path.basename(plot_ages(events, os.path.join(out_dir, "ages.png"))))
+    figures.append(os.path.basename(plot_utilisation(events, os.path.join(out_dir, "utilisation.png"))))
+    md = render_markdown(events, summary, figures, state_dir)
+    md_path = os.path.join(out_dir, "report.md")
+    with open(md_path, "w", encoding="utf-8") as f:
+        f.write(md)
+    return {"files": [md_path] + [os.path.join(out_dir, n) for n in figures], "events": len(events),
+            "workers": worker_table(events)}

@@ -78,6 +78,8 @@ class WorkerConfig:
     max_jobs: int | None = None
     threads: int | None = None
     delay: DelaySpec = DelaySpec()
+    key_secret: str | None = None  # CurveZMQ: this worker's NAME.key_secret file
+    server_key: str | None = None  # CurveZMQ: the server's server.key file
 
 
 class Worker:
@@ -94,6 +96,7 @@ class Worker:
             raise ValueError(f"worker id must be 1-64 printable ASCII characters, got {self.worker_id!r}")
         self.boot = secrets.randbits(63)
         self.clock = clock
+        self.curve = _load_curve(config) if config.key_secret or config.server_key else None
         self.own_ctx = context is None
         self.ctx = context or zmq.Context()
         if load_problem is None:
@@ -133,6 +136,9 @@ class Worker:
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        if self.curve is not None:
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = self.curve
         s.connect(self.cfg.server)
         self.sock = s
         self.welcomed = False
@@ -357,6 +363,22 @@ class Worker:
             self.recent.append((now, r))
             while self.recent and now - self.recent[0][0] > self.liveness:
                 self.recent.popleft()
+
+
+def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:
+    """(public, secret, server public) for CURVE; ValueError with the culprit if unusable."""
+    import zmq.auth
+
+    if not (cfg.key_secret and cfg.server_key):
+        raise ValueError("CurveZMQ needs both the worker's key pair and the server's public key")
+    try:
+        pub, sec = zmq.auth.load_certificate(cfg.key_secret)
+        server, _ = zmq.auth.load_certificate(cfg.server_key)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the keys: {e}") from None
+    if not sec:
+        raise ValueError(f"{cfg.key_secret} holds no secret key (give the .key_secret file)")
+    return pub, sec, server
 
 
 def _printable(text: str) -> str:

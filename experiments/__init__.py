@@ -1,0 +1,32 @@
+"""Reference experiments in the simulator (``latecomer experiment NAME``).
+
+Each experiment is ``run(out_dir, quick, seed, progress) -> dict`` and writes a CSV of every
+curve, PNG plots and a markdown table of the headline numbers into ``out_dir``. The returned
+dict names the files (``csv``, ``png``: lists; ``markdown``) and holds the ``headline`` numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from experiments import rennala_mvr
+
+EXPERIMENTS: dict[str, Callable[..., dict]] = {
+    "rennala-mvr": rennala_mvr.run,
+
+
+}
+
+
+def get(name: str) -> Callable[..., dict]:
+    """The ``run`` function of experiment ``name``.
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+    """
+    if name not in EXPERIMENTS:
+        raise KeyError(f"unknown experiment {name!r} (choose one of {', '.join(sorted(EXPERIMENTS))})")
+    return EXPERIMENTS[name]
+
+
+__all__ = ["EXPERIMENTS", "get"]
