@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from experiments import rennala_mvr
+from experiments import async_vs_sync, delayed_vr, rennala_mvr
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "rennala-mvr": rennala_mvr.run,
-
-
+    "delayed-vr": delayed_vr.run,
+    "async-vs-sync": async_vs_sync.run,
 }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -206,7 +205,17 @@ def plot_panels(path: str, panels: Sequence[tuple[str, Sequence[tuple[str, np.nd
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    _shrink_png(path)
     return path
+
+
+def _shrink_png(path: str, colors: int = 64) -> None:
+    """Re-save as a palette PNG (line plots need few colours; about a third of the size)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=colors)
+    small.save(path, optimize=True)
 
 
 def curve(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray]:

@@ -42,6 +42,8 @@ from protocol.messages import (
     JobKind,
     Ready,
     Reply,
+    Status,
+    StatusRequest,
     Welcome,
 )
 
@@ -169,6 +171,8 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Bye: {"reason": _str(MAX_STR_LEN)},
     Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),
             "iterate_ids": _IDS},
+    StatusRequest: {"token": _U64},
+    Status: {"token": _U64, "info": _options},
 }
 _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 _DEFAULTS: dict[type, dict[str, Any]] = {

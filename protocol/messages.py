@@ -170,7 +170,23 @@ class Error:
     iterate_ids: tuple[int, ...] = ()  # MISSING_ITERATE: the ids the worker lacks
 
 
-Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """Any peer -> server: a read-only request for the server's figures (answered in order:
+    every message sent before it on the same connection has been handled)."""
+
+    token: int = 0  # echoed in the answer
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Server -> the asker: flat figures (counters, version, workers, outstanding jobs, ...)."""
+
+    token: int = 0
+    info: dict = field(default_factory=dict)  # str -> str|int|float|bool
+
+
+Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | StatusRequest | Status
 
 # Wire names of the message types ("t" in the header).
 TYPE_NAMES: dict[type, str] = {
@@ -183,5 +199,7 @@ TYPE_NAMES: dict[type, str] = {
     Cancel: "cancel",
     Bye: "bye",
     Error: "err",
+    StatusRequest: "status?",
+    Status: "status",
 }
 TYPES_BY_NAME: dict[str, type] = {v: k for k, v in TYPE_NAMES.items()}

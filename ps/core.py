@@ -119,6 +119,7 @@ class Counters:
     quarantined: int = 0
     refused: int = 0  # hellos refused (quarantined id, too many workers, wrong key)
     stray: int = 0  # heartbeats/ready from workers not (or no longer) known
+    worker_errors: int = 0  # err messages from workers (a failed job, a cache miss, ...)
     missing_iterates: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -335,6 +336,8 @@ class ServerCore:
             return self._dispatch(now)
         if isinstance(msg, Bye):
             return self.remove_worker(worker_id, now, reason="bye")
+        if isinstance(msg, Error):
+            self.counters.worker_errors += 1
         if isinstance(msg, Error) and msg.code == ErrorCode.MISSING_ITERATE:
             return self.on_missing(w, msg)
         if isinstance(msg, Error):

@@ -23,14 +23,15 @@ import zmq
 from problems.base import Problem
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
-from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello, Ready
+from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello, Ready, Status, StatusRequest
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence
 
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
-DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
+DRAIN_S = 2.0
+ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval  # at shutdown, how long to wait for the workers to acknowledge the bye
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Daemon:
         self.keys: dict[str, str] = {}  # worker id -> fingerprint of the CURVE key it said hello with
         self.banned_keys: set[str] = set()  # keys of quarantined workers
         self.reload_keys = False  # set by SIGHUP
+        self.error_next: dict[bytes, float] = {}  # routing id -> when it may get the next error answer
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
@@ -243,6 +245,17 @@ class Daemon:
             self.ctx.term()
 
     # ------------------------------------------------------------------ inbound
+    def _answer_error(self, rid: bytes, err: Error) -> None:
+        """Answer a bad message, at most once per ERROR_INTERVAL_S per connection: a flood of
+        garbage must not turn into a flood of answers (every bad message is still counted)."""
+        now = self.clock()
+        if self.error_next.get(rid, 0.0) > now:
+            return
+        if len(self.error_next) > 10_000:  # bounded, whatever the number of connections
+            self.error_next.clear()
+        self.error_next[rid] = now + ERROR_INTERVAL_S
+        self._send_raw(rid, err)
+
     def _count(self, kind: str) -> None:
         """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
         self._journal("count", kind=kind)
@@ -257,9 +270,12 @@ class Daemon:
             self._count("invalid")
             log.debug("invalid message from %r: %s", rid[:32], e)
             code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
-            self._send_raw(rid, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
+            self._answer_error(rid, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return
         self.bytes_in += sum(len(f) for f in frames)
+        if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled
+            self._send_raw(rid, Status(token=msg.token, info=self.status_info()))
+            return
         key = ""
         if self.security is not None:
             from ps.security import fingerprint
@@ -278,7 +294,7 @@ class Daemon:
                 refusal = "worker id in use with another key"
             if refusal:
                 self._count("refused")
-                self._send_raw(rid, Error(ErrorCode.REFUSED, refusal))
+                self._answer_error(rid, Error(ErrorCode.REFUSED, refusal))
                 return
             old_rid = self.routes.get(wid)
             if old_rid is not None and old_rid != rid:
@@ -291,11 +307,11 @@ class Daemon:
             if wid is None:
                 if not isinstance(msg, Bye):
                     self._count("stray" if isinstance(msg, (Heartbeat, Ready)) else "invalid")
-                    self._send_raw(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
+                    self._answer_error(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
                 return
             if self.keys.get(wid, "") != key:  # another key took this routing id over
                 self._count("invalid")
-                self._send_raw(rid, Error(ErrorCode.REFUSED, "key does not match the worker's"))
+                self._answer_error(rid, Error(ErrorCode.REFUSED, "key does not match the worker's"))
                 return
         if self.persist is not None:
             self.persist.record_message(self.core, wid, msg, frames[1:], now, key)
@@ -383,6 +399,17 @@ class Daemon:
             self.events_file.flush()
 
     # ------------------------------------------------------------------ results
+    def status_info(self) -> dict[str, Any]:
+        """Flat figures for a status request (what `latecomer status` shows)."""
+        core = self.core
+        info: dict[str, Any] = {f"counter.{k}": v for k, v in core.counters.as_dict().items()}
+        info.update({"version": core.version, "workers": len(core.workers), "outstanding": core.outstanding,
+                     "uptime_s": self.clock() - self.started_at, "invalid_messages": self.invalid_messages})
+        if self.evaluations:
+            info.update({f"eval.{k}": float(v) for k, v in self.evaluations[-1].items()})
+        info.update({f"alg.{k}": float(v) for k, v in core.last_metrics.items()})
+        return dict(list(info.items())[:64])  # the map cap of the protocol
+
     def summary(self) -> dict[str, Any]:
         """Counters, evaluations and age statistics of the run (JSON-able)."""
         c = self.core.counters.as_dict()

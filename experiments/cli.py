@@ -1,0 +1,41 @@
+"""``latecomer experiment NAME``: run one reference experiment in the simulator.
+
+Register it in ``ps/cli.py`` with ``main.add_command(experiment)`` (imported from here).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import click
+
+from experiments import EXPERIMENTS
+
+
+@click.command("experiment")
+@click.argument("name", metavar="NAME")
+@click.option("--quick", is_flag=True, help="Small grids and short horizons (well under a minute).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds every simulation (same seed, same CSV).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output folder [default: runs/experiments/NAME].")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool) -> None:
+    """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync): a CSV of every
+    curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
+    if name not in EXPERIMENTS:
+        raise click.BadParameter(f"unknown experiment {name!r} (choose one of {', '.join(sorted(EXPERIMENTS))})",
+                                 param_hint="NAME")
+    out_dir = out_dir or os.path.join("runs", "experiments", name)
+    t0 = time.monotonic()
+    result = EXPERIMENTS[name](out_dir, quick=quick, seed=seed, progress=not no_progress)
+    elapsed = time.monotonic() - t0
+    click.echo(f"experiment {name}{' (quick)' if quick else ''}, seed {seed}: {elapsed:.1f} s")
+    for path in [*result["csv"], *result["png"], result["markdown"]]:
+        click.echo(f"  {path}")
+    with open(result["markdown"], encoding="utf-8") as f:
+        click.echo(f.read())
+
+
+if __name__ == "__main__":  # python -m experiments.cli NAME
+    experiment()
