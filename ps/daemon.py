@@ -23,15 +23,25 @@ import zmq
 from problems.base import Problem
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
-from protocol.messages import MAX_HEADER_BYTES, Bye, Error, ErrorCode, Heartbeat, Hello, Ready, Status, StatusRequest
+from protocol.messages import (
+    MAX_HEADER_BYTES,
+    Bye,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Ready,
+    Status,
+    StatusRequest,
+)
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence
 
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
-DRAIN_S = 2.0
-ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval  # at shutdown, how long to wait for the workers to acknowledge the bye
+DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
+ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval
 
 
 @dataclass(frozen=True)
