@@ -44,6 +44,8 @@ from protocol.messages import (
     JobKind,
     Ready,
     Reply,
+    Status,
+    StatusRequest,
     Welcome,
 )
 
@@ -205,8 +207,11 @@ byes = st.builds(Bye, reason=text(MAX_STR_LEN))
 errors = st.builds(Error, code=st.sampled_from(ErrorCode), message=text(MAX_STR_LEN),
                    job_id=st.none() | nat, iterate_ids=id_list)
 
+status_requests = st.builds(StatusRequest, token=u64)
+statuses = st.builds(Status, token=u64, info=st.dictionaries(text(MAX_ID_LEN, 1), option_values, max_size=8))
 MESSAGES = {Hello: hellos, Welcome: welcomes, Ready: readies, Job: jobs(), Reply: replies(),
-            Heartbeat: heartbeats, Cancel: cancels, Bye: byes, Error: errors}
+            Heartbeat: heartbeats, Cancel: cancels, Bye: byes, Error: errors, StatusRequest: status_requests,
+            Status: statuses}
 messages = st.one_of(*MESSAGES.values())
 
 # Arbitrary msgpack values that the unpacker accepts (bin and ext only when empty: longer ones
