@@ -1,7 +1,8 @@
 """Throughput of latecomer with CurveZMQ on and off (issue 5; the full benchmark is issue 7).
 
-Runs the real daemon and real worker processes on loopback, plain async SGD with negligible
-compute, and reports applied updates per second (median of windows) for each parameter size,
+Runs the real daemon and real worker processes on loopback, plain async SGD on the
+``synthetic`` problem (negligible compute: what is measured is moving parameters and
+gradients), and reports applied updates per second (median of windows) for each parameter size,
 with and without CurveZMQ, plus the ratio. Figures, never assertions: this machine is shared.
 
     python -m benchmarks.curve [--quick] [--out benchmarks/RESULTS-curve.md]
@@ -40,8 +41,8 @@ def _applied(events: str) -> list[float]:
 def measure(d: int, workers: int, curve: bool, seconds: float, tmp: str) -> float:
     """Median applied updates/s over 0.5 s windows after a warm-up."""
     events = os.path.join(tmp, f"ev-{d}-{workers}-{curve}.jsonl")
-    args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", f"d={d}",
-            "--problem-opt", "sigma=0", "--algorithm", "asgd", "--set", "lr=1e-9", "--max-time", str(seconds + 8),
+    args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic", "--problem-opt", f"d={d}",
+            "--algorithm", "asgd", "--set", "lr=1e-9", "--max-time", str(seconds + 8),
             "--min-workers", str(workers), "--eval-every", "0", "--events", events, "--log-level", "error"]
     if curve:
         keys = os.path.join(tmp, f"keys-{d}-{workers}")
@@ -101,7 +102,8 @@ def main() -> None:
                       f"ratio {curve / plain:5.2f}", flush=True)
     lines = [f"# CurveZMQ on and off ({platform.machine()}, {os.cpu_count()} cores, Python "
              f"{platform.python_version()}, {time.strftime('%Y-%m-%d')})", "",
-             "Real daemon and worker processes on loopback; plain async SGD, negligible compute; applied "
+             "Real daemon and worker processes on loopback; plain async SGD on the `synthetic` problem "
+             "(negligible compute); applied "
              "updates/s (median of 0.5 s windows). Shared, noisy machine: read the ratios.", "",
              "| d (float32) | workers | plain TCP | CurveZMQ | CurveZMQ / plain |", "|---|---|---|---|---|"]
     lines += [f"| {d:,} | {w} | {p:,.0f} | {c:,.0f} | {c / p:.2f} |" for d, w, p, c in rows]

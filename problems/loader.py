@@ -17,12 +17,14 @@ from problems.digits import make_digits
 from problems.logreg import make_logreg
 from problems.mnist import make_mnist
 from problems.quadratic import make_quadratic
+from problems.synthetic import make_synthetic
 
 BUILTIN_PROBLEMS: dict[str, Callable[..., Problem]] = {
     "quadratic": make_quadratic,
     "digits": make_digits,
     "logreg": make_logreg,
     "mnist": make_mnist,
+    "synthetic": make_synthetic,
 }
 
 REQUIRED_ATTRIBUTES = ("layout", "init_params", "grad", "evaluate")

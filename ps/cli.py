@@ -837,5 +837,10 @@ def report(state_dir, out, events_path) -> None:
         click.echo(path)
 
 
+from experiments.cli import experiment  # noqa: E402  (the experiments live in their own package)
+
+main.add_command(experiment)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
