@@ -263,7 +263,8 @@ def serve_args(events: str, out: str) -> list[str]:
     return ["serve", "--bind", f"tcp://{SERVER_IP}:{PORT}", "--problem", "quadratic", "--problem-opt", f"d={D}",
             "--algorithm", "asgd", "--set", "lr=0.1", "--batch-size", "1", "--max-time", "180",
             "--liveness-timeout", str(LIVENESS_S), "--heartbeat-interval", str(HEARTBEAT_S), "--min-workers", "3",
-            "--eval-every", "100", "--events", events, "--out", out, "--log-level", "warning"]
+            "--eval-every", "100", "--events", events, "--out", out, "--log-level", "warning",
+            "--insecure"]  # a private namespace network; CurveZMQ has its own test (test_security.py)
 
 
 def start_workers(lab: Lab, delays: dict[str, float]) -> dict[str, subprocess.Popen]:
