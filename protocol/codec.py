@@ -147,6 +147,33 @@ def _options(v: Any) -> dict:
 
 
 _ID = _ascii_id
+
+
+def _names(v: Any) -> tuple:
+    if type(v) is not list or len(v) > 16:
+        raise ValueError("expected a list of at most 16 column names")
+    return tuple(_str(MAX_ID_LEN, nonempty=True)(x) for x in v)
+
+
+def _scalar(v: Any) -> Any:
+    if type(v) is str:
+        return _str(MAX_STR_LEN)(v)
+    if type(v) is float:
+        return _number(v)
+    if type(v) in (int, bool):
+        return v if type(v) is bool else _int(I64_MIN, U64_MAX)(v)
+    raise ValueError("row values are strings, numbers or booleans")
+
+
+def _rows(v: Any) -> tuple:
+    if type(v) is not list or len(v) > MAX_LIST_LEN:
+        raise ValueError(f"expected a list of at most {MAX_LIST_LEN} rows")
+    out = []
+    for row in v:
+        if type(row) is not list or len(row) > 16:
+            raise ValueError("a row is a list of at most 16 values")
+        out.append(tuple(_scalar(x) for x in row))
+    return tuple(out)
 _U64 = _int(0, U64_MAX)
 _NAT = _int(0, I64_MAX)
 _CREDIT = _int(1, MAX_LIST_LEN)  # busy lists are capped at MAX_LIST_LEN
@@ -172,7 +199,7 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),
             "iterate_ids": _IDS},
     StatusRequest: {"token": _U64},
-    Status: {"token": _U64, "info": _options},
+    Status: {"token": _U64, "info": _options, "columns": _names, "rows": _rows},
 }
 _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 _DEFAULTS: dict[type, dict[str, Any]] = {
@@ -184,7 +211,7 @@ _DEFAULTS: dict[type, dict[str, Any]] = {
 
 def _wire_value(v: Any) -> Any:
     if isinstance(v, tuple):
-        return list(v)
+        return [_wire_value(x) for x in v]
     if isinstance(v, (JobKind, ErrorCode)):
         return int(v)
     return v

@@ -184,6 +184,8 @@ class Status:
 
     token: int = 0
     info: dict = field(default_factory=dict)  # str -> str|int|float|bool
+    columns: tuple[str, ...] = ()  # names of the row fields (e.g. one row per worker)
+    rows: tuple[tuple, ...] = ()  # each a tuple of str|int|float|bool, len(columns) long
 
 
 Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | StatusRequest | Status

@@ -110,9 +110,15 @@ def _training_options(default_problem: str, default_algorithm: str):
     return deco
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        from ps.metrics import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
 def _positive(ctx, param, value):
@@ -178,15 +184,20 @@ def list_algorithms() -> None:
               help="CurveZMQ keys directory (`latecomer keys init`): encrypt, and accept only allow-listed workers.")
 @click.option("--insecure", is_flag=True, default=False,
               help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on this port (0: any free port; the port is logged).")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address of the metrics endpoint.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure,
-          log_level) -> None:
+          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure, metrics_port,
+          metrics_addr, log_format, log_level) -> None:
     """Run the server daemon in the foreground."""
     from ps.security import is_loopback_endpoint
 
-    _setup_logging(log_level)
+    _setup_logging(log_level, log_format)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
         raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
                                "read the traffic: give --keys DIR (see `latecomer keys`) or --insecure")
@@ -201,6 +212,13 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
                           if state_dir else None, keys_dir=keys_dir)
     daemon.install_signal_handlers()
+    if metrics_port is not None:
+        try:
+            daemon.enable_metrics(metrics_port, metrics_addr)
+        except OSError as e:
+            daemon.close()
+            raise click.ClickException(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {e}") from None
+        logging.getLogger("latecomer.server").info("metrics on http://%s:%d/metrics", metrics_addr, metrics_port)
     click.echo(f"latecomer: listening on {daemon.endpoint}", nl=True)
     sys.stdout.flush()
 
@@ -571,6 +589,43 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
         if key in first:
             click.echo(f"  {key}: {first[key]:.6g} -> {last[key]:.6g}")
     click.echo(f"  trace: {os.path.join(out, 'trace.csv')}  plot: {plot}")
+
+
+# --------------------------------------------------------------------------- status
+
+@main.command()
+@click.option("--server", "-s", required=True, envvar="LATECOMER_SERVER", help="Server endpoint, tcp://HOST:PORT.")
+@click.option("--key", "key_secret", type=click.Path(exists=True, dir_okay=False), default=None,
+              envvar="LATECOMER_KEY", help="CurveZMQ: an allow-listed key pair (.key_secret).")
+@click.option("--server-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              envvar="LATECOMER_SERVER_KEY", help="CurveZMQ: the server's public server.key.")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", type=float, default=2.0, show_default=True, callback=_positive)
+@click.option("--timeout", type=float, default=5.0, show_default=True, callback=_positive,
+              help="Seconds to wait for the server's answer.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw figures as JSON.")
+def status(server, key_secret, server_key, watch, interval, timeout, as_json) -> None:
+    """Show a running server's workers, jobs, ages, step rate and loss (a read-only request)."""
+    from ps.status import fetch_status, render_status
+
+    if bool(key_secret) != bool(server_key):
+        raise click.UsageError("CurveZMQ needs both --key and --server-key")
+    while True:
+        try:
+            st = fetch_status(server, timeout_s=timeout, key_secret=key_secret, server_key=server_key)
+        except TimeoutError as e:
+            raise click.ClickException(str(e)) from None
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--key/--server-key") from None
+        if as_json:
+            click.echo(json.dumps({"info": st.info, "columns": list(st.columns), "rows": [list(r) for r in st.rows]}))
+        else:
+            if watch:
+                click.clear()
+            click.echo(render_status(st))
+        if not watch:
+            return
+        time.sleep(interval)
 
 
 # --------------------------------------------------------------------------- keys

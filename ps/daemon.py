@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,8 @@ from ps.persist import Persistence
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
+WORKER_COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age")
+LIFECYCLE = {"joined", "ready", "left", "lost", "quarantined", "late", "rejected"}
 DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
 ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval
 
@@ -112,6 +115,12 @@ class Daemon:
         self.banned_keys: set[str] = set()  # keys of quarantined workers
         self.reload_keys = False  # set by SIGHUP
         self.error_next: dict[bytes, float] = {}  # routing id -> when it may get the next error answer
+        self.recent_ages: deque[int] = deque(maxlen=4096)  # ages of the latest applied replies
+        self.age_counts: dict[int, int] = {}  # age -> applied replies (all run long), for histograms
+        self.versions: deque[tuple[float, int]] = deque(maxlen=256)  # (time, version) for the step rate
+        self.lifecycle = logging.getLogger("latecomer.events")
+        self.metrics = None  # a SnapshotCollector when --metrics-port is given
+        self.next_publish = 0.0
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
@@ -183,6 +192,9 @@ class Daemon:
                     self._execute(core.on_tick(now))
                 if self.persist is not None:
                     self.persist.after_batch(core, now)
+                if self.metrics is not None and now >= self.next_publish:
+                    self.publish_metrics()
+                    self.next_publish = now + 0.5
                 if now >= next_hb:
                     self._heartbeat_all()
                     next_hb = now + hb_every
@@ -284,7 +296,8 @@ class Daemon:
             return
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled
-            self._send_raw(rid, Status(token=msg.token, info=self.status_info()))
+            columns, rows = self.worker_rows()
+            self._send_raw(rid, Status(token=msg.token, info=self.status_info(), columns=columns, rows=rows))
             return
         key = ""
         if self.security is not None:
@@ -403,6 +416,17 @@ class Daemon:
 
     def _flush_events(self) -> None:
         events = self.core.drain_events()
+        for ev in events:
+            kind = ev["ev"]
+            if kind == "applied":
+                self.recent_ages.append(ev["age"])
+                self.age_counts[ev["age"]] = self.age_counts.get(ev["age"], 0) + 1
+            elif kind in LIFECYCLE:  # one log line per lifecycle event (JSON with --log-format json)
+                self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
+        if events:
+            now = self.clock()
+            if not self.versions or now - self.versions[-1][0] >= 0.1:
+                self.versions.append((now, self.core.version))
         if self.events_file and events:
             for ev in events:
                 self.events_file.write(json.dumps(ev) + "\n")
@@ -412,13 +436,61 @@ class Daemon:
     def status_info(self) -> dict[str, Any]:
         """Flat figures for a status request (what `latecomer status` shows)."""
         core = self.core
-        info: dict[str, Any] = {f"counter.{k}": v for k, v in core.counters.as_dict().items()}
+        now = self.clock()
+        info: dict[str, Any] = {f"counter.{k}": v for k, v in core.counters.as_dict().items()
+                                if k not in ("updates", "missing_iterates")}
         info.update({"version": core.version, "workers": len(core.workers), "outstanding": core.outstanding,
-                     "uptime_s": self.clock() - self.started_at, "invalid_messages": self.invalid_messages})
+                     "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
+                     "algorithm": core.alg.name, "problem": core.cfg.problem})
+        if self.recent_ages:
+            ages = np.array(self.recent_ages)
+            info.update({"age.mean": float(ages.mean()), "age.p50": float(np.median(ages)),
+                         "age.p90": float(np.percentile(ages, 90)), "age.max": int(ages.max())})
+        if core.ledger:
+            v = core.version
+            out_ages = [v - e.created_at for e in core.ledger.values()]
+            info.update({"outstanding.max_age": max(out_ages), "outstanding.mean_age": float(np.mean(out_ages))})
         if self.evaluations:
             info.update({f"eval.{k}": float(v) for k, v in self.evaluations[-1].items()})
         info.update({f"alg.{k}": float(v) for k, v in core.last_metrics.items()})
         return dict(list(info.items())[:64])  # the map cap of the protocol
+
+    def enable_metrics(self, port: int, addr: str = "127.0.0.1") -> None:
+        from ps.metrics import serve_metrics
+
+        self.metrics = serve_metrics(port, addr)
+        self.publish_metrics()
+
+    def publish_metrics(self) -> None:
+        """Hand the HTTP thread an immutable snapshot of the figures."""
+        core = self.core
+        figures = {}
+        if self.evaluations:
+            last = self.evaluations[-1]
+            figures.update({f"eval_{k}": float(v) for k, v in last.items() if k not in ("t", "version")})
+        figures.update({f"alg_{k}": float(v) for k, v in core.last_metrics.items()})
+        self.metrics.publish({"counters": core.counters.as_dict(), "version": core.version,
+                              "workers": len(core.workers), "outstanding": core.outstanding,
+                              "step_rate": self.step_rate(self.clock()), "age_counts": dict(self.age_counts),
+                              "figures": figures})
+
+    def step_rate(self, now: float) -> float:
+        """Updates per second over the last ~10 s."""
+        old = [(t, v) for t, v in self.versions if now - t <= 10.0]
+        if len(old) < 2 or old[-1][0] <= old[0][0]:
+            return 0.0
+        return (old[-1][1] - old[0][1]) / (old[-1][0] - old[0][0])
+
+    def worker_rows(self) -> tuple[tuple[str, ...], tuple[tuple, ...]]:
+        """One row per worker for status: id, device, jobs done, mean job time, last seen, jobs held
+        and the oldest held job's age."""
+        now, v = self.clock(), self.core.version
+        rows = []
+        for w in list(self.core.workers.values())[:256]:
+            ages = [v - self.core.ledger[j].created_at for j in w.outstanding if j in self.core.ledger]
+            rows.append((w.worker_id, w.device, w.jobs_done, w.compute_s / w.jobs_done if w.jobs_done else 0.0,
+                         now - w.last_seen, len(w.outstanding), max(ages) if ages else 0))
+        return WORKER_COLUMNS, tuple(rows)
 
     def summary(self) -> dict[str, Any]:
         """Counters, evaluations and age statistics of the run (JSON-able)."""

@@ -1,0 +1,78 @@
+"""``latecomer status``: ask a running server for its figures and render them as a table."""
+
+from __future__ import annotations
+
+import secrets
+
+import zmq
+import zmq.auth
+
+from protocol.codec import decode, encode
+from protocol.errors import RemoteProtocolError
+from protocol.messages import Status, StatusRequest
+
+
+def fetch_status(server: str, *, timeout_s: float = 5.0, key_secret: str | None = None,
+                 server_key: str | None = None) -> Status:
+    """One status round trip over the server's own protocol (CurveZMQ when keys are given)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        if key_secret and server_key:
+            try:
+                pub, sec = zmq.auth.load_certificate(key_secret)
+                srv, _ = zmq.auth.load_certificate(server_key)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read the keys: {e}") from None
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, srv
+        sock.connect(server)
+        token = secrets.randbits(63)
+        sock.send_multipart(encode(StatusRequest(token=token)))
+        deadline_ms = int(timeout_s * 1000)
+        while sock.poll(deadline_ms):
+            try:
+                msg = decode(sock.recv_multipart())
+            except RemoteProtocolError:
+                continue
+            if isinstance(msg, Status) and msg.token == token:
+                return msg
+        raise TimeoutError(f"no answer from {server} within {timeout_s:g} s")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_status(st: Status) -> str:
+    i = st.info
+    c = {k[len("counter."):]: v for k, v in i.items() if k.startswith("counter.")}
+    lines = [f"latecomer server: {i.get('algorithm')} on {i.get('problem')}, step {i.get('version')}, "
+             f"{i.get('step_rate', 0):.1f} steps/s, up {i.get('uptime_s', 0):.0f} s",
+             f"jobs: issued {c.get('issued')}, applied {c.get('applied')}, dropped {c.get('dropped')}, "
+             f"lost {c.get('lost')}, cancelled {c.get('cancelled')}, rejected {c.get('rejected')}, "
+             f"late {c.get('late')}, outstanding {i.get('outstanding')}"
+             + (f" (oldest age {i['outstanding.max_age']})" if "outstanding.max_age" in i else "")]
+    if "age.p50" in i:
+        lines.append(f"ages of applied replies: mean {i['age.mean']:.2f}, median {i['age.p50']:.0f}, "
+                     f"p90 {i['age.p90']:.0f}, max {i['age.max']}")
+    evals = {k[5:]: v for k, v in i.items() if k.startswith("eval.") and k not in ("eval.t", "eval.version")}
+    if evals:
+        lines.append("evaluation: " + ", ".join(f"{k} {_fmt(v)}" for k, v in evals.items()))
+    alg = {k[4:]: v for k, v in i.items() if k.startswith("alg.")}
+    if alg:
+        lines.append("algorithm: " + ", ".join(f"{k} {_fmt(v)}" for k, v in alg.items()))
+    if st.rows:
+        widths = [max(len(col), *(len(_fmt(r[j])) for r in st.rows)) for j, col in enumerate(st.columns)]
+        lines.append("")
+        lines.append("  ".join(col.ljust(w) for col, w in zip(st.columns, widths, strict=True)))
+        for r in st.rows:
+            lines.append("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+    else:
+        lines.append("no workers")
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""`latecomer status`, the Prometheus endpoint and JSON logs, checked against the event log."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.integration.test_worker_lifecycle import free_port
+from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+0-9.eE]+|NaN|\+Inf)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def status(endpoint: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ps", "status", "--server", endpoint, *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_status_metrics_and_json_logs_agree_with_the_event_log(procs, tmp_path):
+    events = str(tmp_path / "events.jsonl")
+    port = free_port()
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", "d=16",
+                         "--algorithm", "asgd", "--set", "lr=0.1", "--events", events, "--max-time", "120",
+                         "--metrics-port", str(port), "--log-format", "json", "--log-level", "info",
+                         "--eval-every", "20")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    w1 = procs.start("work", "--server", endpoint, "--worker-id", "w1", "--delay", "0.02", "--max-jobs", "150")
+    w2 = procs.start("work", "--server", endpoint, "--worker-id", "w2", "--delay", "0.03", "--max-jobs", "100")
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 10, timeout=60)
+    live = status(endpoint)
+    assert live.returncode == 0, live.stderr
+    assert "asgd on quadratic" in live.stdout and re.search(r"^w1\s+cpu", live.stdout, re.M), live.stdout
+    assert wait_exit(w1, timeout=60) == 0 and wait_exit(w2, timeout=60) == 0
+    wait_events(events, lambda ev: sum(e["ev"] == "left" for e in ev) == 2, timeout=20)
+
+    ev = read_events(events)
+    count = {k: sum(e["ev"] == k for e in ev) for k in ("issued", "applied", "lost", "dropped", "joined")}
+    assert count["applied"] == 250, "each worker answered exactly its --max-jobs"
+    r = status(endpoint, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)["info"]
+    assert info["counter.applied"] == count["applied"] and info["counter.issued"] == count["issued"]
+    assert info["counter.lost"] == count["lost"] and info["workers"] == 0 and info["version"] == 250
+    assert info["counter.issued"] == info["counter.applied"] + info["counter.lost"] + info["outstanding"]
+
+    deadline = time.monotonic() + 10  # the endpoint's snapshot is refreshed every 0.5 s
+    while True:
+        m = scrape(port)
+        if m.get('latecomer_jobs_total{outcome="applied"}') == count["applied"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert m['latecomer_jobs_total{outcome="applied"}'] == count["applied"]
+    assert m['latecomer_jobs_total{outcome="lost"}'] == count["lost"]
+    assert m["latecomer_jobs_issued_total"] == count["issued"]
+    assert m["latecomer_version"] == 250 and m["latecomer_workers_alive"] == 0
+    assert m["latecomer_workers_joined_total"] == count["joined"] == 2
+    assert m["latecomer_staleness_count"] == count["applied"]
+    ages = [e["age"] for e in ev if e["ev"] == "applied"]
+    assert m["latecomer_staleness_sum"] == sum(ages)
+    assert m['latecomer_staleness_bucket{le="0"}'] == sum(a == 0 for a in ages)
+    assert "latecomer_eval_loss" in m
+
+    server.send_signal(2)  # SIGINT drains like SIGTERM
+    assert wait_exit(server, timeout=30) == 0
+    logs = [json.loads(line) for line in server.stderr.read().decode().splitlines() if line.startswith("{")]
+    joined = [entry for entry in logs if entry.get("ev") == "joined"]
+    assert sorted(entry["worker_id"] for entry in joined) == ["w1", "w2"]
+    assert all({"ts", "level", "logger", "msg"} <= entry.keys() for entry in logs)
+    left = [entry for entry in logs if entry.get("ev") == "left"]
+    assert len(left) == 2
+
+
+def test_status_of_a_server_that_is_not_there_fails_cleanly():
+    r = status(f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
+    assert r.returncode == 1 and "no answer" in r.stderr and "Traceback" not in r.stderr
