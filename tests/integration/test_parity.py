@@ -16,9 +16,9 @@ from tests.integration.util import read_events, wait_events, wait_exit, wait_lin
 pytestmark = pytest.mark.slow
 
 # Per-job delays chosen so that, over the first STEPS updates, no two workers finish within
-# 40 ms of each other in the ideal schedule: real overheads (about a millisecond per job)
-# cannot reorder arrivals.
-DELAYS = (0.2, 0.76, 1.46)
+# 80 ms of each other in the ideal schedule: real overheads (a millisecond or two per job, more
+# on a loaded machine) cannot reorder arrivals.
+DELAYS = (0.4, 1.52, 2.92)
 STEPS = 14
 ALG = ("ordered-momentum", {"lr": "0.2", "beta": "0.3"})
 PROBLEM = ("quadratic", {"d": "16"})
