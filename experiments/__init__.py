@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from experiments import async_vs_sync, delayed_vr, rennala_mvr
+from experiments import async_vs_sync, delayed_vr, ordered_momentum, rennala_mvr, ringmaster_lmo
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "rennala-mvr": rennala_mvr.run,
     "delayed-vr": delayed_vr.run,
     "async-vs-sync": async_vs_sync.run,
+    "ordered-momentum": ordered_momentum.run,
+    "ringmaster-lmo": ringmaster_lmo.run,
 }
 
 

@@ -21,7 +21,8 @@ from experiments import EXPERIMENTS
               help="Output folder [default: runs/experiments/NAME].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool) -> None:
-    """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync): a CSV of every
+    """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync,
+    ordered-momentum, ringmaster-lmo): a CSV of every
     curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
     if name not in EXPERIMENTS:
         raise click.BadParameter(f"unknown experiment {name!r} (choose one of {', '.join(sorted(EXPERIMENTS))})",

@@ -13,18 +13,16 @@ import typing
 from typing import Any, Callable, Mapping
 
 from problems.base import Problem
-from problems.digits import make_digits
-from problems.logreg import make_logreg
-from problems.mnist import make_mnist
-from problems.quadratic import make_quadratic
-from problems.synthetic import make_synthetic
 
-BUILTIN_PROBLEMS: dict[str, Callable[..., Problem]] = {
-    "quadratic": make_quadratic,
-    "digits": make_digits,
-    "logreg": make_logreg,
-    "mnist": make_mnist,
-    "synthetic": make_synthetic,
+# Built-ins by name -> "module:factory", imported only when used: a worker that loads the
+# quadratic never pays for importing torch.
+BUILTIN_PROBLEMS: dict[str, str] = {
+    "quadratic": "problems.quadratic:make_quadratic",
+    "digits": "problems.digits:make_digits",
+    "logreg": "problems.logreg:make_logreg",
+    "mnist": "problems.mnist:make_mnist",
+    "synthetic": "problems.synthetic:make_synthetic",
+    "charlm": "problems.charlm:make_charlm",
 }
 
 REQUIRED_ATTRIBUTES = ("layout", "init_params", "grad", "evaluate")
@@ -39,9 +37,7 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
         ValueError: unknown name, malformed spec, module not importable, attribute missing
             or not callable.
     """
-    if spec in BUILTIN_PROBLEMS:
-        return BUILTIN_PROBLEMS[spec]
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = BUILTIN_PROBLEMS.get(spec, spec).partition(":")
     if not sep or not module_name or not attr or module_name.startswith("."):
         raise ValueError(f"unknown problem {spec!r} (choose one of {', '.join(BUILTIN_PROBLEMS)}, "
                          "or give 'module:callable')")

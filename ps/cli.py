@@ -129,7 +129,24 @@ def _positive(ctx, param, value):
 
 # --------------------------------------------------------------------------- the group
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """Commands from other packages are imported only when invoked: `latecomer work` stays light."""
+
+    LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY:
+            import importlib
+
+            module, attr = self.LAZY[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="latecomer")
 def main() -> None:
     """latecomer: an asynchronous parameter server for heterogeneous machines."""
@@ -892,9 +909,6 @@ def report(state_dir, out, events_path) -> None:
         click.echo(path)
 
 
-from experiments.cli import experiment  # noqa: E402  (the experiments live in their own package)
-
-main.add_command(experiment)
 
 
 if __name__ == "__main__":  # pragma: no cover

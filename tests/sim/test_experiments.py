@@ -17,8 +17,13 @@ EXPECTED_METHODS = {
     "rennala-mvr": {"rennala", "rennala-mvr"},
     "delayed-vr": {"storm-vr", "ringmaster", "asgd", "background", "blocking"},
     "async-vs-sync": {"sync-sgd", "ringmaster", "rennala", "ordered-momentum", "asgd"},
+    "ringmaster-lmo": {"ringmaster-sign", "ringmaster-l2", "ringmaster-sign-pa", "ringmaster-l2-pa",
+                       "ringmaster-muon", "ringmaster-muon-pa", "rennala-muon", "delay-adaptive-muon"},
+    "ordered-momentum": {"ordered-momentum", "ordered-mu2", "asgd", "naive-momentum", "delay-adaptive",
+                         "delay-filtered"},
 }
-NUMERIC = {"t", "version", "grad_norm_sq", "loss", "applied", "lost", "dropped", "accuracy", "missing_mass"}
+NUMERIC = {"t", "version", "grad_norm_sq", "loss", "applied", "lost", "dropped", "accuracy", "missing_mass",
+           "f1", "recall_slow", "train_loss", "lr"}
 
 
 def _check_outputs(result: dict, name: str) -> None:
@@ -51,7 +56,8 @@ def _check_outputs(result: dict, name: str) -> None:
     assert values and all(not math.isnan(x) for x in values)
 
 
-# two quick runs each: about 8 s (rennala-mvr), 5 s (delayed-vr), 25 s (async-vs-sync, marked slow)
+# two quick runs each: about 8 s (rennala-mvr), 5 s (delayed-vr), 25 s (async-vs-sync, marked slow),
+# 14 s (ordered-momentum)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "async-vs-sync" else n
                                   for n in sorted(experiments.EXPERIMENTS)])
 def test_quick_experiment_writes_files_and_is_deterministic(name, tmp_path):
@@ -81,6 +87,22 @@ def test_cli_runs_a_quick_experiment(tmp_path):
     assert "A12 snapshot VR" in res.output
 
 
+def test_ordered_momentum_quick_covers_both_objectives(tmp_path):
+    from experiments import ordered_momentum
+
+    res = ordered_momentum.run(str(tmp_path), quick=True, seed=0, progress=False)
+    assert set(res["headline"]) == {"standard f1", "standard recall_slow", "cubic f1", "cubic recall_slow"}
+    for values in res["headline"].values():
+        assert set(values) == EXPECTED_METHODS["ordered-momentum"]
+        assert all(0.0 <= v <= 1.0 for v in values.values())
+    with open(res["csv"][1], newline="", encoding="utf-8") as f:  # lr sweep: one row per group, method and lr
+        rows = list(csv.DictReader(f))
+    c = ordered_momentum.config(True)
+    lrs = {p["lr"] for p in c["grids"]["asgd"]}
+    assert len(rows) == 6 * (len(lrs) + len(c["cubic_lr"]))
+    assert {r["group"] for r in rows} == {"standard", "cubic"}
+
+
 def test_sync_sgd_waits_for_every_worker_once_per_round():
     from experiments.sync_sgd import SyncSGD
     from problems import load_problem
@@ -100,3 +122,26 @@ def test_sync_sgd_waits_for_every_worker_once_per_round():
         assert age == 0
         per_worker.setdefault(wid, []).append(created)
     assert all(v == list(range(10)) for v in per_worker.values()), "each worker: exactly one job per round"
+
+
+def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_path):
+    """About 3 s per quick run: the quadratic (sign, l2) and the char transformer (sign, Muon)."""
+    run = experiments.get("ringmaster-lmo")
+    a = run(str(tmp_path / "a"), quick=True, seed=5, progress=False)
+    _check_outputs(a, "ringmaster-lmo")
+    assert sorted(os.path.basename(p) for p in a["png"]) == ["charlm.png", "quadratic.png"]
+    assert set(a["headline"]) == {f"{p}, {m}" for p in ("quadratic", "charlm") for m in ("uniform", "sqrt", "linear")}
+    for group, finals in a["headline"].items():
+        assert finals["ratio_baseline_over_ringmaster"] > 0, group
+        lmos = {m for m in finals if m.startswith("ringmaster-")}
+        assert lmos == ({"ringmaster-sign", "ringmaster-l2", "ringmaster-sign-pa", "ringmaster-l2-pa"}
+                        if group.startswith("quadratic") else
+                        {"ringmaster-muon", "ringmaster-sign", "ringmaster-muon-pa", "ringmaster-sign-pa"})
+        if group.startswith("charlm"):  # validation cross-entropy: finite, below the uniform guess
+            assert all(math.isfinite(finals[m]) and finals[m] < 5.0 for m in lmos | {"rennala-muon"}), group
+    with open(a["markdown"], encoding="utf-8") as f:
+        text = f.read()
+    assert "## quadratic" in text and "## charlm" in text and "baseline / Ringmaster" in text
+    b = run(str(tmp_path / "b"), quick=True, seed=5, progress=False)
+    with open(a["csv"][0], "rb") as fa, open(b["csv"][0], "rb") as fb:
+        assert fa.read() == fb.read()

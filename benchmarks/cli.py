@@ -1,0 +1,5 @@
+"""The ``latecomer bench`` command (registered in ps/cli.py with ``main.add_command(bench)``)."""
+
+from benchmarks.bench import bench
+
+__all__ = ["bench"]

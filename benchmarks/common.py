@@ -1,0 +1,210 @@
+"""Shared measurement for ``latecomer bench``: rows, windows, server CPU/RSS, reaping.
+
+Every backend runs the same workload (server holds x of d float32; each worker loops: send a
+constant g, the server applies x <- x - lr*g and sends x back) and reports, for one
+(backend, d, workers) cell, the completion times of the updates (monotonic clock, shared by all
+processes on Linux), the round trips, and the server's CPU times sampled at the start and end
+of the timed interval [t0, t1].
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import psutil
+
+LR = 1e-9  # tiny: x stays finite however long the run
+N_WINDOWS = 5  # timed interval split into this many windows; updates/s = median of the windows
+
+
+@dataclass
+class Row:
+    backend: str
+    d: int
+    workers: int
+    updates_per_s: float = math.nan
+    bytes_per_update: float = math.nan
+    cpu_s_per_update: float = math.nan
+    rtt_p50_s: float = math.nan
+    rtt_p99_s: float = math.nan
+    peak_rss_bytes: float = math.nan
+    updates: int = 0
+    windows: list = field(default_factory=list)
+    skipped: str = ""  # non-empty: not measured, and why
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def skipped(backend: str, d: int, workers: int, why: str) -> Row:
+    return Row(backend, d, workers, skipped=why)
+
+
+def server_cpu(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def peak_rss(pid: int) -> float:
+    """Peak resident set of the process so far (VmHWM); current RSS where /proc lacks it."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(psutil.Process(pid).memory_info().rss)
+
+
+def sleep_until(t: float) -> None:
+    while True:
+        left = t - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
+
+
+def summarize(backend: str, d: int, workers: int, ts: np.ndarray, rtts: np.ndarray, t0: float, t1: float,
+              cpu0: float, cpu1: float, rss: float, bytes_per_update: float, note: str = "") -> Row:
+    """Figures for one cell: ``ts`` = update completion times, ``rtts[i]`` = round trip of update i
+    (only the updates completed in [t0, t1) count)."""
+    ts = np.asarray(ts, dtype=np.float64)
+    mask = (ts >= t0) & (ts < t1)
+    inside = ts[mask]
+    w = (t1 - t0) / N_WINDOWS
+    rates = [float(np.count_nonzero((inside >= t0 + i * w) & (inside < t0 + (i + 1) * w)) / w)
+             for i in range(N_WINDOWS)]
+    row = Row(backend, d, workers, windows=rates, updates=int(inside.size), note=note,
+              bytes_per_update=float(bytes_per_update), peak_rss_bytes=float(rss))
+    if inside.size == 0:
+        row.skipped = "no update completed in the timed interval"
+        return row
+    row.updates_per_s = statistics.median(rates)
+    row.cpu_s_per_update = (cpu1 - cpu0) / inside.size
+    r = np.asarray(rtts, dtype=np.float64)[mask]
+    if r.size:
+        row.rtt_p50_s = float(np.percentile(r, 50))
+        row.rtt_p99_s = float(np.percentile(r, 99))
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reap_popen(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """SIGTERM each process group still running, wait ``grace`` s, then SIGKILL; always wait."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+
+
+def reap_mp(procs: list, grace: float = 5.0) -> None:
+    """multiprocessing children: join ``grace`` s, terminate, then kill; always joined."""
+    procs = [p for p in procs if p.pid is not None]  # started ones only
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(3)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def worker_loop(step, ctrl, warm: int = 3):
+    """Run ``step()`` (one update; returns nothing) until ``ctrl[0]`` (a monotonic deadline) has
+    passed; returns (completion times, round trips) as float64 arrays."""
+    for _ in range(warm):
+        step()
+    ts, rt = [], []
+    now = time.monotonic()
+    while now < ctrl[0]:
+        step()
+        t = time.monotonic()
+        ts.append(t)
+        rt.append(t - now)
+        now = t
+    return np.asarray(ts), np.asarray(rt)
+
+
+def run_mp_cell(backend: str, server_target, server_args: tuple, worker_target, worker_args: tuple, d: int,
+                workers: int, seconds: float, warmup: float, note: str = "", start_timeout: float = 90.0,
+                server_grace: float = 10.0) -> Row:
+    """One cell with ``spawn``ed processes. ``server_target(*server_args, q_srv)`` puts ("up", pid, info)
+    once listening; ``worker_target(i, info, *worker_args, ctrl, q)`` puts ("ready", i) after its warm-up
+    updates and ("done", i, ts, rtts, bytes_per_update) once ``ctrl[0]`` has passed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q_srv, q = ctx.Queue(), ctx.Queue()
+    ctrl = ctx.RawArray("d", [math.inf])
+    procs = [ctx.Process(target=server_target, args=(*server_args, q_srv), daemon=True)]
+    try:
+        procs[0].start()
+        tag, pid, info = q_srv.get(timeout=start_timeout)
+        for i in range(workers):
+            p = ctx.Process(target=worker_target, args=(i, info, *worker_args, ctrl, q), daemon=True)
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + start_timeout
+        ready = 0
+        while ready < workers:
+            msg = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            if msg[0] == "error":
+                return skipped(backend, d, workers, f"worker failed: {msg[1]}")
+            ready += msg[0] == "ready"
+        t0 = time.monotonic() + warmup
+        t1 = t0 + seconds
+        ctrl[0] = t1
+        sleep_until(t0)
+        cpu0 = server_cpu(pid)
+        sleep_until(t1)
+        cpu1 = server_cpu(pid)
+        rss = peak_rss(pid)
+        ts, rts, nbytes = [], [], []
+        done = 0
+        deadline = time.monotonic() + 60 + seconds
+        while done < workers:
+            msg = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            if msg[0] == "error":
+                return skipped(backend, d, workers, f"worker failed: {msg[1]}")
+            if msg[0] == "done":
+                done += 1
+                ts.append(msg[2])
+                rts.append(msg[3])
+                nbytes.append(msg[4])
+        return summarize(backend, d, workers, np.concatenate(ts), np.concatenate(rts), t0, t1, cpu0, cpu1, rss,
+                         float(np.mean(nbytes)), note)
+    except Exception as e:  # noqa: BLE001 - a failed cell is a row saying why, never a crash of the sweep
+        return skipped(backend, d, workers, f"{type(e).__name__}: {e}"[:200])
+    finally:
+        reap_mp(procs[1:], grace=10)
+        reap_mp(procs[:1], grace=server_grace)
