@@ -20,18 +20,27 @@ from experiments import EXPERIMENTS
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output folder [default: runs/experiments/NAME].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool) -> None:
+@click.option("--real", is_flag=True,
+              help="async-vs-sync and ordered-momentum only: best simulator setting per method re-run on the real "
+                   "daemon with local worker processes (injected delays); simulator and real curves side by side.")
+def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool, real: bool) -> None:
     """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync,
     ordered-momentum, ringmaster-lmo): a CSV of every
     curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
-    if name not in EXPERIMENTS:
-        raise click.BadParameter(f"unknown experiment {name!r} (choose one of {', '.join(sorted(EXPERIMENTS))})",
-                                 param_hint="NAME")
-    out_dir = out_dir or os.path.join("runs", "experiments", name)
+    table = EXPERIMENTS
+    if real:
+        from experiments.real import REAL_EXPERIMENTS
+
+        table = REAL_EXPERIMENTS
+    if name not in table:
+        raise click.BadParameter(f"unknown {'real ' if real else ''}experiment {name!r} "
+                                 f"(choose one of {', '.join(sorted(table))})", param_hint="NAME")
+    out_dir = out_dir or os.path.join("runs", "experiments", f"real-{name}" if real else name)
     t0 = time.monotonic()
-    result = EXPERIMENTS[name](out_dir, quick=quick, seed=seed, progress=not no_progress)
+    result = table[name](out_dir, quick=quick, seed=seed, progress=not no_progress)
     elapsed = time.monotonic() - t0
-    click.echo(f"experiment {name}{' (quick)' if quick else ''}, seed {seed}: {elapsed:.1f} s")
+    tags = (" (real)" if real else "") + (" (quick)" if quick else "")
+    click.echo(f"experiment {name}{tags}, seed {seed}: {elapsed:.1f} s")
     for path in [*result["csv"], *result["png"], result["markdown"]]:
         click.echo(f"  {path}")
     with open(result["markdown"], encoding="utf-8") as f:
