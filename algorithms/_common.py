@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from algorithms.base import JobSpec
+from algorithms.base import JobSpec, Outcome, Result
 from protocol.messages import JobKind
 
 
@@ -27,3 +28,22 @@ class IterateState:
 
     version: int
     x: np.ndarray
+
+
+def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_age: float = np.inf) -> Outcome:
+    """x <- x - lr·g for each result of age <= max_age, one version each; older ones are dropped.
+
+    The update of A1 (max_age = inf), A4 (max_age = tau_max) and A5 (max_age = R - 1).
+    """
+    applied, dropped, ages = [], [], []
+    step = np.asarray(lr, state.x.dtype)
+    for r in results:
+        age = state.version - r.created_at
+        if age > max_age:
+            dropped.append(r.job_id)
+            continue
+        state.x = frozen(state.x - step * r.grads[0])
+        state.version += 1
+        applied.append(r.job_id)
+        ages.append(age)
+    return Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied), ages=tuple(ages))

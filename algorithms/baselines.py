@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from algorithms._common import IterateState, frozen, grad_job
+from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 
 
@@ -70,13 +70,7 @@ class VanillaASGD(PerReplyAlgorithm):
         return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
-        applied, ages = [], []
-        for r in results:
-            ages.append(state.version - r.created_at)
-            state.x = frozen(state.x - np.asarray(self.lr, state.x.dtype) * r.grads[0])
-            state.version += 1
-            applied.append(r.job_id)
-        return state, Outcome(applied=tuple(applied), updated=bool(applied), ages=tuple(ages))
+        return state, sgd_steps(state, results, self.lr)
 
 
 @dataclass(slots=True)
@@ -239,15 +233,4 @@ class DelayFilteredASGD(PerReplyAlgorithm):
         return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
-        applied, dropped, ages = [], [], []
-        for r in results:
-            age = state.version - r.created_at
-            if age > self.tau_max:
-                dropped.append(r.job_id)
-                continue
-            state.x = frozen(state.x - np.asarray(self.lr, state.x.dtype) * r.grads[0])
-            state.version += 1
-            applied.append(r.job_id)
-            ages.append(age)
-        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied),
-                              ages=tuple(ages))
+        return state, sgd_steps(state, results, self.lr, max_age=self.tau_max)

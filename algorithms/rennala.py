@@ -124,6 +124,25 @@ class _Rennala(Algorithm):
 # A8
 
 
+class _PlainBatch:
+    """Rounds of plain GRAD jobs at x_k whose gradients are averaged (A8 and Rennala Muon)."""
+
+    def make_job(self, state: Any, worker_id: str):
+        return state, grad_job(state.version, state.x)
+
+    def live_iterate_ids(self, state: Any) -> set[int]:
+        return {state.version}
+
+    def _target(self, state: Any) -> int:
+        return self.B
+
+    def _current(self, state: Any) -> tuple[JobKind, tuple[int, ...]]:
+        return JobKind.GRAD, (state.version,)
+
+    def _accumulate(self, state: Any, result: Result) -> None:
+        state.grad_sum += result.grads[0]
+
+
 @dataclass(slots=True)
 class RennalaState:
     version: int
@@ -133,7 +152,7 @@ class RennalaState:
 
 
 @dataclass(frozen=True)
-class RennalaSGD(_Rennala):
+class RennalaSGD(_PlainBatch, _Rennala):
     """A8, Rennala SGD (Tyurin & Richtárik, "Optimal Time Complexities of Parallel Stochastic
     Optimization Methods Under a Fixed Computation Model", NeurIPS 2023, arXiv 2305.12387).
 
@@ -170,21 +189,6 @@ class RennalaSGD(_Rennala):
     def init(self, x0: np.ndarray, *, seed: int):
         x = _initial_iterate(x0)
         return RennalaState(version=0, x=x, grad_sum=np.zeros_like(x), count=0), []
-
-    def make_job(self, state: RennalaState, worker_id: str):
-        return state, grad_job(state.version, state.x)
-
-    def live_iterate_ids(self, state: RennalaState) -> set[int]:
-        return {state.version}
-
-    def _target(self, state: RennalaState) -> int:
-        return self.B
-
-    def _current(self, state: RennalaState) -> tuple[JobKind, tuple[int, ...]]:
-        return JobKind.GRAD, (state.version,)
-
-    def _accumulate(self, state: RennalaState, result: Result) -> None:
-        state.grad_sum += result.grads[0]
 
     def _update(self, state: RennalaState) -> None:
         dt = state.x.dtype
@@ -436,7 +440,7 @@ class RennalaMuonState:
 
 
 @dataclass(frozen=True)
-class RennalaMuon(_Rennala):
+class RennalaMuon(_PlainBatch, _Rennala):
     """Rennala Muon, the Rennala baseline of Ringmaster LMO (Sadiev, Maranjyan, Ilin,
     Richtárik, arXiv 2605.18174; public code ``RennalaMuonSGD``, ALGORITHMS.md §6).
 
@@ -503,21 +507,6 @@ class RennalaMuon(_Rennala):
         self._check_layout_size(x)
         z = np.zeros_like(x)
         return RennalaMuonState(version=0, x=x, m=z, grad_sum=z.copy(), count=0), []
-
-    def make_job(self, state: RennalaMuonState, worker_id: str):
-        return state, grad_job(state.version, state.x)
-
-    def live_iterate_ids(self, state: RennalaMuonState) -> set[int]:
-        return {state.version}
-
-    def _target(self, state: RennalaMuonState) -> int:
-        return self.B
-
-    def _current(self, state: RennalaMuonState) -> tuple[JobKind, tuple[int, ...]]:
-        return JobKind.GRAD, (state.version,)
-
-    def _accumulate(self, state: RennalaMuonState, result: Result) -> None:
-        state.grad_sum += result.grads[0]
 
     def _update(self, state: RennalaMuonState) -> None:
         dt = state.x.dtype

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from algorithms._common import IterateState, frozen, grad_job
+from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, check_choice
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
@@ -71,18 +71,7 @@ class RingmasterASGD(PerReplyAlgorithm):
         return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
-        applied, dropped, ages = [], [], []
-        for r in results:
-            age = state.version - r.created_at
-            if age >= self.R:
-                dropped.append(r.job_id)
-                continue
-            state.x = frozen(state.x - np.asarray(self.lr, state.x.dtype) * r.grads[0])
-            state.version += 1
-            applied.append(r.job_id)
-            ages.append(age)
-        return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied),
-                              ages=tuple(ages))
+        return state, sgd_steps(state, results, self.lr, max_age=self.R - 1)
 
     def cancel(self, state: IterateState, outstanding: Sequence[Any]) -> list[int]:
         return _stale_jobs(state.version, outstanding, self.R) if self.stops else []
