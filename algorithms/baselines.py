@@ -38,8 +38,22 @@ class PerReplyAlgorithm(Algorithm):
         return state
 
 
+class PlainSGDMethod(PerReplyAlgorithm):
+    """Base of the momentum-free per-reply methods (A1, A3, A4, A5): state = (version, x), and
+    every job is a GRAD job at the current iterate."""
+
+    def state_class(self) -> type:
+        return IterateState
+
+    def init(self, x0: np.ndarray, *, seed: int):
+        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
+
+    def make_job(self, state: IterateState, worker_id: str):
+        return state, grad_job(state.version, state.x)
+
+
 @dataclass(frozen=True)
-class VanillaASGD(PerReplyAlgorithm):
+class VanillaASGD(PlainSGDMethod):
     """A1, vanilla asynchronous SGD.
 
     Every reply, whatever its age δ = k − created_at, is applied at once:
@@ -59,15 +73,6 @@ class VanillaASGD(PerReplyAlgorithm):
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
-
-    def state_class(self) -> type:
-        return IterateState
-
-    def init(self, x0: np.ndarray, *, seed: int):
-        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
-
-    def make_job(self, state: IterateState, worker_id: str):
-        return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
         return state, sgd_steps(state, results, self.lr)
@@ -137,7 +142,7 @@ class NaiveMomentumASGD(PerReplyAlgorithm):
 
 
 @dataclass(frozen=True)
-class DelayAdaptiveASGD(PerReplyAlgorithm):
+class DelayAdaptiveASGD(PlainSGDMethod):
     """A3, delay-adaptive asynchronous SGD: every reply applied, the step shrinks with its age δ.
 
         x_{k+1} = x_k − lr_δ · g
@@ -177,15 +182,6 @@ class DelayAdaptiveASGD(PerReplyAlgorithm):
             return self.lr
         return min(self.lr, 1.0 / (4.0 * self.smoothness * age))
 
-    def state_class(self) -> type:
-        return IterateState
-
-    def init(self, x0: np.ndarray, *, seed: int):
-        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
-
-    def make_job(self, state: IterateState, worker_id: str):
-        return state, grad_job(state.version, state.x)
-
     def apply(self, state: IterateState, results: Sequence[Result]):
         applied, ages = [], []
         lr = self.lr
@@ -201,7 +197,7 @@ class DelayAdaptiveASGD(PerReplyAlgorithm):
 
 
 @dataclass(frozen=True)
-class DelayFilteredASGD(PerReplyAlgorithm):
+class DelayFilteredASGD(PlainSGDMethod):
     """A4, delay-filtered ("staleness-aware filtering") asynchronous SGD.
 
     A reply of age δ ≤ τ_max is applied, x_{k+1} = x_k − lr · g; a reply with δ > τ_max is
@@ -222,15 +218,6 @@ class DelayFilteredASGD(PerReplyAlgorithm):
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
         check_hyper("tau_max", self.tau_max, lo=0, integer=True)
-
-    def state_class(self) -> type:
-        return IterateState
-
-    def init(self, x0: np.ndarray, *, seed: int):
-        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
-
-    def make_job(self, state: IterateState, worker_id: str):
-        return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
         return state, sgd_steps(state, results, self.lr, max_age=self.tau_max)

@@ -21,7 +21,7 @@ import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
-from algorithms.baselines import PerReplyAlgorithm, check_choice
+from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
 
 
@@ -31,7 +31,7 @@ def _stale_jobs(version: int, outstanding: Sequence[Any], threshold: int) -> lis
 
 
 @dataclass(frozen=True)
-class RingmasterASGD(PerReplyAlgorithm):
+class RingmasterASGD(PlainSGDMethod):
     """A5, Ringmaster ASGD: asynchronous SGD that never applies a reply of delay ≥ R.
 
     On a reply of age δ at version k:
@@ -60,15 +60,6 @@ class RingmasterASGD(PerReplyAlgorithm):
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
         check_hyper("R", self.R, lo=1, integer=True)
         check_choice("stops", self.stops, (True, False))
-
-    def state_class(self) -> type:
-        return IterateState
-
-    def init(self, x0: np.ndarray, *, seed: int):
-        return IterateState(version=0, x=frozen(np.array(x0, copy=True))), []
-
-    def make_job(self, state: IterateState, worker_id: str):
-        return state, grad_job(state.version, state.x)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
         return state, sgd_steps(state, results, self.lr, max_age=self.R - 1)

@@ -172,6 +172,20 @@ def write_text(path: str, text: str) -> str:
     return path
 
 
+def style_axis(ax: Any, title: str, xlabel: str, ylabel: str, *, logy: bool, hline: float | None) -> None:
+    """The look every experiment panel shares: log scale, target line, labels, grid, legend."""
+    if logy:
+        ax.set_yscale("log")
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=6.5)
+
+
 def plot_panels(path: str, panels: Sequence[tuple[str, Sequence[tuple[str, np.ndarray, np.ndarray]]]], *,
                 xlabel: str, ylabel: str, suptitle: str, logy: bool = True, ncols: int = 3,
                 hline: float | None = None) -> str:
@@ -189,16 +203,7 @@ def plot_panels(path: str, panels: Sequence[tuple[str, Sequence[tuple[str, np.nd
         for label, x, y in lines:
             ok = np.isfinite(y) & ((y > 0) if logy else True)
             ax.plot(x[ok], y[ok], label=label, linewidth=1.3)
-        if logy:
-            ax.set_yscale("log")
-        if hline is not None:
-            ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=6.5)
+        style_axis(ax, title, xlabel, ylabel, logy=logy, hline=hline)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     fig.suptitle(suptitle, fontsize=10)

@@ -148,16 +148,7 @@ def plot_side_by_side(path: str, methods: Sequence[str], labels: dict[str, str],
             x, y = curves[m]
             ok = np.isfinite(y) & ((y > 0) if logy else True)
             ax.plot(x[ok], y[ok], label=labels[m], color=COLORS[k % len(COLORS)], linewidth=1.3)
-        if logy:
-            ax.set_yscale("log")
-        if hline is not None:
-            ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=6.5)
+        common.style_axis(ax, title, xlabel, ylabel, logy=logy, hline=hline)
     fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=common.DPI)
