@@ -32,6 +32,7 @@ from protocol.messages import (
     PROTOCOL_VERSION,
     TYPE_NAMES,
     TYPES_BY_NAME,
+    WIRE_DTYPES,
     Bye,
     Cancel,
     Error,
@@ -174,6 +175,20 @@ def _rows(v: Any) -> tuple:
             raise ValueError("a row is a list of at most 16 values")
         out.append(tuple(_scalar(x) for x in row))
     return tuple(out)
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise ValueError(f"expected a boolean, got {v!r:.80}")
+    return v
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if type(v) is not str or v not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {v!r:.80}")
+        return v
+    return check
+
+
 _U64 = _int(0, U64_MAX)
 _NAT = _int(0, I64_MAX)
 _CREDIT = _int(1, MAX_LIST_LEN)  # busy lists are capped at MAX_LIST_LEN
@@ -184,15 +199,17 @@ _IDS = _int_tuple(0, I64_MAX)
 _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
-            "seen": _int(-1, I64_MAX), "run_id": _U64},
+            "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
-              "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float},
-    Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS},
+              "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
+              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN)},
+    Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS, "shm": _bool},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
-          "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2)},
+          "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2),
+          "refs": _int_tuple(0, I64_MAX, 2), "grad_slots": _int_tuple(0, I64_MAX, 2)},
     Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_number), "count": _NAT,
-            "compute_s": _float, "holds": _IDS},
+            "compute_s": _float, "holds": _IDS, "in_shm": _bool},
     Heartbeat: {"boot": _U64, "credit": _int(0, MAX_LIST_LEN), "busy": _IDS, "seen": _int(-1, I64_MAX)},
     Cancel: {"job_ids": _IDS},
     Bye: {"reason": _str(MAX_STR_LEN)},
@@ -202,6 +219,10 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Status: {"token": _U64, "info": _options, "columns": _names, "rows": _rows},
 }
 _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
+# Fields added after the first release of version 1 (same-host path, wire dtype): left out of
+# the header while at their default.
+_OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
+                                   "in_shm": (False,)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }
@@ -234,6 +255,8 @@ def encode(msg: Any) -> list[Any]:
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "t": TYPE_NAMES[cls]}
     for name, check in schema.items():
         value = _wire_value(getattr(msg, name))
+        if name in _OMIT_DEFAULT and value in _OMIT_DEFAULT[name]:
+            continue  # optional extensions travel only when used: older peers see the same bytes
         try:
             check(value)
         except ValueError as e:

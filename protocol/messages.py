@@ -39,6 +39,10 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 }
 
 
+# How iterates and gradients may travel in frames (Welcome.wire_dtype; protocol/wire.py converts).
+WIRE_DTYPES = ("f32", "f16", "bf16")
+
+
 class JobKind(IntEnum):
     """What a job asks the worker to compute."""
 
@@ -75,6 +79,7 @@ class Hello:
     busy: tuple[int, ...] = ()  # job ids it holds unanswered (after a reconnect: still computing)
     seen: int = -1  # highest job id received from run ``run_id``
     run_id: int = 0  # the run the worker last worked for (0: none)
+    shm: bool = False  # the worker can use the same-host shared-memory path (PROTOCOL.md §6.11)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,8 @@ class Welcome:
     problem_options: dict = field(default_factory=dict)  # msgpack-able: str -> str|int|float|bool
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S
+    wire_dtype: str = "f32"  # how iterates and gradients travel in frames: f32, f16 or bf16 (§6.12)
+    shm: str = ""  # same-host path offered: the shared-memory name prefix ("": TCP only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +103,7 @@ class Ready:
 
     credit: int
     holds: tuple[int, ...] = ()
+    shm: bool = False  # the worker opened the server's shared memory (answer to Welcome.shm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +125,8 @@ class Job:
     deadline: int | None = None  # FULL_GRAD: last round at which the result may be used
     point_ids: tuple[int, ...] = ()
     points: tuple[np.ndarray, ...] = ()
+    refs: tuple[int, ...] = ()  # same-host path: shared-memory slot of each iterate id, same order
+    grad_slots: tuple[int, ...] = ()  # same-host path: slots the gradients are to be written into
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +144,7 @@ class Reply:
     count: int = 0
     compute_s: float = 0.0
     holds: tuple[int, ...] = ()
+    in_shm: bool = False  # the gradients are in the job's grad_slots (then ``grads`` is empty)
 
 
 @dataclass(frozen=True, slots=True)
