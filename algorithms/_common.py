@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from algorithms._pool import step_into
 from algorithms.base import JobSpec, Outcome, Result
 from protocol.messages import JobKind
 
@@ -36,13 +37,12 @@ def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_
     The update of A1 (max_age = inf), A4 (max_age = tau_max) and A5 (max_age = R - 1).
     """
     applied, dropped, ages = [], [], []
-    step = np.asarray(lr, state.x.dtype)
     for r in results:
         age = state.version - r.created_at
         if age > max_age:
             dropped.append(r.job_id)
             continue
-        state.x = frozen(state.x - step * r.grads[0])
+        state.x = step_into(state.x, lr, r.grads[0])
         state.version += 1
         applied.append(r.job_id)
         ages.append(age)

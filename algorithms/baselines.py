@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
+from algorithms._pool import step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 
 
@@ -130,7 +131,7 @@ class NaiveMomentumASGD(PerReplyAlgorithm):
             ages.append(state.version - r.created_at)
             state.m *= np.asarray(1.0 - self.beta, dt)
             state.m += np.asarray(self.beta, dt) * r.grads[0]
-            state.x = frozen(state.x - np.asarray(self.lr, dt) * state.m)
+            state.x = step_into(state.x, self.lr, state.m)
             state.version += 1
             applied.append(r.job_id)
         return state, Outcome(applied=tuple(applied), updated=bool(applied), ages=tuple(ages))
@@ -188,7 +189,7 @@ class DelayAdaptiveASGD(PlainSGDMethod):
         for r in results:
             age = state.version - r.created_at
             lr = self.step_size(age)
-            state.x = frozen(state.x - np.asarray(lr, state.x.dtype) * r.grads[0])
+            state.x = step_into(state.x, lr, r.grads[0])
             state.version += 1
             applied.append(r.job_id)
             ages.append(age)

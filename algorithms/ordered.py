@@ -12,6 +12,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from algorithms._common import frozen, grad_job
+from algorithms._pool import step_into
 from algorithms.base import JobSpec, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, check_choice
 from protocol.messages import JobKind
@@ -79,14 +80,14 @@ class OrderedMomentum(PerReplyAlgorithm):
                 state.m += self._weight(age, dt) * r.grads[0]
                 applied.append(r.job_id)
                 ages.append(age)
-            state.x = frozen(state.x - np.asarray(self.lr, dt) * state.m)
+            state.x = step_into(state.x, self.lr, state.m)
             state.version += 1
         else:
             for r in results:
                 age = state.version - r.created_at
                 state.m *= np.asarray(1.0 - self.beta, dt)
                 state.m += self._weight(age, dt) * r.grads[0]
-                state.x = frozen(state.x - np.asarray(self.lr, dt) * state.m)
+                state.x = step_into(state.x, self.lr, state.m)
                 state.version += 1
                 applied.append(r.job_id)
                 ages.append(age)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import frozen, grad_job
+from algorithms._pool import step_into
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction
 from protocol.messages import JobKind
@@ -193,7 +194,7 @@ class RennalaSGD(_PlainBatch, _Rennala):
     def _update(self, state: RennalaState) -> None:
         dt = state.x.dtype
         mean = state.grad_sum / np.asarray(self.B, dt)
-        state.x = frozen(state.x - np.asarray(self.lr, dt) * mean)
+        state.x = step_into(state.x, self.lr, mean)
         state.version += 1
         state.grad_sum[...] = 0
         state.count = 0
@@ -306,7 +307,7 @@ class RennalaMVR(_Rennala):
             state.g *= np.asarray(1.0 - self.p, dt)
             state.g += state.sum_new / b
         state.x_prev = state.x
-        state.x = frozen(state.x - np.asarray(self.lr, dt) * state.g)
+        state.x = step_into(state.x, self.lr, state.g)
         state.version += 1
         state.sum_new[...] = 0
         state.sum_old[...] = 0
@@ -414,7 +415,7 @@ class RennalaMVRInexact(_Rennala):
             state.g += np.asarray(self.p, dt) * g_hat
             state.g += correction
         state.g_hat_prev = g_hat
-        state.x = frozen(state.x - np.asarray(self.lr, dt) * state.g)
+        state.x = step_into(state.x, self.lr, state.g)
         state.version += 1
         state.grad_sum[...] = 0
         state.count = 0

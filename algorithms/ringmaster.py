@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
+from algorithms._pool import step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
@@ -131,7 +132,7 @@ class _LMOMomentum(PerReplyAlgorithm):
         state.m += np.asarray(alpha, dt) * g
         u = np.asarray(1.0 - alpha, dt) * state.m + np.asarray(alpha, dt) * g if self.nesterov else state.m
         d = self._direction(lmo, u).astype(dt, copy=False)
-        state.x = frozen(state.x - np.asarray(eta, dt) * d)
+        state.x = step_into(state.x, eta, d)
         state.version += 1
 
     def validate_state(self, state: LMOMomentumState) -> None:

@@ -1,14 +1,28 @@
 """(b) latecomer: the real ``latecomer serve`` daemon and ``latecomer work`` processes on loopback,
 plain async SGD (``asgd``) on the ``synthetic`` problem (the worker's gradient is a constant vector).
 
+Four variants (bench backend names):
+
+* ``latecomer``: TCP path, ``serve --shm off`` and ``work --shm off`` (arrays in ZeroMQ frames)
+* ``latecomer-shm``: the same-host path (``--shm auto``, the default): the worker reads iterates
+  from the server's shared memory and writes gradients into shared buffers; only headers cross
+  the socket
+* ``latecomer-curve``: TCP with CurveZMQ on (``--keys``), ``--shm off``
+* ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16`` (2-byte frames), ``--shm off``
+
 Updates are the daemon's ``applied`` events; a round trip is a job's ``issued`` -> ``applied``
-time (both stamped by the daemon, monotonic clock). The events file costs the daemon two
-``json.dumps`` per update: that is included in its CPU figure."""
+time (both stamped by the daemon, monotonic clock, the same clock as the bench's windows). The
+events file costs the daemon a ``json.dumps`` per event (two per update): that is included in
+its CPU figure. Start-up readiness is asked over the protocol (a ``StatusRequest``), so it does
+not depend on when the daemon flushes its events file.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,12 +34,39 @@ import numpy as np
 from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped, sleep_until, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16")
+_EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
+_SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
 
 
 def _start(*args: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "ps", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+@functools.lru_cache(maxsize=None)
+def cli_options(command: str) -> frozenset[str]:
+    """The long options ``latecomer COMMAND`` accepts (read from the click command; ``--help`` as a fallback)."""
+    try:
+        import click
+
+        from ps.cli import main
+
+        cmd = main.get_command(click.Context(main), command)
+        return frozenset(o for p in cmd.params for o in p.opts if o.startswith("--"))
+    except Exception:  # noqa: BLE001 - a CLI being edited may not import; ask a subprocess instead
+        p = subprocess.run([sys.executable, "-m", "ps", command, "--help"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", p.stdout))
+
+
+def missing_flag(variant: str) -> str:
+    """Why ``variant`` cannot run with this checkout's CLI ("" when it can)."""
+    need = {"latecomer-shm": [("serve", "--shm"), ("work", "--shm")],
+            "latecomer-bf16": [("serve", "--wire-dtype")]}.get(variant, [])
+    gone = [f"`latecomer {c} {f}`" for c, f in need if f not in cli_options(c)]
+    return f"{' and '.join(gone)} {'do' if len(gone) > 1 else 'does'} not exist yet" if gone else ""
 
 
 def _events(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -35,11 +76,13 @@ def _events(path: str) -> tuple[np.ndarray, np.ndarray]:
         for line in f:
             if not line.endswith("\n"):
                 continue
-            if '"ev": "issued"' in line:
-                ev = json.loads(line)
+            m = _EV.search(line)
+            if m is None:
+                continue
+            ev = json.loads(line)
+            if m.group(1) == "issued":
                 issued[ev["job_id"]] = ev["t"]
-            elif '"ev": "applied"' in line:
-                ev = json.loads(line)
+            else:
                 t0 = issued.get(ev["job_id"])
                 if t0 is not None:
                     ts.append(ev["t"])
@@ -47,40 +90,81 @@ def _events(path: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ts), np.asarray(rt)
 
 
-def _count_applied(path: str) -> int:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return sum(1 for line in f if '"ev": "applied"' in line)
-    except OSError:
-        return 0
+def wire_bytes(d: int, variant: str = "latecomer") -> int:
+    """Bytes crossing the socket per update: one Job and one Reply as the protocol codec encodes them.
 
-
-def wire_bytes(d: int) -> int:
-    """Bytes of one Job carrying x and one Reply carrying g, encoded by the protocol codec."""
+    TCP (and CurveZMQ, before its own framing): x in the Job, g in the Reply, float32. bf16:
+    the same frames at 2 bytes per element. Same-host path: headers only (the Job names the
+    shared-memory slots of x and of the gradient, the Reply says the gradient is in shared memory).
+    """
     from protocol.codec import encode
     from protocol.messages import Job, JobKind, Reply
 
-    x = np.zeros(d, np.float32)
-    job = Job(job_id=123456, kind=JobKind.GRAD, created_at=123456, iterate_ids=(123456,), seed=2**62, batch_size=32,
-              point_ids=(123456,), points=(x,))
-    rep = Reply(job_id=123456, created_at=123456, grads=(x,), loss=0.0, count=32, compute_s=1e-5, holds=(123456,))
-    return sum(len(f) if isinstance(f, bytes) else f.nbytes for f in [*encode(job), *encode(rep)])
+    common = dict(job_id=123456, kind=JobKind.GRAD, created_at=123456, iterate_ids=(123456,), seed=2**62,
+                  batch_size=32)
+    if variant == "latecomer-shm":
+        job = Job(**common, refs=(_SLOT,), grad_slots=(_SLOT,))
+        rep = Reply(job_id=123456, created_at=123456, grads=(), loss=0.0, count=32, compute_s=1e-5,
+                    holds=(123456,), in_shm=True)
+    else:
+        x = np.zeros(d, np.uint16 if variant == "latecomer-bf16" else np.float32)
+        job = Job(**common, point_ids=(123456,), points=(x,))
+        rep = Reply(job_id=123456, created_at=123456, grads=(x,), loss=0.0, count=32, compute_s=1e-5,
+                    holds=(123456,))
+    return sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in [*encode(job), *encode(rep)])
 
 
-def run(d: int, workers: int, seconds: float, warmup: float, *, curve: bool = False,
+def _status(endpoint: str, keys: str | None):
+    from ps.status import fetch_status
+
+    kw = {}
+    if keys:
+        kw = {"key_secret": os.path.join(keys, "workers", "bstatus.key_secret"),
+              "server_key": os.path.join(keys, "server.key")}
+    return fetch_status(endpoint, timeout_s=5.0, **kw)
+
+
+def _shm_in_use(st) -> bool | None:
+    """Whether the server's status says a worker uses the same-host path (None: it does not say)."""
+    said = None
+    for k, v in st.info.items():
+        if "shm" in k.lower():
+            said = bool(said) or bool(v)
+    for j, col in enumerate(st.columns):
+        if "shm" in col.lower():
+            said = bool(said) or any(bool(r[j]) and r[j] not in ("off", "no", "tcp") for r in st.rows)
+    return said
+
+
+def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "latecomer", credit: int = 1,
         start_timeout: float = 90.0) -> Row:
-    name = "latecomer-curve" if curve else "latecomer"
+    if variant not in VARIANTS:
+        raise ValueError(variant)
+    why = missing_flag(variant)
+    if why:
+        return skipped(variant, d, workers, why)
+    shm_flag = "--shm" in cli_options("serve") and "--shm" in cli_options("work")
+    curve = variant == "latecomer-curve"
     with tempfile.TemporaryDirectory(prefix="latecomer-bench-") as tmp:
         events = os.path.join(tmp, "events.jsonl")
         args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic", "--problem-opt", f"d={d}",
                 "--algorithm", "asgd", "--set", f"lr={LR}", "--max-time", str(start_timeout + warmup + seconds + 30),
                 "--min-workers", str(workers), "--eval-every", "0", "--events", events, "--log-level", "error"]
-        keys = os.path.join(tmp, "keys")
-        if curve:
+        wargs = ["--log-level", "error", "--credit", str(credit)]
+        if variant == "latecomer-shm":
+            args += ["--shm", "auto"]
+            wargs += ["--shm", "auto"]
+        elif shm_flag:
+            args += ["--shm", "off"]
+            wargs += ["--shm", "off"]
+        if variant == "latecomer-bf16":
+            args += ["--wire-dtype", "bf16"]
+        keys = os.path.join(tmp, "keys") if curve else None
+        if keys:
             subprocess.run([sys.executable, "-m", "ps", "keys", "init", keys], cwd=REPO, check=True,
                            capture_output=True, timeout=60)
-            for i in range(workers):
-                subprocess.run([sys.executable, "-m", "ps", "keys", "add-worker", f"b{i}", "--keys", keys], cwd=REPO,
+            for name in [*(f"b{i}" for i in range(workers)), "bstatus"]:
+                subprocess.run([sys.executable, "-m", "ps", "keys", "add-worker", name, "--keys", keys], cwd=REPO,
                                check=True, capture_output=True, timeout=60)
             args += ["--keys", keys]
         server = _start(*args, stdout=subprocess.PIPE)
@@ -91,18 +175,24 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, curve: bool = Fa
             r, _, _ = select.select([server.stdout], [], [], start_timeout)
             line = server.stdout.readline().decode() if r else ""
             if "listening on" not in line:
-                return skipped(name, d, workers, f"daemon did not start: {line.strip()[:100]!r}")
+                return skipped(variant, d, workers, f"daemon did not start: {line.strip()[:100]!r}")
             endpoint = line.split()[-1]
             for i in range(workers):
-                w = ["work", "--server", endpoint, "--worker-id", f"b{i}", "--log-level", "error"]
-                if curve:
+                w = ["work", "--server", endpoint, "--worker-id", f"b{i}", *wargs]
+                if keys:
                     w += ["--key", os.path.join(keys, "workers", f"b{i}.key_secret"),
                           "--server-key", os.path.join(keys, "server.key")]
                 procs.append(_start(*w))
             deadline = time.monotonic() + start_timeout
-            while _count_applied(events) < 3:
+            while True:  # ready once a few updates went through (asked over the protocol)
                 if time.monotonic() > deadline or server.poll() is not None:
-                    return skipped(name, d, workers, "no update applied within the start timeout")
+                    return skipped(variant, d, workers, "no update applied within the start timeout")
+                try:
+                    st = _status(endpoint, keys)
+                    if st.info.get("counter.applied", 0) >= 3:
+                        break
+                except TimeoutError:
+                    pass
                 time.sleep(0.1)
             t0 = time.monotonic() + warmup
             t1 = t0 + seconds
@@ -111,16 +201,32 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, curve: bool = Fa
             sleep_until(t1)
             cpu1 = server_cpu(server.pid)
             rss = peak_rss(server.pid)
+            shm_used = None
+            if variant == "latecomer-shm":
+                try:
+                    shm_used = _shm_in_use(_status(endpoint, keys))
+                except TimeoutError:
+                    pass
             server.send_signal(signal.SIGTERM)  # graceful: bye to the workers, events flushed
             try:
                 server.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 pass
             ts, rt = _events(events)
-            return summarize(name, d, workers, ts, rt, t0, t1, cpu0, cpu1, rss, wire_bytes(d),
-                             note="RTT: issue->apply in the daemon")
+            note = "RTT: issue->apply in the daemon"
+            if credit != 1:
+                note += f"; credit {credit}"
+            if variant == "latecomer-shm":
+                note += ("; bytes: headers only (x and g go through shared memory)"
+                         + {True: "", False: "; status says shm is NOT in use",
+                            None: "; shm use not confirmed by the status"}[shm_used])
+            elif variant == "latecomer-bf16":
+                note += "; bytes: bf16 frames (2 bytes/element)"
+            elif curve:
+                note += "; bytes: before CurveZMQ framing"
+            return summarize(variant, d, workers, ts, rt, t0, t1, cpu0, cpu1, rss, wire_bytes(d, variant), note=note)
         except Exception as e:  # noqa: BLE001
-            return skipped(name, d, workers, f"{type(e).__name__}: {e}"[:200])
+            return skipped(variant, d, workers, f"{type(e).__name__}: {e}"[:200])
         finally:
             reap_popen(procs[1:], grace=5)
             reap_popen(procs[:1], grace=5)

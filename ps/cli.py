@@ -554,10 +554,13 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
               help="Probability that a reply is lost in transit.")
 @click.option("--liveness-timeout", type=float, default=10.0, show_default=True, callback=_positive)
 @click.option("--eval-every", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
+              help="How iterates and gradients travel (PROTOCOL.md §6.12): simulated workers compute on the "
+                   "quantized iterate and their gradients reach the server quantized.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True)
 def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_model, noise, max_time, max_steps,
-             batch_size, crashes, loss_prob, liveness_timeout, eval_every, seed, out) -> None:
+             batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
     from ps.core import CoreConfig
     from ps.report import plot_run, write_trace_csv
@@ -579,7 +582,7 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
     cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem_obj.options or {}), batch_size=batch_size,
                      liveness_timeout_s=liveness_timeout, min_workers=workers, seed=seed)
     sim = Simulator(alg, problem_obj, DelayModel.named(delay_model, workers, noise=noise), cfg, seed=seed,
-                    crashes=crash_list, loss_prob=loss_prob)
+                    crashes=crash_list, loss_prob=loss_prob, wire_dtype=wire_dtype)
     from tqdm import tqdm
 
     bar = tqdm(total=max_time, desc=f"simulating {spec.algorithm}", unit="sim-s", dynamic_ncols=True)
@@ -595,13 +598,15 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
     write_trace_csv(trace, os.path.join(out, "trace.csv"))
     evs = [{"ev": "applied", "age": a[3], "worker_id": a[2], "t": a[4]} for a in trace.applied]
     plot = plot_run(trace.points, evs, os.path.join(out, "convergence.png"),
-                    title=f"{spec.algorithm} on {spec.problem} (simulated, {workers} workers, {delay_model})")
+                    title=f"{spec.algorithm} on {spec.problem} (simulated, {workers} workers, {delay_model}"
+                          f"{'' if wire_dtype == 'f32' else ', wire ' + wire_dtype})")
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"counters": trace.counters, "points": trace.points[-1:], "final_t": trace.final_t}, f, indent=1)
+        json.dump({"counters": trace.counters, "points": trace.points[-1:], "final_t": trace.final_t,
+                   "wire_dtype": wire_dtype}, f, indent=1)
     first, last = trace.points[0], trace.points[-1]
     c = trace.counters
     click.echo(f"simulated {trace.final_t:.1f} s: {c['updates']} updates, applied {c['applied']}, "
-               f"dropped {c['dropped']}, lost {c['lost']}")
+               f"dropped {c['dropped']}, lost {c['lost']}, wire dtype {wire_dtype}")
     for key in ("loss", "grad_norm_sq", "accuracy"):
         if key in first:
             click.echo(f"  {key}: {first[key]:.6g} -> {last[key]:.6g}")

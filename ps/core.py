@@ -522,7 +522,8 @@ class ServerCore:
                 return ErrorCode.BAD_SHAPE, f"gradient shape {g.shape} != ({self.dim},)"
             if g.dtype.kind != "f":
                 return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
-            if not np.isfinite(g).all():
+            # One BLAS pass: g·g is finite unless g holds NaN/Inf (or overflows; then look exactly).
+            if not math.isfinite(np.dot(g, g)) and not np.isfinite(g).all():
                 return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
         if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
             if reply.count != entry.shard[1] - entry.shard[0]:

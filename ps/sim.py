@@ -4,6 +4,10 @@ The fake clock is the event heap. Simulated workers receive the core's ``Job`` m
 compute them with the same :func:`worker.compute.run_job` a real worker uses, and answer
 after a simulated duration drawn from a :class:`DelayModel` (ALGORITHMS.md §8.2). Crashes,
 rejoins and lost replies are scripted. Same seed, same trace.
+
+``wire_dtype`` (PROTOCOL.md §6.12) quantizes what the real transport would: a simulated worker
+computes on ``roundtrip(iterate, wire)`` and its reply gradients reach the core as
+``roundtrip(grad, wire)``; the core keeps float32 iterates. ``"f32"`` changes nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from algorithms.base import Algorithm
 from problems.base import Problem
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
+from protocol.wire import check_wire, roundtrip
 from ps.core import CoreConfig, Disconnect, Send, ServerCore
 from worker.compute import run_job
 
@@ -153,11 +158,15 @@ class Simulator:
         loss_prob: probability that a finished reply is lost in transit.
         credit: jobs each worker may hold.
         cache_size: iterates a simulated worker caches (evicting least recently used).
+        wire_dtype: how iterates and gradients travel (``"f32"``, ``"f16"``, ``"bf16"``): job
+            points are quantized on their way to a worker, reply gradients on their way back.
     """
 
     def __init__(self, algorithm: Algorithm, problem: Problem, delays: DelayModel, config: CoreConfig | None = None,
                  *, seed: int = 0, crashes: Sequence[Crash] = (), loss_prob: float = 0.0, credit: int = 1,
-                 cache_size: int = 4, heartbeat_s: float | None = None, x0: np.ndarray | None = None) -> None:
+                 cache_size: int = 4, heartbeat_s: float | None = None, x0: np.ndarray | None = None,
+                 wire_dtype: str = "f32") -> None:
+        self.wire_dtype = check_wire(wire_dtype)
         self.problem = problem
         self.delays = delays
         self.cfg = config or CoreConfig(min_workers=len(delays.tau))
@@ -202,7 +211,7 @@ class Simulator:
             m = c.msg
             if isinstance(m, Job):
                 for iid, p in zip(m.point_ids, m.points, strict=True):
-                    w.cache[iid] = p
+                    w.cache[iid] = roundtrip(p, self.wire_dtype)  # what the worker decodes
                 w.seen = max(w.seen, m.job_id)
                 self._accept_job(w, m)
             elif isinstance(m, Cancel):
@@ -251,7 +260,10 @@ class Simulator:
         reply = run_job(job, points, self.problem)
         while len(w.cache) > self.cache_size:
             w.cache.popitem(last=False)
-        reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=reply.grads, loss=reply.loss,
+        grads = reply.grads
+        if self.wire_dtype != "f32":  # what the server decodes
+            grads = tuple(roundtrip(g, self.wire_dtype) for g in grads)
+        reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=grads, loss=reply.loss,
                       count=reply.count, compute_s=duration, holds=tuple(w.cache))
         self._start_next(w)
         if self.loss_prob and self.rng.random() < self.loss_prob:
@@ -366,7 +378,7 @@ def simulate(algorithm: Algorithm, problem: Problem, delays: DelayModel, config:
              **run_kwargs: Any) -> Trace:
     """One-call form: build a :class:`Simulator` and run it. Keyword arguments not accepted by
     ``Simulator`` go to :meth:`Simulator.run`."""
-    sim_keys = {"seed", "crashes", "loss_prob", "credit", "cache_size", "heartbeat_s", "x0"}
+    sim_keys = {"seed", "crashes", "loss_prob", "credit", "cache_size", "heartbeat_s", "x0", "wire_dtype"}
     sim_kw = {k: v for k, v in run_kwargs.items() if k in sim_keys}
     run_kw = {k: v for k, v in run_kwargs.items() if k not in sim_keys}
     return Simulator(algorithm, problem, delays, config, **sim_kw).run(**run_kw)

@@ -71,3 +71,44 @@ def test_delay_models():
     assert DelayModel.named("linear", 3, straggler=50).tau == (1.0, 2.0, 150.0)
     with pytest.raises(ValueError):
         DelayModel.named("quadratic", 3)
+
+
+@pytest.mark.parametrize("wire", ["f16", "bf16"])
+def test_sim_wire_dtype_quantizes_points_and_replies_only(wire):
+    """Workers compute on roundtrip(iterate); the core gets roundtrip(grad); its iterate stays float32."""
+    from protocol.messages import Reply
+    from protocol.wire import roundtrip
+
+    problem = load_problem("quadratic", {"d": 32})
+    seen_points, seen_grads = [], []
+    grad = problem.grad
+
+    def spy_grad(x, seed, batch_size):
+        seen_points.append(np.array(x, copy=True))
+        return grad(x, seed, batch_size)
+
+    problem.grad = spy_grad
+    alg = algorithms.build("asgd", {"lr": 0.3})
+    sim = Simulator(alg, problem, DelayModel.named("sqrt", 4), CoreConfig(min_workers=4, liveness_timeout_s=5.0),
+                    seed=1, wire_dtype=wire)
+    handle = sim.core.handle
+
+    def spy_handle(wid, msg, now, *a):
+        if isinstance(msg, Reply):
+            seen_grads.extend(msg.grads)
+        return handle(wid, msg, now, *a)
+
+    sim.core.handle = spy_handle
+    tr = sim.run(max_time=60.0, eval_every=10)
+    assert len(seen_points) > 20 and len(seen_grads) == len(seen_points)
+    for arrays in (seen_points, seen_grads):
+        assert all(a.dtype == np.float32 and np.array_equal(roundtrip(a, wire), a) for a in arrays)
+    assert not np.array_equal(roundtrip(tr.final_x, wire), tr.final_x), "the server's iterate is not quantized"
+    base = simulate(algorithms.build("asgd", {"lr": 0.3}), load_problem("quadratic", {"d": 32}),
+                    DelayModel.named("sqrt", 4), CoreConfig(min_workers=4, liveness_timeout_s=5.0), seed=1,
+                    max_time=60.0, eval_every=10)
+    assert base.applied == tr.applied, "same delays, same schedule"
+    assert not np.array_equal(base.final_x, tr.final_x)
+    assert abs(tr.points[-1]["loss"] - base.points[-1]["loss"]) < 0.05 * base.points[0]["loss"]
+    with pytest.raises(ValueError, match="unknown wire dtype"):
+        Simulator(alg, problem, DelayModel.named("sqrt", 4), wire_dtype="f8")

@@ -87,3 +87,21 @@ def test_cli_simulate_writes_trace_and_plot(cli, tmp_path):
 def test_cli_entry_point_runs_as_module():
     r = subprocess.run([sys.executable, "-m", "ps", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "serve" in r.stdout and "simulate" in r.stdout
+
+
+def test_cli_simulate_wire_dtype(cli, tmp_path):
+    import json
+
+    r = cli.invoke(main, ["simulate", "--wire-dtype", "fp8"])
+    assert r.exit_code == 2 and "fp8" in r.output and "Traceback" not in r.output
+    finals = {}
+    for wire in ("f32", "bf16"):
+        out = tmp_path / wire
+        r = cli.invoke(main, ["simulate", "--workers", "4", "--time", "40", "--problem-opt", "d=8", "--set", "lr=0.3",
+                              "--wire-dtype", wire, "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        assert f"wire dtype {wire}" in r.output
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["wire_dtype"] == wire
+        finals[wire] = summary["points"][-1]["loss"]
+    assert finals["f32"] != finals["bf16"]
