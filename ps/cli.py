@@ -204,13 +204,18 @@ def list_algorithms() -> None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port; the port is logged).")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address of the metrics endpoint.")
+@click.option("--shm", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Same-host path: workers on this host exchange iterates and gradients through shared memory "
+                   "(auto: offered to those that ask; off: TCP for everyone).")
+@click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
+              help="Precision of iterates and gradients on the wire (TCP); the server keeps float32.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure, metrics_port,
-          metrics_addr, log_format, log_level) -> None:
+          metrics_addr, shm, wire_dtype, log_format, log_level) -> None:
     """Run the server daemon in the foreground."""
     from ps.security import is_loopback_endpoint
 
@@ -227,7 +232,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                           seed=seed, events=events,
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
-                          if state_dir else None, keys_dir=keys_dir)
+                          if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype)
     daemon.install_signal_handlers()
     if metrics_port is not None:
         try:
@@ -277,7 +282,8 @@ class StateOptions:
 
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
                  liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
-                 state: StateOptions | None = None, keys_dir: str | None = None):
+                 state: StateOptions | None = None, keys_dir: str | None = None, shm: str = "auto",
+                 wire_dtype: str = "f32"):
     import zmq
 
     from ps.core import CoreConfig, ServerCore
@@ -300,7 +306,8 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
         core = ServerCore(alg, problem.init_params(seed), cfg, server_boot=boot, now=time.monotonic())
     try:
         return Daemon(core, problem, bind, stop=StopCondition(max_steps, max_time, target_loss), eval_every=eval_every,
-                      events_path=events, on_progress=on_progress, persistence=persistence, keys_dir=keys_dir)
+                      events_path=events, on_progress=on_progress, persistence=persistence, keys_dir=keys_dir,
+                      shm=shm, wire_dtype=wire_dtype)
     except ValueError as e:  # unusable keys
         if persistence is not None:
             persistence.close()
@@ -400,9 +407,11 @@ def _deterministic_oracle() -> None:
               envvar="LATECOMER_KEY", help="CurveZMQ: this worker's NAME.key_secret (from `keys add-worker`).")
 @click.option("--server-key", type=click.Path(exists=True, dir_okay=False), default=None,
               envvar="LATECOMER_SERVER_KEY", help="CurveZMQ: the server's public server.key.")
+@click.option("--shm", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Same-host path: use the server's shared memory when it offers it (auto) or never (off).")
 @click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
 def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay, cache_size, give_up, max_jobs,
-         threads, seed, key_secret, server_key, log_level) -> None:
+         threads, seed, key_secret, server_key, shm, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     _setup_logging(log_level)
     if not server.startswith(("tcp://", "ipc://", "inproc://")):
@@ -422,7 +431,7 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
         raise click.UsageError("CurveZMQ needs both --key and --server-key")
     cfg = WorkerConfig(server=server, worker_id=worker_id, credit=credit, device=device, cache_size=cache_size,
                        give_up_s=give_up, max_jobs=max_jobs, threads=threads, key_secret=key_secret,
-                       server_key=server_key,
+                       server_key=server_key, shm=shm,
                        delay=DelaySpec(delay_s=delay, jitter_s=jitter, slowdown=slowdown, data_dependent=data_delay,
                                        seed=seed))
     try:

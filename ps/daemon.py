@@ -7,6 +7,7 @@ One ROUTER socket, one poll loop, one thread owning the :class:`ServerCore`:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
+from algorithms._pool import POOL
 from problems.base import Problem
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
@@ -31,10 +33,15 @@ from protocol.messages import (
     ErrorCode,
     Heartbeat,
     Hello,
+    Job,
+    JobKind,
     Ready,
+    Reply,
     Status,
     StatusRequest,
+    Welcome,
 )
+from protocol.wire import from_wire, to_wire
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence
 
@@ -83,7 +90,8 @@ class Daemon:
                  eval_every: int = 0, events_path: str | None = None,
                  on_progress: Callable[[Daemon, dict[str, float] | None], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None,
-                 persistence: Persistence | None = None, keys_dir: str | None = None) -> None:
+                 persistence: Persistence | None = None, keys_dir: str | None = None, shm: str = "auto",
+                 wire_dtype: str = "f32") -> None:
         self.core = core
         self.persist = persistence
         self.problem = problem
@@ -126,6 +134,8 @@ class Daemon:
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.owners: dict[bytes, str] = {}  # routing id -> worker id
         self.events_file = open(events_path, "a", encoding="utf-8") if events_path else None
+        self.events_dirty = False
+        self.events_flush_at = 0.0
         self.stopping: str | None = None
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
@@ -134,6 +144,27 @@ class Daemon:
         self.send_failures = 0
         self.invalid_messages = 0
         self.bytes_in = 0
+        self.wire_dtype = wire_dtype
+        self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
+        # Same-host path (ps/shm.py): offered to workers with our host id that ask for it.
+        self.arena = None
+        self.host_id = ""
+        self.shm_capable: set[str] = set()  # said hello from this host, asking for shared memory
+        self.shm_workers: set[str] = set()  # opened our shared memory (Ready.shm)
+        if shm not in ("auto", "off"):
+            raise ValueError(f"shm must be auto or off, got {shm!r}")
+        if shm == "auto":
+            from ps import shm as shm_mod
+
+            if shm_mod.shm_dir_usable():
+                try:
+                    shm_mod.remove_stale()
+                    self.arena = shm_mod.ShmArena(core.dim, core.server_boot)
+                    self.host_id = shm_mod.host_id()
+                    POOL.factory = self.arena.allocate  # new iterates are born in shared memory
+                except OSError as e:
+                    log.warning("shared memory unavailable (%s): TCP only", e)
+                    self.arena = None
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -173,6 +204,8 @@ class Daemon:
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
+                        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again
+                            break
                         try:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -192,6 +225,10 @@ class Daemon:
                     self._execute(core.on_tick(now))
                 if self.persist is not None:
                     self.persist.after_batch(core, now)
+                if self.events_dirty and now >= self.events_flush_at:
+                    self.events_file.flush()
+                    self.events_dirty = False
+                    self.events_flush_at = now + 0.1
                 if self.metrics is not None and now >= self.next_publish:
                     self.publish_metrics()
                     self.next_publish = now + 0.5
@@ -254,6 +291,11 @@ class Daemon:
                 self._send_raw(rid, bye)
 
     def close(self) -> None:
+        if self.arena is not None:
+            if POOL.factory == self.arena.allocate:
+                POOL.factory = None
+                POOL.clear()
+            self.arena.close()
         if self.events_file:
             self.events_file.close()
             self.events_file = None
@@ -325,6 +367,13 @@ class Daemon:
             self.routes[wid] = rid
             self.owners[rid] = wid
             self.keys[wid] = key
+            self.shm_workers.discard(wid)
+            if self.arena is not None:
+                self.arena.forget_worker(wid)
+                if msg.shm and msg.host_id == self.host_id:
+                    self.shm_capable.add(wid)
+                else:
+                    self.shm_capable.discard(wid)
         else:
             wid = self.owners.get(rid)
             if wid is None:
@@ -336,8 +385,19 @@ class Daemon:
                 self._count("invalid")
                 self._answer_error(rid, Error(ErrorCode.REFUSED, "key does not match the worker's"))
                 return
+        frames_in = frames[1:]
+        if isinstance(msg, Ready):
+            if msg.shm and wid in self.shm_capable:
+                self.shm_workers.add(wid)
+            else:
+                if wid in self.shm_capable:
+                    log.info("worker %s cannot open the shared memory: TCP for it", wid)
+                self.shm_workers.discard(wid)
+        elif isinstance(msg, Reply) and (msg.in_shm or self.wire_dtype != "f32"):
+            msg = self._reply_arrays(wid, msg)
+            frames_in = encode(msg)  # the journal records what the core saw
         if self.persist is not None:
-            self.persist.record_message(self.core, wid, msg, frames[1:], now, key)
+            self.persist.record_message(self.core, wid, msg, frames_in, now, key)
         self._execute(self.core.handle(wid, msg, now, key))
         if isinstance(msg, Bye):
             self._forget(wid)
@@ -352,13 +412,57 @@ class Daemon:
                 if self.keys.get(c.worker_id):
                     self.banned_keys.add(self.keys[c.worker_id])  # it cannot come back under a new id
                 self._forget(c.worker_id)
+        core = self.core
+        if self.arena is not None and (self.arena.lent or self.arena.copies or self.arena.free_grad):
+            self.arena.sweep(core.store, core.ledger, core.workers)
+        if self.wire_cache:
+            for iid in [i for i in self.wire_cache if i not in core.store]:
+                del self.wire_cache[iid]
         self._flush_events()
 
     def _send(self, wid: str, msg: Any) -> bool:
         rid = self.routes.get(wid)
         if rid is None:
             return False
+        if isinstance(msg, Job):
+            msg = self._job_arrays(wid, msg)
+        elif isinstance(msg, Welcome):
+            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype,
+                                      shm=self.arena.prefix if wid in self.shm_capable else "")
         return self._send_raw(rid, msg)
+
+    def _job_arrays(self, wid: str, job: Job) -> Job:
+        """Transport of a job's iterates: shared-memory slots for same-host workers, else the
+        frames the core chose, converted to the wire dtype."""
+        if wid in self.shm_workers:
+            store = self.core.store
+            refs = tuple(self.arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
+            n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
+            return dataclasses.replace(job, point_ids=(), points=(), refs=refs,
+                                       grad_slots=self.arena.lend(wid, job.job_id, n))
+        if self.wire_dtype != "f32" and job.points:
+            return dataclasses.replace(job, points=tuple(self._wire_iterate(i, p)
+                                                         for i, p in zip(job.point_ids, job.points, strict=True)))
+        return job
+
+    def _wire_iterate(self, iid: int, x: np.ndarray) -> np.ndarray:
+        """An iterate converted to the wire dtype once per version (cached while it is stored)."""
+        held = self.wire_cache.get(iid)
+        if held is None:
+            held = self.wire_cache[iid] = to_wire(x, self.wire_dtype)
+        return held
+
+    def _reply_arrays(self, wid: str, reply: Reply) -> Reply:
+        """The gradients of a reply as float32 arrays: from the lent shared-memory slots, or
+        converted from the wire dtype. What cannot be converted is left for the core to refuse
+        (an empty or odd ``grads`` fails its checks with a clear error)."""
+        if reply.in_shm:
+            grads = None if reply.grads or self.arena is None else self.arena.gradients(wid, reply.job_id)
+            return dataclasses.replace(reply, grads=grads or (), in_shm=False)
+        try:
+            return dataclasses.replace(reply, grads=tuple(from_wire(g, self.wire_dtype) for g in reply.grads))
+        except ValueError:
+            return reply  # wrong dtype: the core answers BAD_SHAPE
 
     def _send_raw(self, rid: bytes, msg: Any) -> bool:
         try:
@@ -428,9 +532,8 @@ class Daemon:
             if not self.versions or now - self.versions[-1][0] >= 0.1:
                 self.versions.append((now, self.core.version))
         if self.events_file and events:
-            for ev in events:
-                self.events_file.write(json.dumps(ev) + "\n")
-            self.events_file.flush()
+            self.events_file.write("".join(json.dumps(ev) + "\n" for ev in events))
+            self.events_dirty = True  # flushed by the loop at most every 0.1 s, not per message
 
     # ------------------------------------------------------------------ results
     def status_info(self) -> dict[str, Any]:

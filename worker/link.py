@@ -8,6 +8,7 @@ backoff when the server goes silent, a fresh ``hello`` when the server restarts 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 
 from protocol.codec import decode, encode
@@ -37,18 +39,11 @@ from protocol.messages import (
     Reply,
     Welcome,
 )
+from protocol.wire import from_wire, to_wire
+from ps.shm import ShmReader, host_id, shm_dir_usable
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 
 log = logging.getLogger("latecomer.worker")
-
-
-def host_id() -> str:
-    """An id shared by processes on one host (same-host fast path, issue 7)."""
-    try:
-        with open("/etc/machine-id", encoding="ascii") as f:
-            return f.read().strip()[:64]
-    except OSError:
-        return socket.gethostname()[:64]
 
 
 @dataclass(frozen=True)
@@ -65,6 +60,7 @@ class WorkerConfig:
         give_up_s: exit after this long without any contact with a server (None: never).
         max_jobs: exit after this many replies (None: never); for tests.
         threads: torch intra-op threads (None: leave torch's default).
+        shm: "auto" asks a server on this host for the shared-memory path; "off" never does.
     """
 
     server: str
@@ -80,6 +76,7 @@ class WorkerConfig:
     delay: DelaySpec = DelaySpec()
     key_secret: str | None = None  # CurveZMQ: this worker's NAME.key_secret file
     server_key: str | None = None  # CurveZMQ: the server's server.key file
+    shm: str = "auto"  # same-host path: "auto" (use it when the server offers it) or "off"
 
 
 class Worker:
@@ -108,6 +105,8 @@ class Worker:
         self.compute: ComputeThread | None = None
         self.cache = IterateCache(max(config.cache_size, config.credit + 1))
         self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
+        self.wire = "f32"  # how the server sends iterates and wants gradients (Welcome.wire_dtype)
+        self.shm: ShmReader | None = None  # the server's shared memory, when it offered and we could open it
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
         self.unsent: list[Reply] = []  # replies that could not be sent (disconnected)
         # Replies sent within the last liveness timeout: a server that crashes may never have
@@ -161,7 +160,8 @@ class Worker:
     def _hello(self) -> bool:
         return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
-                                busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id))
+                                busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
+                                shm=self.cfg.shm == "auto" and shm_dir_usable()))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -172,7 +172,7 @@ class Worker:
 
     def run(self) -> str:
         self._connect()
-        poller = zmq.Poller()
+        poller, poller_for = zmq.Poller(), None
         last_contact = self.clock()  # last message from a server
         backoff = self.cfg.backoff_s
         next_hello = self.clock()
@@ -196,10 +196,12 @@ class Worker:
                 if self.cfg.give_up_s is not None and now - last_contact > self.cfg.give_up_s:
                     self.stopping = f"no server for {self.cfg.give_up_s:g} s"
                     break
-                poller = zmq.Poller()
-                poller.register(self.sock, zmq.POLLIN)
-                if self.compute is not None:
-                    poller.register(self.compute.wake_r, zmq.POLLIN)
+                if poller_for != (self.sock, self.compute):  # rebuilt only on reconnect or a new problem
+                    poller = zmq.Poller()
+                    poller.register(self.sock, zmq.POLLIN)
+                    if self.compute is not None:
+                        poller.register(self.compute.wake_r, zmq.POLLIN)
+                    poller_for = (self.sock, self.compute)
                 wake = min(next_hb if self.welcomed else next_hello, now + 0.1)
                 ready = dict(poller.poll(max(0, int((wake - now) * 1000)) + 1))
                 if self.sock in ready:
@@ -281,7 +283,7 @@ class Worker:
 
             self.problem_key = key
             self.loaded = False
-            self.compute = ComputeThread(load, self.cfg.delay)
+            self.compute = ComputeThread(load, self.cfg.delay, finish=self._finish)
             self.cache.items.clear()
             self.jobs.clear()
             self.waiting.clear()
@@ -303,19 +305,50 @@ class Worker:
             self.unsent = [r for _, r in self.recent if r.job_id not in pending] + self.unsent
             self.recent.clear()
         self.server_boot = w.server_boot
+        self.wire = w.wire_dtype
+        self.shm = None
+        if w.shm:
+            try:
+                reader = ShmReader(w.shm)
+                why = reader.probe(w.server_boot)
+            except ValueError as e:
+                why = str(e)
+            if why is None:
+                self.shm = reader
+                log.info("same-host path: iterates and gradients through shared memory %s", w.shm)
+            else:
+                log.warning("same-host path unavailable (%s): using TCP", why)
         self.hb_interval = w.heartbeat_interval_s
         self.liveness = w.liveness_timeout_s
         self.welcomed = True
         if self.loaded:  # same problem as before (e.g. a server restart): ready at once
-            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids()))
+            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
         self._send_results()
 
     def _on_job(self, job: Job) -> None:
         if self.compute is None:
             return
         self.seen = max(self.seen, job.job_id)
+        if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
+            self.jobs[job.job_id] = job
+            if self.shm is None or len(job.refs) != len(job.iterate_ids):
+                self.jobs.pop(job.job_id, None)
+                self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
+                return
+            try:
+                points = tuple(self.shm.view(s) for s in job.refs)
+            except (OSError, ValueError) as e:
+                self.jobs.pop(job.job_id, None)
+                self._send(Error(ErrorCode.REFUSED, _printable(f"shared memory: {e}")[:200], job_id=job.job_id))
+                return
+            self._run(job, points)
+            return
         for iid, p in zip(job.point_ids, job.points, strict=True):
-            self.cache.put(iid, p)
+            try:
+                self.cache.put(iid, from_wire(p, self.wire))
+            except ValueError as e:
+                log.warning("job %d: %s", job.job_id, e)
+                return  # never cached: the server's ledger writes the job off as vanished
         self.jobs[job.job_id] = job
         missing = tuple(i for i in job.iterate_ids if self.cache.get(i) is None)
         if missing:
@@ -325,9 +358,31 @@ class Worker:
             return
         self.waiting.pop(job.job_id, None)
         points = tuple(self.cache.get(i) for i in job.iterate_ids)
-        self.compute.submit(job, points)
+        self._run(job, points)
         pinned = {i for j in self.jobs.values() for i in j.iterate_ids}
         self.cache.evict(pinned)
+
+    def _run(self, job: Job, points: tuple) -> None:
+        if self.compute.can_inline():
+            self.compute.run_inline(job, points)
+            self._send_results()
+        else:
+            self.compute.submit(job, points)
+
+    def _finish(self, job: Job, reply: Reply) -> Reply:
+        """On the compute side, after the gradients: put them where the server reads them."""
+        if job.grad_slots:
+            if len(reply.grads) != len(job.grad_slots):
+                raise ValueError(f"{len(reply.grads)} gradients for {len(job.grad_slots)} shared-memory slots")
+            for g, slot in zip(reply.grads, job.grad_slots, strict=True):
+                dst = self.shm.view(slot, writable=True)
+                if dst.size != g.size:
+                    raise ValueError(f"gradient of {g.size} values, shared-memory slot of {dst.size}")
+                np.copyto(dst, g.reshape(-1))
+            return dataclasses.replace(reply, grads=(), in_shm=True)
+        if self.wire != "f32":
+            return dataclasses.replace(reply, grads=tuple(to_wire(g, self.wire) for g in reply.grads))
+        return reply
 
     # ------------------------------------------------------------------ outbound
     def _send_results(self) -> None:
@@ -342,7 +397,7 @@ class Worker:
             if jid == ComputeThread.LOADED:
                 self.loaded = True
                 if self.welcomed:
-                    self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids()))
+                    self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
                 continue
             if self.jobs.pop(jid, None) is None:
                 continue  # cancelled meanwhile
@@ -353,8 +408,7 @@ class Worker:
             self.unsent.append(reply)
         while self.unsent and self.welcomed:
             r = self.unsent[0]
-            r = Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
-                      compute_s=r.compute_s, holds=self.cache.ids())
+            r = dataclasses.replace(r, holds=self.cache.ids())
             if not self._send(r):
                 break
             self.unsent.pop(0)

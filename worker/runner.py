@@ -8,11 +8,12 @@ link's poll loop. Heartbeats therefore keep flowing during long computations.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,14 +91,23 @@ class IterateCache:
         return tuple(self.items)
 
 
+INLINE_AFTER = 8  # fast jobs in a row before the I/O thread computes them itself
+INLINE_MAX_S = 0.005  # "fast": well under any heartbeat interval
+
+
 class ComputeThread:
     """Runs jobs one at a time off the I/O thread."""
 
     LOAD_FAILED = -1  # outbox job id: the problem could not be loaded (error text follows)
     LOADED = -2  # outbox job id: the problem is loaded; the worker may say Ready
 
-    def __init__(self, load: Callable[[], Problem], delay: DelaySpec) -> None:
+    def __init__(self, load: Callable[[], Problem], delay: DelaySpec,
+                 finish: Callable[[Job, Reply], Reply] | None = None) -> None:
         self._load = load
+        self.finish = finish  # e.g. write the gradients into shared memory (same-host path)
+        self.pending = 0  # jobs submitted to the thread and not yet finished
+        self.recent_s: deque[float] = deque(maxlen=INLINE_AFTER)
+        self.inline_jobs = 0
         self.problem: Problem | None = None
         self.delay = delay
         self.rng = np.random.default_rng(delay.seed)
@@ -113,6 +123,8 @@ class ComputeThread:
         self.thread.start()
 
     def submit(self, job: Job, points: tuple[np.ndarray, ...]) -> None:
+        with self.lock:
+            self.pending += 1
         self.inbox.put((job, points))
 
     def cancel(self, job_ids: set[int]) -> None:
@@ -160,27 +172,50 @@ class ComputeThread:
             with self.lock:
                 if job.job_id in self.cancelled:
                     self.cancelled.discard(job.job_id)
+                    self.pending -= 1
                     continue
                 self.current = job.job_id
                 self.current_cancel.clear()
-            t0 = time.perf_counter()
-            try:
-                reply = run_job(job, points, self.problem)
-                error = None
-            except Exception as e:  # a problem's bug must not kill the worker silently
-                reply, error = None, f"{type(e).__name__}: {e}"
-            compute_s = time.perf_counter() - t0
-            if reply is not None:
-                cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
-                extra = self.delay.extra_s(job, compute_s, cost, self.rng)
-                if extra > 0:
-                    self.current_cancel.wait(extra)
-                reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=reply.grads, loss=reply.loss,
-                              count=reply.count, compute_s=time.perf_counter() - t0)
+            reply, error = self._execute(job, points)
             with self.lock:
                 self.current = None
+                self.pending -= 1
                 dropped = job.job_id in self.cancelled
                 self.cancelled.discard(job.job_id)
             if not dropped:
                 self.outbox.put((job.job_id, reply, error))
                 os.write(self.wake_w, b"x")
+
+    def _execute(self, job: Job, points: tuple[np.ndarray, ...]) -> tuple[Reply | None, str | None]:
+        t0 = time.perf_counter()
+        try:
+            reply = run_job(job, points, self.problem)
+            if self.finish is not None:
+                reply = self.finish(job, reply)
+            error = None
+        except Exception as e:  # a problem's bug must not kill the worker silently
+            reply, error = None, f"{type(e).__name__}: {e}"
+        compute_s = time.perf_counter() - t0
+        self.recent_s.append(compute_s)
+        if reply is not None:
+            cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
+            extra = self.delay.extra_s(job, compute_s, cost, self.rng)
+            if extra > 0:
+                self.current_cancel.wait(extra)
+            reply = dataclasses.replace(reply, compute_s=time.perf_counter() - t0)
+        return reply, error
+
+    # ---------------------------------------------------------------- the inline fast path
+    def can_inline(self) -> bool:
+        """Run the next job on the I/O thread? Only when the compute thread is idle, no delay is
+        injected, and the last INLINE_AFTER jobs each took under INLINE_MAX_S: then the thread
+        hand-off (two wake-ups, a queue, a pipe) would cost more than the job, and heartbeats
+        are late by at most a few ms. One slow job sends work back to the thread."""
+        return (self.problem is not None and self.pending == 0 and self.delay == DelaySpec(seed=self.delay.seed)
+                and len(self.recent_s) == INLINE_AFTER and max(self.recent_s) < INLINE_MAX_S)
+
+    def run_inline(self, job: Job, points: tuple[np.ndarray, ...]) -> None:
+        """Compute ``job`` now, on the caller's thread; the result goes to the outbox."""
+        reply, error = self._execute(job, points)
+        self.inline_jobs += 1
+        self.outbox.put((job.job_id, reply, error))
