@@ -151,6 +151,7 @@ class Daemon:
         self.host_id = ""
         self.shm_capable: set[str] = set()  # said hello from this host, asking for shared memory
         self.shm_workers: set[str] = set()  # opened our shared memory (Ready.shm)
+        self.shm_used: set[str] = set()  # got at least one job through it (summary.json)
         if shm not in ("auto", "off"):
             raise ValueError(f"shm must be auto or off, got {shm!r}")
         if shm == "auto":
@@ -438,6 +439,7 @@ class Daemon:
             store = self.core.store
             refs = tuple(self.arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
             n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
+            self.shm_used.add(wid)
             return dataclasses.replace(job, point_ids=(), points=(), refs=refs,
                                        grad_slots=self.arena.lend(wid, job.job_id, n))
         if self.wire_dtype != "f32" and job.points:
@@ -544,7 +546,8 @@ class Daemon:
                                 if k not in ("updates", "missing_iterates")}
         info.update({"version": core.version, "workers": len(core.workers), "outstanding": core.outstanding,
                      "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
-                     "algorithm": core.alg.name, "problem": core.cfg.problem})
+                     "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": self.wire_dtype,
+                     "shm_workers": len(self.shm_workers & core.workers.keys())})
         if self.recent_ages:
             ages = np.array(self.recent_ages)
             info.update({"age.mean": float(ages.mean()), "age.p50": float(np.median(ages)),
@@ -602,7 +605,10 @@ class Daemon:
                 "elapsed_s": self.clock() - self.started_at, "counters": c, "outstanding": self.core.outstanding,
                 "accounted": self.core.accounted(), "evaluations": self.evaluations,
                 "invalid_messages": self.invalid_messages, "send_failures": self.send_failures,
-                "store_peak": self.core.store_peak}
+                "store_peak": self.core.store_peak,
+                "transport": {"wire_dtype": self.wire_dtype, "shm": self.arena.prefix if self.arena else "",
+                              "shm_workers": sorted(self.shm_used),
+                              "shm_iterate_copies": self.arena.copies_made if self.arena else 0}}
 
 
 def write_outputs(out_dir: str, daemon: Daemon) -> None:
