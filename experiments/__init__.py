@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from experiments import async_vs_sync, delayed_vr, ordered_momentum, rennala_mvr, ringmaster_lmo
+from experiments import async_vs_sync, delayed_vr, ordered_momentum, rennala_mvr, ringmaster_lmo, wire_dtype
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "rennala-mvr": rennala_mvr.run,
@@ -17,6 +17,7 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "async-vs-sync": async_vs_sync.run,
     "ordered-momentum": ordered_momentum.run,
     "ringmaster-lmo": ringmaster_lmo.run,
+    "wire-dtype": wire_dtype.run,
 }
 
 

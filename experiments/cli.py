@@ -25,7 +25,7 @@ from experiments import EXPERIMENTS
                    "daemon with local worker processes (injected delays); simulator and real curves side by side.")
 def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool, real: bool) -> None:
     """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync,
-    ordered-momentum, ringmaster-lmo): a CSV of every
+    ordered-momentum, ringmaster-lmo, wire-dtype): a CSV of every
     curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
     table = EXPERIMENTS
     if real:

@@ -153,9 +153,22 @@ def roundtrip(x: np.ndarray, wire: str) -> np.ndarray:
     return from_wire(to_wire(x, wire), wire)
 
 
+def grads_from_wire(grads: tuple, wire: str) -> tuple[tuple, str | None]:
+    """A reply's gradient frames as float32, or why they cannot be: ``(grads, None)`` when every
+    frame has the wire's dtype (converted), else ``(grads unchanged, reason)``. Under ``"f32"``
+    any float frame passes unchanged (the server converts and checks it, PROTOCOL.md §8.2)."""
+    if wire == "f32":
+        return grads, None
+    try:
+        return tuple(from_wire(g, wire) for g in grads), None
+    except ValueError as e:
+        return grads, f"gradient frame dtype does not match the wire dtype: {e}"
+
+
 def frame_nbytes(n: int, wire: str) -> int:
     """Bytes of an ``n``-element array frame in ``wire`` (4·n for f32, 2·n for f16 and bf16)."""
     return n * WIRE_NUMPY[check_wire(wire)].itemsize
 
 
-__all__ = ["WIRE_DTYPES", "WIRE_NUMPY", "check_wire", "frame_nbytes", "from_wire", "roundtrip", "to_wire"]
+__all__ = ["WIRE_DTYPES", "WIRE_NUMPY", "check_wire", "frame_nbytes", "from_wire", "grads_from_wire", "roundtrip",
+           "to_wire"]

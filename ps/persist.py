@@ -267,7 +267,29 @@ def last_lsn(state_dir: str) -> int:
 
 # --------------------------------------------------------------------------- run description
 
+DEFAULT_WIRE_DTYPE = "f32"  # state directories written before --wire-dtype existed
+
+
+def run_wire_dtype(run: dict[str, Any] | None) -> str:
+    """The wire dtype a recorded run used (PROTOCOL.md §6.12): ``run["wire_dtype"]`` (else
+    ``run["core"]["wire_dtype"]``), or ``"f32"`` when absent (older state directories, or no run).
+
+    Raises:
+        ValueError: the recorded value is not a wire dtype.
+    """
+    from protocol.wire import check_wire
+
+    run = run or {}
+    core = run.get("core")
+    fallback = core.get("wire_dtype", DEFAULT_WIRE_DTYPE) if isinstance(core, dict) else DEFAULT_WIRE_DTYPE
+    return check_wire(run.get("wire_dtype", fallback))
+
+
 def write_run(state_dir: str, run: dict[str, Any]) -> None:
+    """Atomically write the run description ``run.json``. It always carries ``wire_dtype``
+    (``"f32"`` unless ``run`` says otherwise): recovery needs it to recompute the gradients the
+    core applied."""
+    run = {**run, "wire_dtype": run_wire_dtype(run)}
     path = os.path.join(state_dir, "run.json")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -279,11 +301,15 @@ def write_run(state_dir: str, run: dict[str, Any]) -> None:
 
 
 def read_run(state_dir: str) -> dict[str, Any] | None:
+    """The run description of ``state_dir`` (None if there is none); ``wire_dtype`` is filled in
+    with ``"f32"`` when the file predates it."""
     path = os.path.join(state_dir, "run.json")
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        run = json.load(f)
+    run["wire_dtype"] = run_wire_dtype(run)
+    return run
 
 
 # --------------------------------------------------------------------------- the daemon's side
@@ -315,21 +341,30 @@ class Persistence:
         self.interval_s = checkpoint_interval_s
         self.log_payloads = log_payloads
         self.keep = keep
+        self.wire_dtype = "f32"  # the run's --wire-dtype (from run.json)
         self.ckpt_version = -1
         self.ckpt_time = time.monotonic()
         self.checkpoints = 0
         self.checkpoint_s = 0.0
 
-    def record_message(self, core: Any, wid: str, msg: Any, frames: list, now: float, key: str = "") -> None:
+    def record_message(self, core: Any, wid: str, msg: Any, frames: list, now: float, key: str = "",
+                       wire: str | None = None, refused: bool = False) -> None:
+        """Journal one message before the core sees it.
+
+        ``wire``: for a reply that did not travel in the run's wire dtype (the same-host path
+        exchanges float32 whatever the run's ``--wire-dtype``), the dtype it did travel in; then
+        ``frames`` are float32. ``refused``: the transport refuses the reply (always journaled
+        whole, so that recovery refuses it again)."""
         from protocol.messages import Reply
 
-        if isinstance(msg, Reply) and not self.log_payloads and core.reply_verdict(wid, msg) != "bad":
+        extra = {} if wire is None else {"wire": wire}
+        if isinstance(msg, Reply) and not self.log_payloads and not refused and core.reply_verdict(wid, msg) != "bad":
             # Accepted (or ignored) replies travel without their gradients: recomputed from the seed.
             fields = {"job_id": msg.job_id, "created_at": msg.created_at, "loss": msg.loss, "count": msg.count,
-                      "compute_s": msg.compute_s, "holds": list(msg.holds)}
+                      "compute_s": msg.compute_s, "holds": list(msg.holds), **extra}
             self.journal.append("reply", wid=wid, now=now, reply=fields)
         else:
-            self.journal.append("msg", wid=wid, now=now, frames=[_frame_bytes(f) for f in frames], key=key)
+            self.journal.append("msg", wid=wid, now=now, frames=[_frame_bytes(f) for f in frames], key=key, **extra)
 
     def after_batch(self, core: Any, now: float) -> None:
         self.journal.maybe_sync()
@@ -355,31 +390,62 @@ class Persistence:
 
 # --------------------------------------------------------------------------- replay
 
-def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any) -> Any:
-    """Rebuild a journaled reply whose gradients were not logged, from the job's seed."""
+def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, wire_dtype: str = "f32") -> Any:
+    """Rebuild a journaled reply whose gradients were not logged, from the job's seed.
+
+    Under a reduced-precision ``wire_dtype`` (PROTOCOL.md §6.12) the worker computed on the
+    iterate as it travelled, ``roundtrip(x, wire)``, and the core applied its gradients as they
+    travelled back, ``roundtrip(g, wire)``; both are reproduced here, bit for bit.
+    """
     from protocol.messages import Job, Reply
+    from protocol.wire import check_wire, roundtrip
     from worker.compute import run_job
 
+    check_wire(wire_dtype)
     entry = core.ledger.get(fields["job_id"])
     grads: tuple = ()
     if entry is not None and entry.worker_id == wid and not entry.received:
         job = Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline)
-        grads = run_job(job, tuple(core.store[i] for i in entry.iterate_ids), problem).grads
+        points = tuple(roundtrip(core.store[i], wire_dtype) for i in entry.iterate_ids)
+        grads = tuple(roundtrip(g, wire_dtype) for g in run_job(job, points, problem).grads)
     return Reply(job_id=fields["job_id"], created_at=fields["created_at"], grads=grads, loss=fields["loss"],
                  count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]))
 
 
-def apply_record(core: Any, rec: Record, problem: Any) -> list:
-    """Feed one journal record to the core, exactly as the daemon did. Returns its commands."""
+def reply_from_wire(msg: Any, wire_dtype: str) -> tuple[Any, Any]:
+    """A decoded Reply's gradients back to float32, as the core must see them, and the refusal
+    (code, text) when a frame is not in the wire dtype (PROTOCOL.md §6.12: BAD_SHAPE). The daemon
+    and recovery both call this, so they refuse the same replies."""
+    import dataclasses
+
+    from protocol.messages import ErrorCode, Reply
+    from protocol.wire import grads_from_wire
+
+    if wire_dtype == "f32" or not isinstance(msg, Reply) or not msg.grads:
+        return msg, None
+    grads, why = grads_from_wire(msg.grads, wire_dtype)
+    if why is not None:
+        return msg, (ErrorCode.BAD_SHAPE, why[:1000])
+    return dataclasses.replace(msg, grads=grads), None
+
+
+def apply_record(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:
+    """Feed one journal record to the core, exactly as the daemon did. Returns its commands.
+
+    ``wire_dtype``: the run's (:func:`run_wire_dtype`); journaled reply frames are converted
+    from it and recomputed gradients are quantized to it, as on the live run.
+    """
     from protocol.codec import decode
 
     b = rec.body
     op = rec.op
     if op == "msg":
-        return core.handle(b["wid"], decode(b["frames"]), b["now"], b.get("key", ""))
+        msg, refusal = reply_from_wire(decode(b["frames"]), b.get("wire", wire_dtype))
+        return core.handle(b["wid"], msg, b["now"], b.get("key", ""), refusal)
     if op == "reply":
-        return core.handle(b["wid"], recompute_reply(core, b["wid"], b["reply"], problem), b["now"])
+        wire = b["reply"].get("wire", wire_dtype)
+        return core.handle(b["wid"], recompute_reply(core, b["wid"], b["reply"], problem, wire), b["now"])
     if op == "tick":
         return core.on_tick(b["now"])
     if op == "remove":
@@ -398,15 +464,18 @@ def apply_record(core: Any, rec: Record, problem: Any) -> list:
     return []
 
 
-def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any) -> tuple[Any, int, int]:
+def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any,
+            wire_dtype: str | None = None) -> tuple[Any, int, int]:
     """Newest valid checkpoint plus the journal after it.
 
     Args:
         core_factory: () -> a fresh core (used when there is no checkpoint).
         restore: snapshot -> core.
+        wire_dtype: the run's wire dtype; None: read it from ``run.json`` (``"f32"`` if absent).
     Returns:
         (core, LSN of the last record applied, number of records replayed).
     """
+    wire_dtype = run_wire_dtype(read_run(state_dir)) if wire_dtype is None else wire_dtype
     ck = latest_checkpoint(state_dir)
     if ck is None:
         core, start = core_factory(), 0
@@ -415,7 +484,7 @@ def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any) -> tu
         core, start = restore(snap), lsn + 1
     last, n = start - 1, 0
     for rec in read_journal(state_dir, from_lsn=start):
-        apply_record(core, rec, problem)
+        apply_record(core, rec, problem, wire_dtype)
         core.drain_events()
         last, n = rec.lsn, n + 1
     return core, last, n

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ps.core import CoreConfig, ServerCore
-from ps.persist import apply_record, read_journal, read_run
+from ps.persist import apply_record, read_journal, read_run, run_wire_dtype
 
 
 @dataclass
@@ -66,8 +66,9 @@ def replay_run(state_dir: str) -> ReplayResult:
     durations: dict[str, list[float]] = {}
     applied: list[tuple[int, int, str]] = []
     n = 0
+    wire_dtype = run_wire_dtype(run)
     for rec in read_journal(state_dir):
-        apply_record(core, rec, problem)
+        apply_record(core, rec, problem, wire_dtype)
         n += 1
         for ev in core.drain_events():
             kind = ev["ev"]

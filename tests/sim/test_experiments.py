@@ -21,6 +21,7 @@ EXPECTED_METHODS = {
                        "ringmaster-muon", "ringmaster-muon-pa", "rennala-muon", "delay-adaptive-muon"},
     "ordered-momentum": {"ordered-momentum", "ordered-mu2", "asgd", "naive-momentum", "delay-adaptive",
                          "delay-filtered"},
+    "wire-dtype": {"ordered-momentum", "asgd"},
 }
 NUMERIC = {"t", "version", "grad_norm_sq", "loss", "applied", "lost", "dropped", "accuracy", "missing_mass",
            "f1", "recall_slow", "train_loss", "lr"}
@@ -57,7 +58,7 @@ def _check_outputs(result: dict, name: str) -> None:
 
 
 # two quick runs each: about 8 s (rennala-mvr), 5 s (delayed-vr), 25 s (async-vs-sync, marked slow),
-# 14 s (ordered-momentum)
+# 14 s (ordered-momentum), 8 s (wire-dtype)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "async-vs-sync" else n
                                   for n in sorted(experiments.EXPERIMENTS)])
 def test_quick_experiment_writes_files_and_is_deterministic(name, tmp_path):
@@ -145,3 +146,31 @@ def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_pat
     b = run(str(tmp_path / "b"), quick=True, seed=5, progress=False)
     with open(a["csv"][0], "rb") as fa, open(b["csv"][0], "rb") as fb:
         assert fa.read() == fb.read()
+
+
+def test_quick_wire_dtype_quantization_matters_only_without_gradient_noise(tmp_path):
+    """About 4 s. Same seeds and delays for f32, f16 and bf16: under SGD noise bf16 ends within 2 %
+    of f32; with exact gradients (σ = 0) quantization is the only noise left and sets a floor
+    f32 < f16 < bf16, each more than 2× above the previous one."""
+    import csv as _csv
+
+    res = experiments.get("wire-dtype")(str(tmp_path), quick=True, seed=0, progress=False)
+    h = res["headline"]
+    assert set(h) == {f"{g}, {m}" for g in ("quadratic σ=0.01", "quadratic σ=0", "logreg")
+                      for m in ("ordered-momentum", "asgd")}
+    for group, finals in h.items():
+        assert set(finals) == {"f32", "f16", "bf16"}
+        assert len(set(finals.values())) == 3, f"{group}: the three wire dtypes gave different runs"
+        if "σ=0," in group:
+            assert 2 * finals["f32"] < finals["f16"] and 2 * finals["f16"] < finals["bf16"], (group, finals)
+            assert finals["bf16"] > 1e-7 > finals["f32"], (group, finals)
+        else:
+            for wire in ("f16", "bf16"):
+                assert abs(finals[wire] / finals["f32"] - 1) < 0.02, (group, wire, finals)
+    with open(res["csv"][0], newline="", encoding="utf-8") as f:
+        rows = list(_csv.DictReader(f))
+    assert {r["wire"] for r in rows} == {"f32", "f16", "bf16"}
+    for group in ("quadratic σ=0.01", "logreg"):  # same schedule: the applied counts match point by point
+        applied = {w: [r["applied"] for r in rows if r["group"] == group and r["method"] == "asgd" and r["wire"] == w]
+                   for w in ("f32", "bf16")}
+        assert applied["f32"] == applied["bf16"]

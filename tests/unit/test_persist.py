@@ -93,3 +93,120 @@ def test_journal_torn_tail_is_ignored_with_a_warning(tmp_path, caplog, cut):
 def test_journal_rejects_a_bad_fsync_policy(tmp_path):
     with pytest.raises(ValueError):
         Journal(str(tmp_path), next_lsn=0, fsync="sometimes")
+
+
+# --------------------------------------------------------------------------- wire dtype (PROTOCOL.md §6.12)
+
+def test_run_json_records_the_wire_dtype_and_defaults_to_f32(tmp_path):
+    import json
+
+    from ps.persist import read_run, run_wire_dtype, write_run
+
+    d = str(tmp_path)
+    write_run(d, {"problem": "quadratic"})
+    assert read_run(d)["wire_dtype"] == "f32"
+    assert json.loads((tmp_path / "run.json").read_text())["wire_dtype"] == "f32", "stored, not only defaulted"
+    write_run(d, {"problem": "quadratic", "wire_dtype": "bf16"})
+    assert read_run(d)["wire_dtype"] == "bf16"
+    (tmp_path / "run.json").write_text(json.dumps({"problem": "quadratic"}))  # a state dir from before the option
+    assert read_run(d)["wire_dtype"] == "f32"
+    assert run_wire_dtype(None) == "f32" and run_wire_dtype({"core": {"wire_dtype": "f16"}}) == "f16"
+    with pytest.raises(ValueError, match="unknown wire dtype"):
+        write_run(d, {"wire_dtype": "f8"})
+
+
+def _core(d=16, workers=2):
+    import algorithms
+    from problems import load_problem
+    from ps.core import CoreConfig, ServerCore
+
+    problem = load_problem("quadratic", {"d": d})
+    cfg = CoreConfig(problem="quadratic", problem_options={"d": d}, min_workers=workers, liveness_timeout_s=1e9,
+                     seed=0, run_id=7)
+    alg = algorithms.build("asgd", {"lr": 0.3})
+    x0 = problem.init_params(0) + np.linspace(-0.3, 0.3, d, dtype=np.float32)  # low bits set: bf16 rounds them
+    return (lambda: ServerCore(alg, x0, cfg, server_boot=1, now=0.0)), (
+        lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=1)), problem
+
+
+def test_recomputed_reply_under_bf16_is_the_roundtrip_of_the_float32_gradient():
+    from protocol.messages import Hello, Job, Ready
+    from protocol.wire import roundtrip
+    from ps.persist import recompute_reply
+    from worker.compute import run_job
+
+    factory, _, problem = _core(workers=1)
+    core = factory()
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=1), 0.0)
+    jobs = [c.msg for c in core.handle("w1", Ready(credit=1), 0.0) if isinstance(c.msg, Job)]
+    assert len(jobs) == 1
+    job = jobs[0]
+    fields = {"job_id": job.job_id, "created_at": job.created_at, "loss": 0.0, "count": 1, "compute_s": 0.0,
+              "holds": []}
+    x = core.store[job.iterate_ids[0]]
+    assert not np.array_equal(roundtrip(x, "bf16"), x), "the iterate has bits bf16 drops"
+    want = roundtrip(run_job(job, [roundtrip(x, "bf16")], problem).grads[0], "bf16")
+    got = recompute_reply(core, "w1", fields, problem, "bf16").grads[0]
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert np.array_equal(roundtrip(got, "bf16"), got)
+    plain = recompute_reply(core, "w1", fields, problem).grads[0]  # default f32: unchanged behaviour
+    assert np.array_equal(plain, run_job(job, [x], problem).grads[0])
+    assert not np.array_equal(plain, got)
+
+
+@pytest.mark.parametrize("wire, payloads", [("bf16", False), ("bf16", True), ("f16", False)])
+def test_recovery_of_a_reduced_precision_run_is_bit_exact(tmp_path, wire, payloads):
+    """Drive a core the way the daemon does under --wire-dtype (points quantized on the way out,
+    reply frames in the wire dtype converted on the way in), then recover it from the journal."""
+    import dataclasses
+    from collections import deque
+
+    from protocol.codec import encode
+    from protocol.messages import Hello, Job, Ready, Reply
+    from protocol.wire import from_wire, to_wire
+    from ps.core import Send
+    from ps.persist import Persistence, read_run, recover, write_run
+    from worker.compute import run_job
+
+    d = str(tmp_path)
+    write_run(d, {"problem": "quadratic", "wire_dtype": wire})
+    assert read_run(d)["wire_dtype"] == wire
+    factory, restore, problem = _core()
+    core = factory()
+    pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0,
+                       log_payloads=payloads)
+    caches: dict[str, dict[int, np.ndarray]] = {"w1": {}, "w2": {}}
+    todo: deque = deque()
+    now = 0.0
+
+    def feed(wid, wire_msg):
+        msg = wire_msg
+        if isinstance(wire_msg, Reply):  # the daemon converts the frames before the core sees them
+            msg = dataclasses.replace(wire_msg, grads=tuple(from_wire(g, wire) for g in wire_msg.grads))
+        pers.record_message(core, wid, msg, encode(wire_msg), now)
+        for c in core.handle(wid, msg, now):
+            if isinstance(c, Send) and isinstance(c.msg, Job):
+                for iid, p in zip(c.msg.point_ids, c.msg.points, strict=True):  # quantized in transit
+                    caches[c.worker_id][iid] = from_wire(to_wire(p, wire), wire)
+                todo.append((c.worker_id, c.msg))
+
+    for wid in caches:
+        feed(wid, Hello(worker_id=wid, boot=1, credit=1, run_id=7))
+        feed(wid, Ready(credit=1))
+    while todo and core.version < 40:
+        now += 1.0
+        wid, job = todo.popleft()
+        r = run_job(job, [caches[wid][i] for i in job.iterate_ids], problem)
+        feed(wid, Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(to_wire(g, wire) for g in r.grads),
+                        loss=r.loss, count=r.count, compute_s=0.0, holds=tuple(caches[wid])))
+    pers.close()
+    assert core.version == 40
+    live = np.array(core.params(), copy=True)
+    ops = {r.op for r in read_journal(d)}
+    assert ("msg" if payloads else "reply") in ops
+    rec, _, n = recover(factory, restore, d, problem)  # the wire dtype comes from run.json
+    assert n == 44 and rec.version == 40  # 2 hellos, 2 readies, 40 replies
+    assert np.array_equal(rec.params(), live), "bit-exact"
+    if not payloads:  # recomputed as f32, the replay would drift: the wire dtype matters
+        plain, _, _ = recover(factory, restore, d, problem, wire_dtype="f32")
+        assert not np.array_equal(plain.params(), live)

@@ -221,3 +221,14 @@ def test_property_nearest(v):
         floor = 2.0**-133 if wire == "bf16" else 2.0**-24
         ulp = max(2.0 ** np.floor(np.log2(abs(float(v)))) * 2 * step if v != 0 else 0.0, floor)
         assert err <= ulp / 2 * (1 + 1e-12)
+
+
+def test_protocol_md_example_bytes():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "protocol" / "PROTOCOL.md").read_text(encoding="utf-8")
+    assert "### 6.12 Wire dtype" in doc
+    grad = np.array([0.25, 0.0, -1.5], np.float32)  # the reply of section 11.3
+    assert f"`{to_wire(grad, 'bf16').tobytes().hex(' ')}`" in doc
+    assert to_wire(np.array([0.1], np.float32), "bf16")[0] == 0x3DCD
+    assert float(roundtrip(np.array([0.1], np.float32), "bf16")[0]) == 0.10009765625
