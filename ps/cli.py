@@ -295,7 +295,9 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
         core, problem, persistence, spec = _open_state(state, spec, batch_size=batch_size,
                                                        liveness_timeout=liveness_timeout,
                                                        heartbeat_interval=heartbeat_interval, min_workers=min_workers,
-                                                       round_period=round_period, seed=seed, boot=boot)
+                                                       round_period=round_period, seed=seed, boot=boot,
+                                                       wire_dtype=wire_dtype)
+        wire_dtype = persistence.wire_dtype
         events = events or os.path.join(state.state_dir, "events.jsonl")
     else:
         problem, alg = spec.build()
@@ -324,7 +326,7 @@ def _core_config(run: dict[str, Any]):
     return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
 
 
-def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, **core_kw):
+def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", **core_kw):
     """Start a new run in an empty state directory, or resume the one it holds."""
     from ps.core import ServerCore
     from ps.persist import Journal, Persistence, read_run, recover, write_run
@@ -336,7 +338,7 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, **core_kw
     if run is None:
         problem, alg = spec.build()
         run = {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
-               "algorithm": spec.algorithm, "settings": dict(spec.settings), "format": 1,
+               "algorithm": spec.algorithm, "settings": dict(spec.settings), "format": 1, "wire_dtype": wire_dtype,
                "core": {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
                         "batch_size": core_kw["batch_size"], "heartbeat_interval_s": core_kw["heartbeat_interval"],
                         "liveness_timeout_s": core_kw["liveness_timeout"], "min_workers": core_kw["min_workers"],
@@ -354,6 +356,8 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, **core_kw
         if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
             log.warning("%s holds a run of %s on %s: resuming it (the command-line problem and algorithm are "
                         "ignored)", d, resumed.algorithm, resumed.problem)
+        if run["wire_dtype"] != wire_dtype:
+            log.warning("%s holds a run with --wire-dtype %s: resuming it with that", d, run["wire_dtype"])
         spec = resumed
         problem, alg = spec.build()
         cfg = _core_config(run)
@@ -371,6 +375,7 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, **core_kw
         f.write(f"{os.getpid()}\n")
     persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
                               checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads)
+    persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
     return core, problem, persistence, spec
 
 

@@ -303,8 +303,12 @@ class ServerCore:
         return ev
 
     # ------------------------------------------------------------------ inbound
-    def handle(self, worker_id: str, msg: Any, now: float, key: str = "") -> list[Command]:
-        """Dispatch one decoded message from ``worker_id`` (``key``: fingerprint of its CURVE key)."""
+    def handle(self, worker_id: str, msg: Any, now: float, key: str = "",
+               refusal: tuple[ErrorCode, str] | None = None) -> list[Command]:
+        """Dispatch one decoded message from ``worker_id`` (``key``: fingerprint of its CURVE key).
+
+        ``refusal``: the transport already found a reply unusable (e.g. a gradient frame in another
+        dtype than the wire's): it is refused with this code and text, like a failed check."""
         if isinstance(msg, Hello):
             return self.on_hello(worker_id, msg, now, key)
         w = self.workers.get(worker_id)
@@ -322,7 +326,7 @@ class ServerCore:
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
         w.last_seen = now
         if isinstance(msg, Reply):
-            return self.on_reply(w, msg, now)
+            return self.on_reply(w, msg, now, refusal)
         if isinstance(msg, Heartbeat):
             return self.on_heartbeat(w, msg, now)
         if isinstance(msg, Ready):
@@ -394,7 +398,8 @@ class ServerCore:
             liveness_timeout_s=self.cfg.liveness_timeout_s)))
         return out + self._dispatch(now)
 
-    def on_reply(self, w: WorkerInfo, reply: Reply, now: float) -> list[Command]:
+    def on_reply(self, w: WorkerInfo, reply: Reply, now: float,
+                 refusal: tuple[ErrorCode, str] | None = None) -> list[Command]:
         entry = self.ledger.get(reply.job_id)
         if entry is None or entry.received:
             how = self.closed.get(reply.job_id)
@@ -410,7 +415,7 @@ class ServerCore:
             return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker"
                                             if entry.worker_id != w.worker_id else "created_at does not match the job",
                                             job_id=reply.job_id))]
-        problem = self._check_grads(entry, reply)
+        problem = refusal or self._check_grads(entry, reply)
         if problem is not None:
             code, text = problem
             out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]

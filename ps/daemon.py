@@ -41,9 +41,9 @@ from protocol.messages import (
     StatusRequest,
     Welcome,
 )
-from protocol.wire import from_wire, to_wire
+from protocol.wire import to_wire
 from ps.core import Disconnect, Send, ServerCore
-from ps.persist import Persistence
+from ps.persist import Persistence, reply_from_wire
 
 log = logging.getLogger("latecomer.server")
 
@@ -135,7 +135,6 @@ class Daemon:
         self.owners: dict[bytes, str] = {}  # routing id -> worker id
         self.events_file = open(events_path, "a", encoding="utf-8") if events_path else None
         self.events_dirty = False
-        self.events_flush_at = 0.0
         self.stopping: str | None = None
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
@@ -226,10 +225,6 @@ class Daemon:
                     self._execute(core.on_tick(now))
                 if self.persist is not None:
                     self.persist.after_batch(core, now)
-                if self.events_dirty and now >= self.events_flush_at:
-                    self.events_file.flush()
-                    self.events_dirty = False
-                    self.events_flush_at = now + 0.1
                 if self.metrics is not None and now >= self.next_publish:
                     self.publish_metrics()
                     self.next_publish = now + 0.5
@@ -244,6 +239,9 @@ class Daemon:
                 if self.on_progress and now >= next_progress + 0.2:
                     self.on_progress(self, None)
                     next_progress = now
+                if self.events_dirty:  # once per pass of the loop (a batch of messages), not per message
+                    self.events_file.flush()
+                    self.events_dirty = False
                 self._check_stop()
         finally:
             self._shutdown()
@@ -394,12 +392,19 @@ class Daemon:
                 if wid in self.shm_capable:
                     log.info("worker %s cannot open the shared memory: TCP for it", wid)
                 self.shm_workers.discard(wid)
-        elif isinstance(msg, Reply) and (msg.in_shm or self.wire_dtype != "f32"):
-            msg = self._reply_arrays(wid, msg)
-            frames_in = encode(msg)  # the journal records what the core saw
+        refusal, wire = None, None
+        if isinstance(msg, Reply):
+            if msg.in_shm:  # the gradients are in the slots lent for this job (float32)
+                grads = None if msg.grads or self.arena is None else self.arena.gradients(wid, msg.job_id)
+                msg = dataclasses.replace(msg, grads=grads or (), in_shm=False)  # none: the core refuses it
+                frames_in = encode(msg) if self.persist is not None else frames_in
+                wire = "f32" if self.wire_dtype != "f32" else None
+            elif self.wire_dtype != "f32":
+                msg, refusal = reply_from_wire(msg, self.wire_dtype)
         if self.persist is not None:
-            self.persist.record_message(self.core, wid, msg, frames_in, now, key)
-        self._execute(self.core.handle(wid, msg, now, key))
+            self.persist.record_message(self.core, wid, msg, frames_in, now, key, wire=wire,
+                                        refused=refusal is not None)
+        self._execute(self.core.handle(wid, msg, now, key, refusal))
         if isinstance(msg, Bye):
             self._forget(wid)
 
@@ -453,18 +458,6 @@ class Daemon:
         if held is None:
             held = self.wire_cache[iid] = to_wire(x, self.wire_dtype)
         return held
-
-    def _reply_arrays(self, wid: str, reply: Reply) -> Reply:
-        """The gradients of a reply as float32 arrays: from the lent shared-memory slots, or
-        converted from the wire dtype. What cannot be converted is left for the core to refuse
-        (an empty or odd ``grads`` fails its checks with a clear error)."""
-        if reply.in_shm:
-            grads = None if reply.grads or self.arena is None else self.arena.gradients(wid, reply.job_id)
-            return dataclasses.replace(reply, grads=grads or (), in_shm=False)
-        try:
-            return dataclasses.replace(reply, grads=tuple(from_wire(g, self.wire_dtype) for g in reply.grads))
-        except ValueError:
-            return reply  # wrong dtype: the core answers BAD_SHAPE
 
     def _send_raw(self, rid: bytes, msg: Any) -> bool:
         try:
@@ -535,7 +528,7 @@ class Daemon:
                 self.versions.append((now, self.core.version))
         if self.events_file and events:
             self.events_file.write("".join(json.dumps(ev) + "\n" for ev in events))
-            self.events_dirty = True  # flushed by the loop at most every 0.1 s, not per message
+            self.events_dirty = True  # flushed by the loop after each batch of messages
 
     # ------------------------------------------------------------------ results
     def status_info(self) -> dict[str, Any]:

@@ -107,6 +107,8 @@ class Worker:
         self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
         self.wire = "f32"  # how the server sends iterates and wants gradients (Welcome.wire_dtype)
         self.shm: ShmReader | None = None  # the server's shared memory, when it offered and we could open it
+        self.shm_grads: dict[int, tuple] = {}  # job id -> gradients of a recent shared-memory reply
+        self.shm_boot: dict[int, int | None] = {}  # job id -> the server process whose memory it used
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
         self.unsent: list[Reply] = []  # replies that could not be sent (disconnected)
         # Replies sent within the last liveness timeout: a server that crashes may never have
@@ -302,7 +304,9 @@ class Worker:
         elif self.server_boot is not None and w.server_boot != self.server_boot:
             # The same run, resumed by a new server process: resend what it may not have read.
             pending = {r.job_id for r in self.unsent}
-            self.unsent = [r for _, r in self.recent if r.job_id not in pending] + self.unsent
+            resend = [r for _, r in self.recent if r.job_id not in pending] + self.unsent
+            # Gradients left in the old server's shared memory travel as frames now.
+            self.unsent = [r for r in (self._detach(r, w.wire_dtype) for r in resend) if r is not None]
             self.recent.clear()
         self.server_boot = w.server_boot
         self.wire = w.wire_dtype
@@ -331,6 +335,7 @@ class Worker:
         self.seen = max(self.seen, job.job_id)
         if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
             self.jobs[job.job_id] = job
+            self.shm_boot[job.job_id] = self.server_boot
             if self.shm is None or len(job.refs) != len(job.iterate_ids):
                 self.jobs.pop(job.job_id, None)
                 self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
@@ -379,6 +384,7 @@ class Worker:
                 if dst.size != g.size:
                     raise ValueError(f"gradient of {g.size} values, shared-memory slot of {dst.size}")
                 np.copyto(dst, g.reshape(-1))
+            self.shm_grads[job.job_id] = reply.grads  # for a resend to a restarted server
             return dataclasses.replace(reply, grads=(), in_shm=True)
         if self.wire != "f32":
             return dataclasses.replace(reply, grads=tuple(to_wire(g, self.wire) for g in reply.grads))
@@ -408,6 +414,11 @@ class Worker:
             self.unsent.append(reply)
         while self.unsent and self.welcomed:
             r = self.unsent[0]
+            if r.in_shm and self.shm_boot.get(r.job_id) != self.server_boot:
+                r = self._detach(r, self.wire)  # computed for the previous server process
+                if r is None:
+                    self.unsent.pop(0)
+                    continue
             r = dataclasses.replace(r, holds=self.cache.ids())
             if not self._send(r):
                 break
@@ -417,6 +428,25 @@ class Worker:
             self.recent.append((now, r))
             while self.recent and now - self.recent[0][0] > self.liveness:
                 self.recent.popleft()
+        if self.shm_grads:  # keep only what a resend after a server restart could need
+            keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
+            for jid in [j for j in self.shm_grads if j not in keep]:
+                self.shm_grads.pop(jid, None)
+                self.shm_boot.pop(jid, None)
+
+    def _detach(self, r: Reply, wire: str) -> Reply | None:
+        """A shared-memory reply as a frame reply (for a new server process, which cannot read
+        the old one's slots); None if its gradients are gone, or if the wire dtype is not f32:
+        the gradient was computed at the exact float32 iterate, not at the quantized one a TCP
+        reply implies, and recovery recomputes it at the latter. The new server writes a
+        dropped job off (it is not in our busy list)."""
+        if not r.in_shm:
+            return r
+        grads = self.shm_grads.get(r.job_id)
+        if grads is None or wire != "f32":
+            log.info("job %d: its reply went to the previous server's shared memory; dropped", r.job_id)
+            return None
+        return dataclasses.replace(r, grads=tuple(to_wire(g, wire) for g in grads), in_shm=False)
 
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:

@@ -268,8 +268,10 @@ def serve_args(events: str, out: str) -> list[str]:
 
 
 def start_workers(lab: Lab, delays: dict[str, float]) -> dict[str, subprocess.Popen]:
+    # --shm off: the namespaces stand for other hosts, but they share this host's machine id and
+    # /dev/shm, so the workers would otherwise take the same-host path around the shaped links.
     return {w: lab.start(w, "work", "--server", f"tcp://{SERVER_IP}:{PORT}", "--worker-id", w, "--delay", str(d),
-                         "--log-level", "info") for w, d in delays.items()}
+                         "--shm", "off", "--log-level", "info") for w, d in delays.items()}
 
 
 def wait_file(path, pattern: str, timeout: float, poll_s: float = 0.05) -> re.Match:

@@ -21,20 +21,25 @@ pytestmark = pytest.mark.slow
 STEPS = 700
 
 
-def serve_cmd(endpoint, state):
-    return ["serve", "--bind", endpoint, "--state", state, "--problem", "quadratic", "--problem-opt", "d=32",
+def serve_cmd(endpoint, state, wire="f32"):
+    return ["serve", "--bind", endpoint, "--state", state, "--wire-dtype", wire, "--problem", "quadratic",
+            "--problem-opt", "d=32",
             "--algorithm", "ordered-momentum", "--set", "lr=0.2", "--set", "beta=0.3", "--batch-size", "1",
             "--max-steps", str(STEPS), "--checkpoint-every", "50", "--fsync", "always", "--liveness-timeout", "2",
             "--heartbeat-interval", "0.25", "--min-workers", "3", "--log-level", "info"]
 
 
-def test_server_kill_minus_nine_and_restart(procs, tmp_path):
+@pytest.mark.parametrize("wire", ["f32", "bf16"])
+def test_server_kill_minus_nine_and_restart(procs, tmp_path, wire):
+    """f32: every worker on the same-host path. bf16: w1 on the same-host path (float32 through
+    shared memory), w2 and w3 over TCP in bfloat16: recovery must know which reply travelled how."""
     state = str(tmp_path / "state")
     events = str(tmp_path / "state" / "events.jsonl")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = procs.start(*serve_cmd(endpoint, state))
+    server = procs.start(*serve_cmd(endpoint, state, wire))
     wait_line(server, r"listening on", timeout=60)
-    workers = [procs.start("work", "--server", endpoint, "--worker-id", f"w{i}", "--delay", d)
+    workers = [procs.start("work", "--server", endpoint, "--worker-id", f"w{i}", "--delay", d,
+                           *(["--shm", "off"] if wire == "bf16" and i > 1 else []))
                for i, d in ((1, "0.01"), (2, "0.03"), (3, "0.07"))]
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 250, timeout=60)
     server.send_signal(signal.SIGKILL)
@@ -45,7 +50,7 @@ def test_server_kill_minus_nine_and_restart(procs, tmp_path):
     assert logged.version >= seen, "an update that was applied and logged would be lost"
     issued_before = max(e["job_id"] for e in read_events(events) if e["ev"] == "issued")
 
-    server2 = procs.start(*serve_cmd(endpoint, state))
+    server2 = procs.start(*serve_cmd(endpoint, state))  # no --wire-dtype: the run's own is kept
     wait_line(server2, r"listening on", timeout=60)
     assert wait_exit(server2, timeout=120) == 0
     err = server2.stderr.read().decode()
@@ -62,6 +67,11 @@ def test_server_kill_minus_nine_and_restart(procs, tmp_path):
 
     summary = json.loads((tmp_path / "state" / "summary.json").read_text())
     c = summary["counters"]
+    t = summary["transport"]
+    assert t["wire_dtype"] == wire
+    assert t["shm_workers"] == (["w1", "w2", "w3"] if wire == "f32" else ["w1"])
+    if wire == "bf16":
+        assert "with --wire-dtype bf16: resuming it with that" in err
     assert summary["version"] == STEPS and summary["accounted"]
     assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
