@@ -4,14 +4,20 @@ Workload: the server holds x of d float32; each worker loops "send g (a constant
 x", the server applies x <- x - lr*g and returns x; workers' compute is negligible. Backends:
 
 * ``raw-zmq``: raw pyzmq ROUTER/DEALER, msgpack header + zero-copy frame (benchmarks/raw_zmq.py)
-* ``latecomer``: real daemon + worker processes, ``asgd`` on ``synthetic`` (benchmarks/latecomer_ps.py)
-* ``latecomer-curve``: the same with CurveZMQ on
+* ``latecomer``: real daemon + worker processes, ``asgd`` on ``synthetic``, TCP path
+  (``--shm off``; benchmarks/latecomer_ps.py)
+* ``latecomer-shm``: the same on the same-host shared-memory path (``--shm auto``, the default)
+* ``latecomer-curve``: TCP with CurveZMQ on
+* ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16``
 * ``torch-rpc``: torch.distributed.rpc (TensorPipe) PS as in the PyTorch tutorial (benchmarks/torch_rpc.py)
 * ``ray``: Ray actor PS as in Ray's example (benchmarks/ray_ps.py; the ``bench`` extra)
+* ``simulator``: simulated jobs per wall second of ``ps.sim`` (quadratic, d = 1,000, 100 workers;
+  benchmarks/sim_speed.py)
 
-A ``latecomer --wire-dtype bf16`` row is listed as n/a: that flag does not exist yet.
+Then two ratio tables: latecomer against each other backend, and latecomer's server CPU per
+update against the least vector work an update needs (benchmarks/reference.py).
 
-    python -m benchmarks.bench [--quick] [--sizes 1000,100000] [--workers 1,2,4] [--seconds 4]
+    python -m benchmarks.bench [--quick] [--sizes 1000,100000] [--workers 1,2,4] [--seconds 2]
 """
 
 from __future__ import annotations
@@ -28,29 +34,72 @@ import psutil
 from benchmarks.common import Row, skipped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKENDS = ("raw-zmq", "latecomer", "latecomer-curve", "torch-rpc", "ray")
-BF16 = "latecomer-bf16"
-BF16_WHY = "`latecomer work/serve --wire-dtype bf16` does not exist yet"
+LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16")
+SIM = "simulator"
+BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
+SIZES = (1000, 100_000, 1_000_000, 10_000_000)
+QUICK_SIZES = (1000, 100_000)
+WORKERS = (1, 2, 4)
+# The default plan (no --workers): the CurveZMQ and bf16 rows are a cost of an option on top of
+# the latecomer row, so two worker counts show it; the rest run 1, 2 and 4 workers.
+REDUCED_WORKERS = {"latecomer-curve": (1, 4), "latecomer-bf16": (1, 4)}
+SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
+TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
+
+# Seconds a cell costs besides warm-up and timed interval (process start-up, connection, the first
+# updates, shutdown; curve: key generation), + PER_1E7_S * d / 1e7 for allocating and moving the first
+# large iterates; measured on the reference machine (2 cores shared, load average about 3). Only for
+# the estimate printed at the start; a busier machine stretches it (a run at load average 5 took
+# about 2.5 times as long).
+OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
+              "latecomer-bf16": 1.2, "torch-rpc": 3.5, "ray": 1.0}
+PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
+             "latecomer-bf16": 1.0, "torch-rpc": 2.5, "ray": 1.5}
+RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
+SIM_S = 5.0
+LOADED = 2.5  # worst case seen: factor on the estimate on a loaded machine
 
 
-def run_cell(backend: str, d: int, workers: int, seconds: float, warmup: float) -> Row:
+def plan(backends: list[str], sizes: list[int], workers: list[int] | None, quick: bool) -> list[tuple[str, list]]:
+    """(backend, [(d, workers), ...]) in run order. ``workers`` None: the default per-backend counts."""
+    out = []
+    for b in backends:
+        if b == SIM:
+            out.append((b, [(1000, 100)]))
+            continue
+        ws = workers if workers is not None else ([1] if quick else list(REDUCED_WORKERS.get(b, WORKERS)))
+        out.append((b, [(d, w) for d in sizes for w in ws]))
+    return out
+
+
+def estimate_s(the_plan: list[tuple[str, list]], seconds: float, warmup: float) -> float:
+    total = 0.0
+    for b, cells in the_plan:
+        if b == SIM:
+            total += SIM_S
+            continue
+        total += RAY_START_S if b == "ray" else 0.0
+        total += sum(OVERHEAD_S[b] + PER_1E7_S[b] * d / 1e7 + warmup + seconds for d, _ in cells)
+    return total
+
+
+def run_cell(backend: str, d: int, workers: int, seconds: float, warmup: float, credit: int = 1) -> Row:
     if backend == "raw-zmq":
         from benchmarks import raw_zmq
         return raw_zmq.run(d, workers, seconds, warmup)
-    if backend in ("latecomer", "latecomer-curve"):
+    if backend in LATECOMER:
         from benchmarks import latecomer_ps
-        return latecomer_ps.run(d, workers, seconds, warmup, curve=backend == "latecomer-curve")
+        return latecomer_ps.run(d, workers, seconds, warmup, variant=backend, credit=credit)
     if backend == "torch-rpc":
         from benchmarks import torch_rpc
         return torch_rpc.run(d, workers, seconds, warmup)
     raise ValueError(backend)
 
 
-def sweep(backends: list[str], sizes: list[int], workers: list[int], seconds: float, warmup: float,
+def sweep(the_plan: list[tuple[str, list]], seconds: float, warmup: float, *, credit: int = 1, quick: bool = False,
           echo=print) -> list[Row]:
-    cells = [(d, w) for d in sizes for w in workers]
     rows: list[Row] = []
-    for b in backends:
+    for b, cells in the_plan:
         if b == "ray":
             from benchmarks import ray_ps
             got = ray_ps.run_all(cells, seconds, warmup)
@@ -58,15 +107,27 @@ def sweep(backends: list[str], sizes: list[int], workers: list[int], seconds: fl
                 echo(line(r))
             rows += got
             continue
-        for d, w in cells:
-            r = run_cell(b, d, w, seconds, warmup)
+        if b == SIM:
+            from benchmarks import sim_speed
+            t = time.monotonic()
+            try:
+                r = sim_speed.run(sim_speed.QUICK_UPDATES if quick else sim_speed.UPDATES)
+            except Exception as e:  # noqa: BLE001 - a failed row says why
+                r = skipped(SIM, 1000, 100, f"{type(e).__name__}: {e}"[:200])
+            r.wall_s = time.monotonic() - t
             echo(line(r))
             rows.append(r)
-    rows += [skipped(BF16, d, w, BF16_WHY) for d, w in cells]
+            continue
+        for d, w in cells:
+            t = time.monotonic()
+            r = run_cell(b, d, w, seconds, warmup, credit)
+            r.wall_s = time.monotonic() - t
+            echo(line(r))
+            rows.append(r)
     return rows
 
 
-def _f(v: float, fmt: str) -> str:
+def _f(v: float | None, fmt: str) -> str:
     return "n/a" if v is None or not math.isfinite(v) else format(v, fmt)
 
 
@@ -74,8 +135,9 @@ def line(r: Row) -> str:
     if r.skipped:
         return f"{r.backend:16s} d={r.d:>10,} w={r.workers}: n/a ({r.skipped})"
     return (f"{r.backend:16s} d={r.d:>10,} w={r.workers}: {r.updates_per_s:9.1f} upd/s  "
-            f"cpu {r.cpu_s_per_update * 1e3:8.3f} ms/upd  rtt p50 {r.rtt_p50_s * 1e3:8.3f} ms "
-            f"p99 {r.rtt_p99_s * 1e3:8.3f} ms  rss {r.peak_rss_bytes / 2**20:7.1f} MiB")
+            f"cpu {_f(r.cpu_s_per_update * 1e3, '8.3f')} ms/upd  rtt p50 {_f(r.rtt_p50_s * 1e3, '8.3f')} ms "
+            f"p99 {_f(r.rtt_p99_s * 1e3, '8.3f')} ms  rss {_f(r.peak_rss_bytes / 2**20, '7.1f')} MiB  "
+            f"[{r.wall_s:.0f} s]")
 
 
 def machine() -> str:
@@ -98,46 +160,114 @@ def machine() -> str:
         rv = "not installed"
     return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, "
             f"{platform.system()} {platform.release()}; Python {platform.python_version()}, pyzmq {zmq.__version__} "
-            f"(libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, torch {torch.__version__}, ray {rv}; "
+            f"(libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads by default), ray {rv}; "
             f"load average at start {os.getloadavg()[0]:.2f}")
 
 
-def ratio_table(rows: list[Row]) -> list[str]:
+def _ok(r: Row | None) -> bool:
+    return r is not None and not r.skipped and math.isfinite(r.updates_per_s) and r.updates_per_s > 0
+
+
+def _ratio(a: Row | None, b: Row | None, field: str = "updates_per_s") -> str:
+    if not (_ok(a) and _ok(b)):
+        return "n/a"
+    x, y = getattr(a, field), getattr(b, field)
+    return _f(x / y, ".2f") if math.isfinite(x) and math.isfinite(y) and y > 0 else "n/a"
+
+
+def _best(*rows: Row | None) -> Row | None:
+    ok = [r for r in rows if _ok(r)]
+    return max(ok, key=lambda r: r.updates_per_s) if ok else None
+
+
+def ratio_table(rows: list[Row], ref: dict[int, float] | None = None) -> list[str]:
+    """Ratios of latecomer to the other backends (updates/s, server CPU per update) and latecomer's
+    server CPU per update over the reference vector work (``ref``: d -> seconds)."""
     by = {(r.backend, r.d, r.workers): r for r in rows}
-    others = [b for b in ("raw-zmq", "torch-rpc", "ray", "latecomer-curve") if any(r.backend == b for r in rows)]
-    if not any(r.backend == "latecomer" for r in rows) or not others:
+    cells = sorted({(r.d, r.workers) for r in rows if r.backend in ("latecomer", "latecomer-shm")})
+    if not cells:
         return []
-    out = ["", "Ratios of latecomer to each other backend, updates/s (> 1: latecomer faster) and server CPU "
-                "per update (< 1: latecomer cheaper); for latecomer-curve the ratio is latecomer / "
-                "latecomer-curve.", "",
-           "| d | workers | " + " | ".join(f"upd/s vs {b}" for b in others) + " | "
-           + " | ".join(f"CPU/upd vs {b}" for b in others) + " |",
-           "|---|---|" + "---|" * (2 * len(others))]
-    for (b, d, w), lc in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if b != "latecomer":
-            continue
-        rs, cs = [], []
-        for o in others:
-            r = by.get((o, d, w))
-            ok = r is not None and not r.skipped and not lc.skipped
-            rs.append(_f(lc.updates_per_s / r.updates_per_s, ".2f") if ok and r.updates_per_s > 0 else "n/a")
-            cs.append(_f(lc.cpu_s_per_update / r.cpu_s_per_update, ".2f") if ok and r.cpu_s_per_update > 0
-                      else "n/a")
-        out.append(f"| {d:,} | {w} | " + " | ".join(rs) + " | " + " | ".join(cs) + " |")
+    out = ["", "## Ratios", "",
+           "Updates/s ratios (> 1: the first faster). *best latecomer* = the better of `latecomer` (TCP) and "
+           "`latecomer-shm` in that cell; *best other* = the better of torch-rpc and ray. Target: "
+           "latecomer-shm / best other >= 1.5 at d >= 1e6. CPU ratios: server CPU per update of "
+           "`latecomer` (TCP) over the other's (< 1: latecomer cheaper).", "",
+           "| d | workers | latecomer / raw-zmq | best latecomer / torch-rpc | best latecomer / ray "
+           "| latecomer-shm / best other | latecomer-curve / latecomer | latecomer-bf16 / latecomer "
+           "| CPU/upd vs raw-zmq | CPU/upd vs torch-rpc | CPU/upd vs ray |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d, w in cells:
+        def g(b: str, d: int = d, w: int = w) -> Row | None:
+            return by.get((b, d, w))
+
+        lc, shm = g("latecomer"), g("latecomer-shm")
+        best, other = _best(lc, shm), _best(g("torch-rpc"), g("ray"))
+        target = _ratio(shm, other)
+        if target != "n/a" and d >= 1_000_000:
+            target += " (met)" if float(target) >= 1.5 else " (not met)"
+        out.append(f"| {d:,} | {w} | {_ratio(lc, g('raw-zmq'))} | {_ratio(best, g('torch-rpc'))} | "
+                   f"{_ratio(best, g('ray'))} | {target} | {_ratio(g('latecomer-curve'), lc)} | "
+                   f"{_ratio(g('latecomer-bf16'), lc)} | "
+                   + " | ".join(_ratio(lc, g(o), "cpu_s_per_update") for o in ("raw-zmq", "torch-rpc", "ray")) + " |")
+    if ref:
+        out += ["", "## Server CPU per update / vector passes", "",
+                "Reference: the vector work plain async SGD must do per update (read g and x, write x), timed "
+                "in the bench process as `torch.add(x, g, alpha=-lr, out=y)` on `torch.from_numpy` float32 views, "
+                "one thread, median of repetitions. Ratio = the daemon's server CPU per update / reference "
+                "(target <= 2; the TCP path also copies x and g through the kernel).", "",
+                "| d | workers | reference ms | latecomer CPU ms/upd | latecomer / ref | latecomer-shm CPU ms/upd "
+                "| latecomer-shm / ref |", "|---|---|---|---|---|---|---|"]
+        for d, w in cells:
+            r0 = ref.get(d)
+            cols = [f"| {d:,} | {w} | {_f(r0 * 1e3 if r0 else None, '.4f')}"]
+            for b in ("latecomer", "latecomer-shm"):
+                r = by.get((b, d, w))
+                c = r.cpu_s_per_update if _ok(r) else math.nan
+                cols += [_f(c * 1e3, ".3f"), _f(c / r0 if r0 else math.nan, ".1f")]
+            out.append(" | ".join(cols) + " |")
     return out
 
 
-def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, desc: str) -> str:
+def _short(d: int) -> str:
+    """1e3 for 1000, 2.5e5 for 250000; other values as they are."""
+    m, e = f"{d:e}".split("e")
+    m = m.rstrip("0").rstrip(".")
+    return f"{m}e{int(e)}" if float(f"{m}e{e}") == d and d >= 1000 else str(d)
+
+
+def _cell(v: float, fmt: str, scale: float = 1.0) -> str:
+    return _f(v * scale if v is not None and math.isfinite(v) else math.nan, fmt)
+
+
+def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, desc: str, *,
+             the_plan: list[tuple[str, list]] | None = None, credit: int = 1, estimate: float | None = None,
+             ref: dict[int, float] | None = None, plan_note: str = "") -> str:
+    planned = ""
+    if the_plan:
+        planned = ("Cells run: " + "; ".join(
+            f"{b} " + ("d=1,000 with 100 simulated workers" if b == SIM else
+                       f"d in {{{', '.join(_short(d) for d in sorted({d for d, _ in c}))}}} x workers "
+                       f"{{{', '.join(str(w) for w in sorted({w for _, w in c}))}}}")
+            for b, c in the_plan) + ". ")
     lines = [f"# latecomer bench ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {desc}.", "",
              f"Workload: server holds x (d float32), workers loop send g / receive x, server x <- x - lr*g; "
              f"negligible worker compute; all on loopback. Per cell: start, warm-up {warmup:g} s, then a "
              f"{seconds:g} s timed interval cut into 5 windows; updates/s = median window. Server CPU = "
              "user+system seconds of the server process over the interval / updates in it. RTT = per update, "
-             "send g to x back in the worker (latecomer: job issue -> apply, from the daemon's events). Peak "
-             "RSS = VmHWM of the server process. Bytes/update = application payload both ways (latecomer: "
-             "protocol Job+Reply as encoded; raw-zmq: frames sent; torch-rpc/ray: pickled tensors/arrays). "
-             f"Whole run {elapsed:.0f} s. Shared, noisy machine: read the ratios, not the absolute figures.", "",
+             "send g to x back in the worker (latecomer: job issue -> apply, from the daemon's events file, "
+             "whose writing is part of the daemon's CPU). Peak RSS = VmHWM of the server process. "
+             "Bytes/update = application payload both ways (latecomer: protocol Job+Reply as encoded; "
+             "latecomer-shm: the headers only, x and g go through shared memory; latecomer-bf16: 2-byte "
+             "frames; raw-zmq: frames sent; torch-rpc/ray: pickled tensors/arrays). latecomer rows: "
+             f"`latecomer work --credit {credit}`"
+             + (" (one job prefetched per worker)" if credit == 2 else "") + ". "
+             "simulator: simulated jobs (replies applied) per wall second of the discrete-event simulator "
+             "(quadratic, d = 1,000, asgd, 100 workers, sqrt delays), in the bench process; its bytes, RTT and "
+             "RSS are n/a. " + planned
+             + plan_note + (f"Estimated {estimate / 60:.1f} min; " if estimate else "")
+             + f"whole run {elapsed:.0f} s. Shared, noisy machine: read the ratios, not the absolute figures.", "",
              "| backend | d | workers | updates/s | bytes/update | server CPU ms/update | RTT p50 ms | RTT p99 ms "
              "| peak server RSS MiB | windows (upd/s) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -146,11 +276,20 @@ def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, des
             lines.append(f"| {r.backend} | {r.d:,} | {r.workers} | n/a | n/a | n/a | n/a | n/a | n/a | | "
                          f"skipped: {r.skipped} |")
             continue
-        lines.append(f"| {r.backend} | {r.d:,} | {r.workers} | {r.updates_per_s:,.1f} | {r.bytes_per_update:,.0f} | "
-                     f"{r.cpu_s_per_update * 1e3:.3f} | {r.rtt_p50_s * 1e3:.3f} | {r.rtt_p99_s * 1e3:.3f} | "
-                     f"{r.peak_rss_bytes / 2**20:,.1f} | {' '.join(f'{x:.0f}' for x in r.windows)} | {r.note} |")
-    lines += ratio_table(rows)
+        lines.append(f"| {r.backend} | {r.d:,} | {r.workers} | {_cell(r.updates_per_s, ',.1f')} | "
+                     f"{_cell(r.bytes_per_update, ',.0f')} | {_cell(r.cpu_s_per_update, '.3f', 1e3)} | "
+                     f"{_cell(r.rtt_p50_s, '.3f', 1e3)} | {_cell(r.rtt_p99_s, '.3f', 1e3)} | "
+                     f"{_cell(r.peak_rss_bytes, ',.1f', 2**-20)} | {' '.join(f'{x:.0f}' for x in r.windows)} | "
+                     f"{r.note} |")
+    lines += ratio_table(rows, ref)
     return "\n".join(lines) + "\n"
+
+
+DEFAULT_PLAN_NOTE = (
+    f"Default plan: a {SECONDS:g} s timed interval after a {WARMUP:g} s warm-up (a cell's fixed cost, process "
+    "start-up and shutdown, is a few seconds, so longer intervals buy little), the CurveZMQ and bf16 rows at 1 "
+    f"and 4 workers only, so that the full default run stays within {TARGET_S // 60} min even at {LOADED:g}x its "
+    "estimate (a loaded machine: the previous 5-backend run at load average 5 took 14 min). ")
 
 
 def _ints(s: str) -> list[int]:
@@ -161,40 +300,60 @@ def _ints(s: str) -> list[int]:
 
 
 @click.command("bench")
-@click.option("--quick", is_flag=True, help="d in {1e3, 1e5}, 1 worker, 2 s windows (what the test suite runs).")
+@click.option("--quick", is_flag=True, help="d in {1e3, 1e5}, 1 worker, 1.5 s intervals, a shorter simulator "
+                                           "row (what the test suite runs).")
 @click.option("--sizes", default=None, help="Comma-separated d values (default 1000,100000,1000000,10000000).")
-@click.option("--workers", "workers_", default=None, help="Comma-separated worker counts (default 1,2,4).")
-@click.option("--seconds", type=float, default=None, help="Timed interval per cell (default 4; --quick 2).")
-@click.option("--warmup", type=float, default=1.0, show_default=True, help="Seconds after start before timing.")
+@click.option("--workers", "workers_", default=None,
+              help="Comma-separated worker counts for every backend (default 1,2,4; curve and bf16 rows 1,4).")
+@click.option("--seconds", type=float, default=None,
+              help=f"Timed interval per cell (default {SECONDS:g}; --quick {QUICK_SECONDS:g}).")
+@click.option("--warmup", type=float, default=WARMUP, show_default=True, help="Seconds after start before timing.")
+@click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="latecomer rows: jobs each worker holds at once (`latecomer work --credit N`).")
 @click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
 @click.option("--out", type=click.Path(dir_okay=False), default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
               show_default=True, help="Markdown table.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
-def bench(quick, sizes, workers_, seconds, warmup, backends, out, json_out) -> None:
+def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out) -> None:
     """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload."""
-    sizes_l = _ints(sizes) if sizes else ([1000, 100_000] if quick else [1000, 100_000, 1_000_000, 10_000_000])
-    workers_l = _ints(workers_) if workers_ else ([1] if quick else [1, 2, 4])
-    seconds = seconds if seconds is not None else (2.0 if quick else 4.0)
-    if seconds <= 0 or warmup < 0 or any(d < 1 for d in sizes_l) or any(w < 1 for w in workers_l):
+    sizes_l = _ints(sizes) if sizes else list(QUICK_SIZES if quick else SIZES)
+    workers_l = _ints(workers_) if workers_ else None
+    seconds = seconds if seconds is not None else (QUICK_SECONDS if quick else SECONDS)
+    if seconds <= 0 or warmup < 0 or any(d < 1 for d in sizes_l) or any(w < 1 for w in workers_l or [1]):
         raise click.BadParameter("sizes, workers and seconds must be positive")
     bl = [b.strip() for b in backends.split(",") if b.strip()]
     bad = [b for b in bl if b not in BACKENDS]
     if bad:
         raise click.BadParameter(f"unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}",
                                  param_hint="--backends")
+    the_plan = plan(bl, sizes_l, workers_l, quick)
+    est = estimate_s(the_plan, seconds, warmup)
     desc = machine()
     click.echo(f"machine: {desc}")
+    click.echo(f"plan: {sum(len(c) for _, c in the_plan)} cells, estimated {est / 60:.1f} min "
+               f"(up to {LOADED * est / 60:.0f} min on a loaded machine)"
+               + (f", over the {TARGET_S / 60:.0f} min target" if LOADED * est > TARGET_S else ""))
     t = time.monotonic()
-    rows = sweep(bl, sizes_l, workers_l, seconds, warmup, echo=lambda s: click.echo(s))
+    rows = sweep(the_plan, seconds, warmup, credit=credit, quick=quick, echo=lambda s: click.echo(s))
     elapsed = time.monotonic() - t
+    ref = None
+    if any(b in bl for b in ("latecomer", "latecomer-shm")):
+        from benchmarks.reference import vector_passes
+        ref = vector_passes(sorted({d for b, c in the_plan if b != SIM for d, _ in c}))
     if json_out:  # first: the raw rows survive whatever happens below
         with open(json_out, "w", encoding="utf-8") as f:
-            json.dump({"machine": desc, "seconds": seconds, "rows": [r.as_dict() for r in rows]}, f, indent=1)
-    md = markdown(rows, seconds, warmup, elapsed, desc)
+            json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
+                       "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref,
+                       "rows": [r.as_dict() for r in rows]}, f, indent=1)
+    default = not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and bl == list(BACKENDS)
+    note = DEFAULT_PLAN_NOTE if default else ("--quick: d in {1e3, 1e5}, 1 worker. " if quick else
+                                              "Cells, interval and warm-up chosen on the command line. ")
+    md = markdown(rows, seconds, warmup, elapsed, desc, the_plan=the_plan, credit=credit, estimate=est, ref=ref,
+                  plan_note=note)
     with open(out, "w", encoding="utf-8") as f:
         f.write(md)
-    click.echo("\n".join(ratio_table(rows)))
-    click.echo(f"wrote {out} ({elapsed:.0f} s)")
+    click.echo("\n".join(ratio_table(rows, ref)))
+    click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class Row:
     windows: list = field(default_factory=list)
     skipped: str = ""  # non-empty: not measured, and why
     note: str = ""
+    wall_s: float = math.nan  # the whole cell (start, warm-up, timed interval, shutdown), for the time plan
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -124,16 +124,10 @@ def _status(endpoint: str, keys: str | None):
     return fetch_status(endpoint, timeout_s=5.0, **kw)
 
 
-def _shm_in_use(st) -> bool | None:
-    """Whether the server's status says a worker uses the same-host path (None: it does not say)."""
-    said = None
-    for k, v in st.info.items():
-        if "shm" in k.lower():
-            said = bool(said) or bool(v)
-    for j, col in enumerate(st.columns):
-        if "shm" in col.lower():
-            said = bool(said) or any(bool(r[j]) and r[j] not in ("off", "no", "tcp") for r in st.rows)
-    return said
+def _shm_workers(st) -> int | None:
+    """How many workers the server's status says use the same-host path (None: it does not say)."""
+    v = st.info.get("shm_workers")
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "latecomer", credit: int = 1,
@@ -201,12 +195,10 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             sleep_until(t1)
             cpu1 = server_cpu(server.pid)
             rss = peak_rss(server.pid)
-            shm_used = None
-            if variant == "latecomer-shm":
-                try:
-                    shm_used = _shm_in_use(_status(endpoint, keys))
-                except TimeoutError:
-                    pass
+            try:
+                shm_used = _shm_workers(_status(endpoint, keys))
+            except TimeoutError:
+                shm_used = None
             server.send_signal(signal.SIGTERM)  # graceful: bye to the workers, events flushed
             try:
                 server.wait(timeout=20)
@@ -215,15 +207,18 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             ts, rt = _events(events)
             note = "RTT: issue->apply in the daemon"
             if credit != 1:
-                note += f"; credit {credit}"
+                note += f"; credit {credit} (the RTT includes the wait in the worker's queue)"
             if variant == "latecomer-shm":
-                note += ("; bytes: headers only (x and g go through shared memory)"
-                         + {True: "", False: "; status says shm is NOT in use",
-                            None: "; shm use not confirmed by the status"}[shm_used])
+                note += "; bytes: headers only (x and g go through shared memory)"
+                if shm_used != workers:
+                    note += (f"; status: {shm_used} of {workers} workers on shared memory" if shm_used is not None
+                             else "; shm use not confirmed by the status")
             elif variant == "latecomer-bf16":
                 note += "; bytes: bf16 frames (2 bytes/element)"
             elif curve:
                 note += "; bytes: before CurveZMQ framing"
+            if variant != "latecomer-shm" and shm_used:
+                note += f"; status: {shm_used} workers on shared memory (expected none)"
             return summarize(variant, d, workers, ts, rt, t0, t1, cpu0, cpu1, rss, wire_bytes(d, variant), note=note)
         except Exception as e:  # noqa: BLE001
             return skipped(variant, d, workers, f"{type(e).__name__}: {e}"[:200])

@@ -72,6 +72,7 @@ def _sweep(cells: list[tuple[int, int]], seconds: float, warmup: float, q) -> No
 
     try:
         for d, workers in cells:
+            cell_start = time.monotonic()
             try:
                 ps = ParameterServer.remote(d)
                 pid = ray.get(ps.pid.remote(), timeout=120)
@@ -98,6 +99,7 @@ def _sweep(cells: list[tuple[int, int]], seconds: float, warmup: float, q) -> No
                     if a is not None:
                         ray.kill(a)
                 ws, ps = [], None
+            row.wall_s = time.monotonic() - cell_start
             q.put(row.as_dict())
     finally:
         ray.shutdown()

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from benchmarks.bench import BACKENDS, BF16
+from benchmarks.bench import BACKENDS, SIM
+from benchmarks.latecomer_ps import missing_flag
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIGURES = ("updates_per_s", "bytes_per_update", "cpu_s_per_update", "rtt_p50_s", "rtt_p99_s", "peak_rss_bytes")
@@ -23,16 +24,36 @@ def test_bench_quick(tmp_path):
     p = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(out), "--json", str(js)],
                        cwd=REPO, capture_output=True, text=True, timeout=840)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    rows = json.loads(js.read_text())["rows"]
+    data = json.loads(js.read_text())
+    rows = data["rows"]
     cells = {(r["backend"], r["d"], r["workers"]) for r in rows}
-    assert cells == {(b, d, 1) for b in (*BACKENDS, BF16) for d in (1000, 100_000)}
+    assert cells == {(b, d, 1) for b in BACKENDS if b != SIM for d in (1000, 100_000)} | {(SIM, 1000, 100)}
+    by = {(r["backend"], r["d"]): r for r in rows}
     for r in rows:
-        if r["skipped"]:  # only the bf16 row (flag not there yet) and ray where it is not installed may be skipped
-            assert r["backend"] == BF16 or (r["backend"] == "ray" and "not installed" in r["skipped"]), r
+        if r["skipped"]:  # only ray where it is not installed, and a latecomer row whose CLI flag is not there
+            assert (r["backend"] == "ray" and "not installed" in r["skipped"]) or \
+                (missing_flag(r["backend"]) and r["skipped"] == missing_flag(r["backend"])), r
+            continue
+        if r["backend"] == SIM:  # simulated jobs per wall second; CPU per job of the bench process
+            assert math.isfinite(r["updates_per_s"]) and r["updates_per_s"] > 100, r
+            assert math.isfinite(r["cpu_s_per_update"]) and r["cpu_s_per_update"] > 0, r
+            assert len(r["windows"]) == 5 and min(r["windows"]) > 0, r
             continue
         for k in FIGURES:
             assert math.isfinite(r[k]) and r[k] > 0, (k, r)
         assert r["rtt_p99_s"] >= r["rtt_p50_s"]
-        assert r["bytes_per_update"] >= 8 * r["d"]  # x one way, g the other
+        assert r["updates"] > 0 and len(r["windows"]) == 5
+        if r["backend"] == "latecomer-shm":  # headers only: the same few hundred bytes whatever d
+            assert r["bytes_per_update"] < 1024 and r["bytes_per_update"] == by[("latecomer-shm", 1000)][
+                "bytes_per_update"], r
+        elif r["backend"] == "latecomer-bf16":  # x one way, g the other, 2 bytes per element
+            assert 4 * r["d"] <= r["bytes_per_update"] < 8 * r["d"], r
+        else:
+            assert r["bytes_per_update"] >= 8 * r["d"]  # x one way, g the other, float32
+    for lc in ("latecomer", "latecomer-curve"):  # the TCP path needs no new flag: these rows are measured
+        assert not by[(lc, 1000)]["skipped"] and not by[(lc, 100_000)]["skipped"]
+    assert {int(k) for k in data["vector_pass_s"]} == {1000, 100_000}
+    assert all(0 < v < 1 for v in data["vector_pass_s"].values())
     md = out.read_text()
-    assert "| latecomer | 1,000 | 1 |" in md and "Machine:" in md and "n/a" in md
+    assert "| latecomer | 1,000 | 1 |" in md and "| simulator | 1,000 | 100 |" in md and "Machine:" in md
+    assert "## Ratios" in md and "vector passes" in md and "n/a" in md
