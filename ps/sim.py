@@ -258,8 +258,10 @@ class Simulator:
             w.cache.move_to_end(iid)
             points.append(w.cache[iid])
         reply = run_job(job, points, self.problem)
-        while len(w.cache) > self.cache_size:
-            w.cache.popitem(last=False)
+        if len(w.cache) > self.cache_size:  # least recently used first, never what a queued job needs
+            pinned = {i for j in (*w.queue, *w.waiting.values()) for i in j.iterate_ids}
+            for iid in [i for i in w.cache if i not in pinned][: len(w.cache) - self.cache_size]:
+                del w.cache[iid]
         grads = reply.grads
         if self.wire_dtype != "f32":  # what the server decodes
             grads = tuple(roundtrip(g, self.wire_dtype) for g in grads)

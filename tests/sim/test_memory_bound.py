@@ -130,13 +130,24 @@ class StoreWatch:
         self.max_over_live = max(self.max_over_live, len(store - refd))
 
 
-def make(case: Case, credit: int, loss_prob: float = 0.05, seed: int = 3) -> tuple[Simulator, StoreWatch]:
+def make(case: Case, credit: int, loss_prob: float = 0.05, seed: int = 3,
+         cache_size: int = 4) -> tuple[Simulator, StoreWatch]:
     problem = load_problem("quadratic", {"d": 16})
     alg = algorithms.build(case.name, case.settings)
     cfg = CoreConfig(min_workers=N_WORKERS, liveness_timeout_s=5.0, seed=1, round_period_s=case.round_period)
     sim = Simulator(alg, problem, DelayModel.named("sqrt", N_WORKERS), cfg, seed=seed, crashes=CRASHES,
-                    loss_prob=loss_prob, credit=credit)
+                    loss_prob=loss_prob, credit=credit, cache_size=cache_size)
     return sim, StoreWatch(sim, case, credit)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name == "storm-vr"],
+                         ids=lambda c: c.name + ("-clock" if c.round_period else ""))
+def test_a_small_worker_cache_with_prefetch_keeps_what_queued_jobs_need(case):
+    """Regression: credit 2, a 2-iterate cache and GRAD_PAIR jobs. Finishing one job used to evict
+    an iterate that the queued job still needed (KeyError in the simulated worker)."""
+    sim, watch = make(case, credit=2, loss_prob=0.05, seed=4, cache_size=2)
+    sim.run(max_time=HORIZON)
+    assert sim.core.counters.applied >= 30 and watch.checks > 500
 
 
 @pytest.mark.parametrize(("credit", "loss_prob", "seed"), [(1, 0.05, 3), (2, 0.05, 4), (2, 0.2, 5)])
