@@ -16,6 +16,7 @@ than a scan). Used by one server loop at a time (not thread-safe; the core is si
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable
 
@@ -37,7 +38,7 @@ class ArrayPool:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A writable array of ``shape`` and ``dtype`` with arbitrary contents."""
         dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize * int(np.prod(shape))
+        nbytes = dtype.itemsize * math.prod(shape)
         if nbytes < MIN_POOLED_BYTES:
             return np.empty(shape, dtype)
         key = (tuple(shape), dtype.str)

@@ -208,6 +208,8 @@ class Worker:
                 ready = dict(poller.poll(max(0, int((wake - now) * 1000)) + 1))
                 if self.sock in ready:
                     for _ in range(64):
+                        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again
+                            break
                         try:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
@@ -216,8 +218,9 @@ class Worker:
                         self._on_frames(frames)
                         if self.welcomed:
                             backoff = self.cfg.backoff_s
-                if self.compute is not None:
+                if self.compute is not None and self.compute.wake_r in ready:
                     self.compute.drain_wakeups()
+                if self.compute is not None and (self.compute.outbox or self.unsent):
                     self._send_results()
                 if self.cfg.max_jobs is not None and self.replies_sent >= self.cfg.max_jobs:
                     self.stopping = f"did {self.replies_sent} jobs"
@@ -394,8 +397,8 @@ class Worker:
     def _send_results(self) -> None:
         while True:
             try:
-                jid, reply, error = self.compute.outbox.get_nowait()
-            except Exception:
+                jid, reply, error = self.compute.outbox.popleft()
+            except IndexError:
                 break
             if jid == ComputeThread.LOAD_FAILED:
                 self.stopping = f"cannot load the server's problem: {error}"
@@ -419,7 +422,7 @@ class Worker:
                 if r is None:
                     self.unsent.pop(0)
                     continue
-            r = dataclasses.replace(r, holds=self.cache.ids())
+            r = _with_holds(r, self.cache.ids())
             if not self._send(r):
                 break
             self.unsent.pop(0)
@@ -447,6 +450,12 @@ class Worker:
             log.info("job %d: its reply went to the previous server's shared memory; dropped", r.job_id)
             return None
         return dataclasses.replace(r, grads=tuple(to_wire(g, wire) for g in grads), in_shm=False)
+
+
+def _with_holds(r: Reply, holds: tuple[int, ...]) -> Reply:
+    """``dataclasses.replace(r, holds=holds)``, at a third of the cost (once per reply)."""
+    return Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
+                 compute_s=r.compute_s, holds=holds, in_shm=r.in_shm)
 
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:

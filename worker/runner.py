@@ -8,7 +8,6 @@ link's poll loop. Heartbeats therefore keep flowing during long computations.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import threading
@@ -110,9 +109,10 @@ class ComputeThread:
         self.inline_jobs = 0
         self.problem: Problem | None = None
         self.delay = delay
+        self.no_delay = delay == DelaySpec(seed=delay.seed)  # nothing injected
         self.rng = np.random.default_rng(delay.seed)
         self.inbox: queue.Queue = queue.Queue()
-        self.outbox: queue.Queue = queue.Queue()
+        self.outbox: deque = deque()  # (job id, reply, error); appends and pops are atomic
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.cancelled: set[int] = set()
@@ -159,10 +159,10 @@ class ComputeThread:
         try:
             self.problem = self._load()
         except Exception as e:  # reported to the link, which stops the worker with this message
-            self.outbox.put((self.LOAD_FAILED, None, f"{type(e).__name__}: {e}"))
+            self.outbox.append((self.LOAD_FAILED, None, f"{type(e).__name__}: {e}"))
             os.write(self.wake_w, b"x")
             return
-        self.outbox.put((self.LOADED, None, None))
+        self.outbox.append((self.LOADED, None, None))
         os.write(self.wake_w, b"x")
         while True:
             item = self.inbox.get()
@@ -183,7 +183,7 @@ class ComputeThread:
                 dropped = job.job_id in self.cancelled
                 self.cancelled.discard(job.job_id)
             if not dropped:
-                self.outbox.put((job.job_id, reply, error))
+                self.outbox.append((job.job_id, reply, error))
                 os.write(self.wake_w, b"x")
 
     def _execute(self, job: Job, points: tuple[np.ndarray, ...]) -> tuple[Reply | None, str | None]:
@@ -198,11 +198,14 @@ class ComputeThread:
         compute_s = time.perf_counter() - t0
         self.recent_s.append(compute_s)
         if reply is not None:
-            cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
-            extra = self.delay.extra_s(job, compute_s, cost, self.rng)
-            if extra > 0:
-                self.current_cancel.wait(extra)
-            reply = dataclasses.replace(reply, compute_s=time.perf_counter() - t0)
+            if not self.no_delay:
+                cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
+                extra = self.delay.extra_s(job, compute_s, cost, self.rng)
+                if extra > 0:
+                    self.current_cancel.wait(extra)
+                compute_s = time.perf_counter() - t0
+            reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=reply.grads, loss=reply.loss,
+                          count=reply.count, compute_s=compute_s, holds=reply.holds, in_shm=reply.in_shm)
         return reply, error
 
     # ---------------------------------------------------------------- the inline fast path
@@ -211,11 +214,11 @@ class ComputeThread:
         injected, and the last INLINE_AFTER jobs each took under INLINE_MAX_S: then the thread
         hand-off (two wake-ups, a queue, a pipe) would cost more than the job, and heartbeats
         are late by at most a few ms. One slow job sends work back to the thread."""
-        return (self.problem is not None and self.pending == 0 and self.delay == DelaySpec(seed=self.delay.seed)
+        return (self.no_delay and self.pending == 0 and self.problem is not None
                 and len(self.recent_s) == INLINE_AFTER and max(self.recent_s) < INLINE_MAX_S)
 
     def run_inline(self, job: Job, points: tuple[np.ndarray, ...]) -> None:
         """Compute ``job`` now, on the caller's thread; the result goes to the outbox."""
         reply, error = self._execute(job, points)
         self.inline_jobs += 1
-        self.outbox.put((job.job_id, reply, error))
+        self.outbox.append((job.job_id, reply, error))
