@@ -28,6 +28,7 @@ from protocol.messages import (
     MAX_LIST_LEN,
     MAX_MAP_LEN,
     MAX_NDIM,
+    MAX_PARTS,
     MAX_STR_LEN,
     PROTOCOL_VERSION,
     TYPE_NAMES,
@@ -41,6 +42,7 @@ from protocol.messages import (
     Hello,
     Job,
     JobKind,
+    Part,
     Ready,
     Reply,
     Status,
@@ -199,17 +201,18 @@ _IDS = _int_tuple(0, I64_MAX)
 _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
-            "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool},
+            "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
-              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN)},
+              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool},
     Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS, "shm": _bool},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
           "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2),
-          "refs": _int_tuple(0, I64_MAX, 2), "grad_slots": _int_tuple(0, I64_MAX, 2)},
+          "refs": _int_tuple(0, I64_MAX, 2), "grad_slots": _int_tuple(0, I64_MAX, 2), "xfer": _U64},
     Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_number), "count": _NAT,
-            "compute_s": _float, "holds": _IDS, "in_shm": _bool},
+            "compute_s": _float, "holds": _IDS, "in_shm": _bool, "xfer": _U64},
+    Part: {"xfer": _int(1, U64_MAX), "index": _int(0, MAX_PARTS - 1), "count": _int(1, MAX_PARTS)},
     Heartbeat: {"boot": _U64, "credit": _int(0, MAX_LIST_LEN), "busy": _IDS, "seen": _int(-1, I64_MAX)},
     Cancel: {"job_ids": _IDS},
     Bye: {"reason": _str(MAX_STR_LEN)},
@@ -222,7 +225,7 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 # Fields added after the first release of version 1 (same-host path, wire dtype): left out of
 # the header while at their default.
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
-                                   "in_shm": (False,)}
+                                   "in_shm": (False,), "parts": (False,), "xfer": (0,)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }
@@ -262,7 +265,11 @@ def encode(msg: Any) -> list[Any]:
         except ValueError as e:
             raise LocalProtocolError(f"{cls.__name__}.{name}: {e}") from None
         header[name] = value
-    arrays: list[np.ndarray] = []
+    arrays: list[Any] = []
+    if cls is Part:
+        if msg.index >= msg.count:
+            raise LocalProtocolError(f"part {msg.index} of {msg.count}")
+        arrays.append(msg.data)
     afield = _ARRAY_FIELD.get(cls)
     if afield is not None:
         metas = []
@@ -319,7 +326,8 @@ def _unpack_header(buf: memoryview) -> dict:
     return header
 
 
-def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
+def _array_meta(meta: Any, max_array_bytes: int) -> tuple[np.dtype, list, int]:
+    """(dtype, shape, bytes) of a valid descriptor."""
     if type(meta) is not dict:
         raise RemoteProtocolError("array descriptor is not a map")
     dtype = ALLOWED_DTYPES.get(meta.get("dtype")) if type(meta.get("dtype")) is str else None
@@ -332,7 +340,11 @@ def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
     bound = dtype.itemsize * math.prod(max(s, 1) for s in shape)
     if bound > max_array_bytes:
         raise RemoteProtocolError(f"array larger than the limit of {max_array_bytes} bytes")
-    nbytes = 0 if 0 in shape else bound
+    return dtype, shape, 0 if 0 in shape else bound
+
+
+def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
+    dtype, shape, nbytes = _array_meta(meta, max_array_bytes)
     buf = _buffer(frame)
     if len(buf) != nbytes:
         raise RemoteProtocolError(f"frame holds {len(buf)} bytes, shape {shape} needs {nbytes}")
@@ -342,12 +354,16 @@ def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
     return a
 
 
-def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> Any:
+def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES,
+           payload: Callable[[int, int], Any] | None = None) -> Any:
     """Decode ``[header, *arrays]`` into a message.
 
     Args:
         frames: the frames after the routing id: bytes, memoryviews or ``zmq.Frame``.
         max_array_bytes: reject any array frame larger than this.
+        payload: for a ``job`` or ``reply`` whose arrays came in ``part`` messages (``xfer`` set):
+            ``payload(xfer, nbytes)`` returns the reassembled bytes (one contiguous buffer of
+            ``nbytes``) or raises RemoteProtocolError; without it such a message is invalid.
 
     Returns:
         The message dataclass. Arrays are read-only or writable views over the frames
@@ -382,9 +398,37 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
             raise RemoteProtocolError(f"{t}: missing field {name!r}")
     afield = _ARRAY_FIELD.get(cls)
     metas = header.get("arrays", [])
-    if afield is None:
+    if cls is Part:
+        if n != 2 or metas:
+            raise RemoteProtocolError(f"part carries one data frame, got {n - 1}")
+        if kwargs["index"] >= kwargs["count"]:
+            raise RemoteProtocolError(f"part {kwargs['index']} of {kwargs['count']}")
+        data = _buffer(frames[1])
+        if not 0 < len(data) <= max_array_bytes:
+            raise RemoteProtocolError(f"part of {len(data)} bytes (1..{max_array_bytes} allowed)")
+        kwargs["data"] = data
+    elif afield is None:
         if n != 1 or metas:
             raise RemoteProtocolError(f"{t} carries no arrays, got {n - 1} frames")
+    elif kwargs.get("xfer"):  # the arrays came before, in parts
+        if n != 1 or type(metas) is not list or not 0 < len(metas) <= MAX_ARRAYS:
+            raise RemoteProtocolError(f"{t} in parts: header only, with 1..{MAX_ARRAYS} array descriptors")
+        specs = [_array_meta(m, max_array_bytes) for m in metas]
+        total = sum(nb for _, _, nb in specs)
+        if payload is None:
+            raise RemoteProtocolError(f"{t} in parts, but parts are not accepted here")
+        buf = _buffer(payload(kwargs["xfer"], total))
+        if len(buf) != total:
+            raise RemoteProtocolError(f"{t}: parts hold {len(buf)} bytes, the arrays need {total}")
+        arrays, off = [], 0
+        for dtype, shape, nb in specs:
+            a = np.frombuffer(buf[off:off + nb], dtype=dtype).reshape(shape)
+            arrays.append(a if a.flags.aligned else a.copy())
+            off += nb
+        kwargs[afield] = tuple(arrays)
+        if cls is Job and len(kwargs.get("point_ids", ())) != len(arrays):
+            raise RemoteProtocolError("job: point_ids and arrays differ in length")
+        return cls(**kwargs)
     else:
         if type(metas) is not list or len(metas) != n - 1:
             raise RemoteProtocolError(f"{t}: header describes {len(metas) if type(metas) is list else '?'} "

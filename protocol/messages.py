@@ -39,6 +39,12 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 }
 
 
+# Large messages travel in parts (PROTOCOL.md §6.13): array bytes above CHUNK_THRESHOLD go as
+# `part` messages of at most CHUNK_BYTES (more when a message would need over MAX_PARTS parts).
+CHUNK_THRESHOLD = 16 << 20
+CHUNK_BYTES = 4 << 20
+MAX_PARTS = 64
+
 # How iterates and gradients may travel in frames (Welcome.wire_dtype; protocol/wire.py converts).
 WIRE_DTYPES = ("f32", "f16", "bf16")
 
@@ -80,6 +86,7 @@ class Hello:
     seen: int = -1  # highest job id received from run ``run_id``
     run_id: int = 0  # the run the worker last worked for (0: none)
     shm: bool = False  # the worker can use the same-host shared-memory path (PROTOCOL.md §6.11)
+    parts: bool = False  # the worker sends and receives large arrays in `part` messages (§6.13)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,7 @@ class Welcome:
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S
     wire_dtype: str = "f32"  # how iterates and gradients travel in frames: f32, f16 or bf16 (§6.12)
     shm: str = ""  # same-host path offered: the shared-memory name prefix ("": TCP only)
+    parts: bool = False  # the server sends and accepts large arrays in `part` messages (§6.13)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +135,7 @@ class Job:
     points: tuple[np.ndarray, ...] = ()
     refs: tuple[int, ...] = ()  # same-host path: shared-memory slot of each iterate id, same order
     grad_slots: tuple[int, ...] = ()  # same-host path: slots the gradients are to be written into
+    xfer: int = 0  # the array bytes came before, in the `part` messages of this transfer (0: in frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +154,7 @@ class Reply:
     compute_s: float = 0.0
     holds: tuple[int, ...] = ()
     in_shm: bool = False  # the gradients are in the job's grad_slots (then ``grads`` is empty)
+    xfer: int = 0  # the array bytes came before, in the `part` messages of this transfer (0: in frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +192,18 @@ class Error:
 
 
 @dataclass(frozen=True, slots=True)
+class Part:
+    """Either direction: piece ``index`` of ``count`` of the array bytes of the next ``job`` or
+    ``reply`` on this connection (the one whose ``xfer`` is this ``xfer``). ``data`` is the raw
+    frame (a zero-copy buffer when decoded)."""
+
+    xfer: int
+    index: int
+    count: int
+    data: object = b""
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     """Any peer -> server: a read-only request for the server's figures (answered in order:
     every message sent before it on the same connection has been handled)."""
@@ -199,7 +221,7 @@ class Status:
     rows: tuple[tuple, ...] = ()  # each a tuple of str|int|float|bool, len(columns) long
 
 
-Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | StatusRequest | Status
+Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | Part | StatusRequest | Status
 
 # Wire names of the message types ("t" in the header).
 TYPE_NAMES: dict[type, str] = {
@@ -212,6 +234,7 @@ TYPE_NAMES: dict[type, str] = {
     Cancel: "cancel",
     Bye: "bye",
     Error: "err",
+    Part: "part",
     StatusRequest: "status?",
     Status: "status",
 }

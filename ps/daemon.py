@@ -24,10 +24,12 @@ import zmq
 
 from algorithms._pool import POOL
 from problems.base import Problem
+from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
     MAX_HEADER_BYTES,
+    MAX_PARTS,
     Bye,
     Error,
     ErrorCode,
@@ -35,6 +37,7 @@ from protocol.messages import (
     Hello,
     Job,
     JobKind,
+    Part,
     Ready,
     Reply,
     Status,
@@ -105,8 +108,8 @@ class Daemon:
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.sndhwm = 64
-        self.sock.rcvhwm = 256
+        self.sock.sndhwm = 4 * MAX_PARTS  # a job in parts is up to MAX_PARTS + 1 messages
+        self.sock.rcvhwm = 8 * MAX_PARTS
         # Largest legal frame: one float64 gradient (libzmq applies MAXMSGSIZE per frame); the
         # header frame is far smaller. A peer sending more is disconnected by libzmq.
         self.max_array_bytes = core.dim * 8
@@ -151,6 +154,10 @@ class Daemon:
         self.shm_capable: set[str] = set()  # said hello from this host, asking for shared memory
         self.shm_workers: set[str] = set()  # opened our shared memory (Ready.shm)
         self.shm_used: set[str] = set()  # got at least one job through it (summary.json)
+        self.parts_ok: set[str] = set()  # said hello with parts: large arrays travel in parts (§6.13)
+        self.reassemblers: dict[bytes, Reassembler] = {}  # routing id -> its transfer in progress
+        self.next_xfer = 0
+        self.parts_in = self.parts_out = 0
         if shm not in ("auto", "off"):
             raise ValueError(f"shm must be auto or off, got {shm!r}")
         if shm == "auto":
@@ -327,7 +334,11 @@ class Daemon:
         now = self.clock()
         rid = frames[0].bytes
         try:
-            msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
+            msg = decode(frames[1:], max_array_bytes=self.max_array_bytes,
+                         payload=lambda xfer, n: self._payload(rid, xfer, n))
+            if isinstance(msg, Part):
+                self._part(rid, msg)
+                return
         except RemoteProtocolError as e:
             self.invalid_messages += 1
             self._count("invalid")
@@ -367,6 +378,7 @@ class Daemon:
             self.owners[rid] = wid
             self.keys[wid] = key
             self.shm_workers.discard(wid)
+            (self.parts_ok.add if msg.parts else self.parts_ok.discard)(wid)
             if self.arena is not None:
                 self.arena.forget_worker(wid)
                 if msg.shm and msg.host_id == self.host_id:
@@ -401,6 +413,9 @@ class Daemon:
                 wire = "f32" if self.wire_dtype != "f32" else None
             elif self.wire_dtype != "f32":
                 msg, refusal = reply_from_wire(msg, self.wire_dtype)
+            if msg.xfer:  # its arrays came in parts: journal them with the message
+                msg = dataclasses.replace(msg, xfer=0)
+                frames_in = encode(msg) if self.persist is not None else frames_in
         if self.persist is not None:
             self.persist.record_message(self.core, wid, msg, frames_in, now, key, wire=wire,
                                         refused=refusal is not None)
@@ -432,10 +447,36 @@ class Daemon:
             return False
         if isinstance(msg, Job):
             msg = self._job_arrays(wid, msg)
+            if wid in self.parts_ok and msg.points:
+                self.next_xfer += 1
+                messages = split(msg, self.next_xfer)  # large arrays: parts, then the job
+                for frames in messages:
+                    if not self._send_frames(rid, frames):
+                        return False
+                self.parts_out += len(messages) - 1
+                return True
         elif isinstance(msg, Welcome):
-            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype,
+            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=wid in self.parts_ok,
                                       shm=self.arena.prefix if wid in self.shm_capable else "")
         return self._send_raw(rid, msg)
+
+    def _part(self, rid: bytes, part: Part) -> None:
+        """Keep a part of a peer's next reply (only from a worker that said hello)."""
+        if rid not in self.owners:
+            raise RemoteProtocolError("part from a connection that has not said hello")
+        r = self.reassemblers.get(rid)
+        if r is None:
+            # One transfer at a time per peer: at most a pair of float64 gradients held.
+            r = self.reassemblers[rid] = Reassembler(2 * self.max_array_bytes,
+                                                     alloc=lambda n: POOL.empty((n,), np.uint8))
+        r.add(part)
+        self.parts_in += 1
+
+    def _payload(self, rid: bytes, xfer: int, nbytes: int) -> Any:
+        r = self.reassemblers.get(rid)
+        if r is None:
+            raise RemoteProtocolError(f"transfer {xfer}: no parts received")
+        return r.take(xfer, nbytes)
 
     def _job_arrays(self, wid: str, job: Job) -> Job:
         """Transport of a job's iterates: shared-memory slots for same-host workers, else the
@@ -460,8 +501,11 @@ class Daemon:
         return held
 
     def _send_raw(self, rid: bytes, msg: Any) -> bool:
+        return self._send_frames(rid, encode(msg))
+
+    def _send_frames(self, rid: bytes, frames: list) -> bool:
         try:
-            self.sock.send_multipart([rid, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             self.send_failures += 1
@@ -481,6 +525,7 @@ class Daemon:
         rid = self.routes.pop(wid, None)
         if rid is not None:
             self.owners.pop(rid, None)
+            self.reassemblers.pop(rid, None)
 
     def _heartbeat_all(self) -> None:
         hb = Heartbeat(boot=self.core.server_boot)
@@ -601,7 +646,8 @@ class Daemon:
                 "store_peak": self.core.store_peak,
                 "transport": {"wire_dtype": self.wire_dtype, "shm": self.arena.prefix if self.arena else "",
                               "shm_workers": sorted(self.shm_used),
-                              "shm_iterate_copies": self.arena.copies_made if self.arena else 0}}
+                              "shm_iterate_copies": self.arena.copies_made if self.arena else 0,
+                              "parts_in": self.parts_in, "parts_out": self.parts_out}}
 
 
 def write_outputs(out_dir: str, daemon: Daemon) -> None:

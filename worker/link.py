@@ -23,9 +23,12 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
+from algorithms._pool import POOL
+from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (
+    DEFAULT_MAX_ARRAY_BYTES,
     HEARTBEAT_INTERVAL_S,
     LIVENESS_TIMEOUT_S,
     Bye,
@@ -35,6 +38,7 @@ from protocol.messages import (
     Heartbeat,
     Hello,
     Job,
+    Part,
     Ready,
     Reply,
     Welcome,
@@ -109,6 +113,9 @@ class Worker:
         self.shm: ShmReader | None = None  # the server's shared memory, when it offered and we could open it
         self.shm_grads: dict[int, tuple] = {}  # job id -> gradients of a recent shared-memory reply
         self.shm_boot: dict[int, int | None] = {}  # job id -> the server process whose memory it used
+        self.parts_ok = False  # the server takes large arrays in parts (Welcome.parts)
+        self.parts = Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES, alloc=lambda n: POOL.empty((n,), np.uint8))
+        self.next_xfer = 0
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
         self.unsent: list[Reply] = []  # replies that could not be sent (disconnected)
         # Replies sent within the last liveness timeout: a server that crashes may never have
@@ -146,6 +153,11 @@ class Worker:
 
     def _send(self, msg: Any) -> bool:
         try:
+            if self.parts_ok and isinstance(msg, Reply) and msg.grads:
+                self.next_xfer += 1
+                for frames in split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return True
             self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
@@ -163,7 +175,7 @@ class Worker:
         return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
-                                shm=self.cfg.shm == "auto" and shm_dir_usable()))
+                                shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -243,7 +255,10 @@ class Worker:
     # ------------------------------------------------------------------ inbound
     def _on_frames(self, frames: list) -> None:
         try:
-            msg = decode(frames)
+            msg = decode(frames, payload=self.parts.take)
+            if isinstance(msg, Part):
+                self.parts.add(msg)
+                return
         except RemoteProtocolError as e:
             log.warning("undecodable message from server: %s", e)
             return
@@ -313,6 +328,7 @@ class Worker:
             self.recent.clear()
         self.server_boot = w.server_boot
         self.wire = w.wire_dtype
+        self.parts_ok = w.parts
         self.shm = None
         if w.shm:
             try:
