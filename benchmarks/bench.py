@@ -9,6 +9,7 @@ x", the server applies x <- x - lr*g and returns x; workers' compute is negligib
 * ``latecomer-shm``: the same on the same-host shared-memory path (``--shm auto``, the default)
 * ``latecomer-curve``: TCP with CurveZMQ on
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16``
+* ``latecomer-c4``: TCP with ``work --credit 4`` (pipelined: the next job waits in the worker)
 * ``torch-rpc``: torch.distributed.rpc (TensorPipe) PS as in the PyTorch tutorial (benchmarks/torch_rpc.py)
 * ``ray``: Ray actor PS as in Ray's example (benchmarks/ray_ps.py; the ``bench`` extra)
 * ``simulator``: simulated jobs per wall second of ``ps.sim`` (quadratic, d = 1,000, 100 workers;
@@ -34,7 +35,7 @@ import psutil
 from benchmarks.common import Row, skipped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16")
+LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
@@ -42,7 +43,7 @@ QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
 # The default plan (no --workers): the CurveZMQ and bf16 rows are a cost of an option on top of
 # the latecomer row, so two worker counts show it; the rest run 1, 2 and 4 workers.
-REDUCED_WORKERS = {"latecomer-curve": (1, 4), "latecomer-bf16": (1, 4)}
+REDUCED_WORKERS = {"latecomer-curve": (1, 4), "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -52,9 +53,9 @@ TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is
 # the estimate printed at the start; a busier machine stretches it (a run at load average 5 took
 # about 2.5 times as long).
 OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
-              "latecomer-bf16": 1.2, "torch-rpc": 3.5, "ray": 1.0}
+              "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "torch-rpc": 3.5, "ray": 1.0}
 PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
-             "latecomer-bf16": 1.0, "torch-rpc": 2.5, "ray": 1.5}
+             "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "torch-rpc": 2.5, "ray": 1.5}
 RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
 SIM_S = 5.0
 LOADED = 2.5  # worst case seen: factor on the estimate on a loaded machine
@@ -195,8 +196,8 @@ def ratio_table(rows: list[Row], ref: dict[int, float] | None = None) -> list[st
            "`latecomer` (TCP) over the other's (< 1: latecomer cheaper).", "",
            "| d | workers | latecomer / raw-zmq | best latecomer / torch-rpc | best latecomer / ray "
            "| latecomer-shm / best other | latecomer-curve / latecomer | latecomer-bf16 / latecomer "
-           "| CPU/upd vs raw-zmq | CPU/upd vs torch-rpc | CPU/upd vs ray |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| latecomer-c4 / raw-zmq | CPU/upd vs raw-zmq | CPU/upd vs torch-rpc | CPU/upd vs ray |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, w in cells:
         def g(b: str, d: int = d, w: int = w) -> Row | None:
             return by.get((b, d, w))
@@ -208,7 +209,7 @@ def ratio_table(rows: list[Row], ref: dict[int, float] | None = None) -> list[st
             target += " (met)" if float(target) >= 1.5 else " (not met)"
         out.append(f"| {d:,} | {w} | {_ratio(lc, g('raw-zmq'))} | {_ratio(best, g('torch-rpc'))} | "
                    f"{_ratio(best, g('ray'))} | {target} | {_ratio(g('latecomer-curve'), lc)} | "
-                   f"{_ratio(g('latecomer-bf16'), lc)} | "
+                   f"{_ratio(g('latecomer-bf16'), lc)} | {_ratio(g('latecomer-c4'), g('raw-zmq'))} | "
                    + " | ".join(_ratio(lc, g(o), "cpu_s_per_update") for o in ("raw-zmq", "torch-rpc", "ray")) + " |")
     if ref:
         out += ["", "## Server CPU per update / vector passes", "",

@@ -1,7 +1,7 @@
 """(b) latecomer: the real ``latecomer serve`` daemon and ``latecomer work`` processes on loopback,
 plain async SGD (``asgd``) on the ``synthetic`` problem (the worker's gradient is a constant vector).
 
-Four variants (bench backend names):
+Five variants (bench backend names):
 
 * ``latecomer``: TCP path, ``serve --shm off`` and ``work --shm off`` (arrays in ZeroMQ frames)
 * ``latecomer-shm``: the same-host path (``--shm auto``, the default): the worker reads iterates
@@ -9,6 +9,8 @@ Four variants (bench backend names):
   the socket
 * ``latecomer-curve``: TCP with CurveZMQ on (``--keys``), ``--shm off``
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16`` (2-byte frames), ``--shm off``
+* ``latecomer-c4``: TCP with ``work --credit 4``: each worker holds up to 4 jobs, so the next job
+  is already queued when one finishes (pipelined, unlike the lockstep rows; ages grow by ~3)
 
 Updates are the daemon's ``applied`` events; a round trip is a job's ``issued`` -> ``applied``
 time (both stamped by the daemon, monotonic clock, the same clock as the bench's windows). The
@@ -34,7 +36,7 @@ import numpy as np
 from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped, sleep_until, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16")
+VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")
 _EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
 _SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
 
@@ -138,6 +140,8 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
     if why:
         return skipped(variant, d, workers, why)
     shm_flag = "--shm" in cli_options("serve") and "--shm" in cli_options("work")
+    if variant == "latecomer-c4":
+        credit = max(credit, 4)
     curve = variant == "latecomer-curve"
     with tempfile.TemporaryDirectory(prefix="latecomer-bench-") as tmp:
         events = os.path.join(tmp, "events.jsonl")
@@ -207,7 +211,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             ts, rt = _events(events)
             note = "RTT: issue->apply in the daemon"
             if credit != 1:
-                note += f"; credit {credit} (the RTT includes the wait in the worker's queue)"
+                note += f"; credit {credit} (pipelined; the RTT includes the wait in the worker's queue)"
             if variant == "latecomer-shm":
                 note += "; bytes: headers only (x and g go through shared memory)"
                 if shm_used != workers:
