@@ -314,8 +314,11 @@ def _ints(s: str) -> list[int]:
 @click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
 @click.option("--out", type=click.Path(dir_okay=False), default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
               show_default=True, help="Markdown table.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="Also write the rows as JSON.")
-def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out) -> None:
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the rows as JSON (default: next to --out, with the .json suffix).")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="Also plot updates/s against d (default for the full run: docs/img/bench.png).")
+def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out) -> None:
     """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload."""
     sizes_l = _ints(sizes) if sizes else list(QUICK_SIZES if quick else SIZES)
     workers_l = _ints(workers_) if workers_ else None
@@ -341,6 +344,7 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
     if any(b in bl for b in ("latecomer", "latecomer-shm")):
         from benchmarks.reference import vector_passes
         ref = vector_passes(sorted({d for b, c in the_plan if b != SIM for d, _ in c}))
+    json_out = json_out or os.path.splitext(out)[0] + ".json"
     if json_out:  # first: the raw rows survive whatever happens below
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
@@ -353,6 +357,12 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
                   plan_note=note)
     with open(out, "w", encoding="utf-8") as f:
         f.write(md)
+    if plot_out or default:
+        from benchmarks.plot import plot
+        plot_out = plot_out or os.path.join(REPO, "docs", "img", "bench.png")
+        plot([r.as_dict() for r in rows], plot_out, f"latecomer bench ({time.strftime('%Y-%m-%d')}): "
+             "x -= lr*g on loopback; " + desc.split(";")[0])
+        click.echo(f"wrote {plot_out}")
     click.echo("\n".join(ratio_table(rows, ref)))
     click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 

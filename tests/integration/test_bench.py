@@ -20,9 +20,9 @@ FIGURES = ("updates_per_s", "bytes_per_update", "cpu_s_per_update", "rtt_p50_s",
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_quick(tmp_path):
-    out, js = tmp_path / "RESULTS.md", tmp_path / "rows.json"
-    p = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(out), "--json", str(js)],
-                       cwd=REPO, capture_output=True, text=True, timeout=840)
+    out, js, png = tmp_path / "RESULTS.md", tmp_path / "rows.json", tmp_path / "bench.png"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.bench", "--quick", "--out", str(out), "--json", str(js),
+                        "--plot", str(png)], cwd=REPO, capture_output=True, text=True, timeout=840)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     data = json.loads(js.read_text())
     rows = data["rows"]
@@ -57,3 +57,4 @@ def test_bench_quick(tmp_path):
     md = out.read_text()
     assert "| latecomer | 1,000 | 1 |" in md and "| simulator | 1,000 | 100 |" in md and "Machine:" in md
     assert "## Ratios" in md and "vector passes" in md and "n/a" in md
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -1,0 +1,65 @@
+"""Updates/s of every backend against d, one panel per worker count, from a bench JSON file.
+
+    python -m benchmarks.plot benchmarks/RESULTS.json docs/img/bench.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+STYLE = {  # backend -> (colour, marker, line style)
+    "raw-zmq": ("black", "o", "--"),
+    "latecomer": ("tab:blue", "o", "-"),
+    "latecomer-shm": ("tab:green", "s", "-"),
+    "latecomer-c4": ("tab:cyan", "^", "-"),
+    "latecomer-bf16": ("tab:purple", "v", ":"),
+    "latecomer-curve": ("tab:gray", "D", ":"),
+    "torch-rpc": ("tab:orange", "x", "-."),
+    "ray": ("tab:red", "+", "-."),
+}
+
+
+def plot(rows: list[dict], out: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("skipped") and r["backend"] in STYLE and r["updates_per_s"] > 0]
+    workers = sorted({r["workers"] for r in ok})
+    fig, axes = plt.subplots(1, len(workers), figsize=(4.6 * len(workers), 4.2), sharey=True, squeeze=False)
+    for ax, w in zip(axes[0], workers, strict=True):
+        for b, (c, m, ls) in STYLE.items():
+            pts = sorted((r["d"], r["updates_per_s"]) for r in ok if r["backend"] == b and r["workers"] == w)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=c, marker=m, linestyle=ls, label=b)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("d (float32 parameters)")
+        ax.set_title(f"{w} worker{'s' if w > 1 else ''}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("applied updates / s")
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    order = [b for b in STYLE if b in handles]
+    fig.legend([handles[b] for b in order], order, fontsize=8, loc="center right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        sys.exit("usage: python -m benchmarks.plot RESULTS.json OUT.png")
+    with open(argv[0], encoding="utf-8") as f:
+        data = json.load(f)
+    plot(data["rows"], argv[1], "latecomer bench: same workload (x -= lr*g), loopback, 2 cores")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
