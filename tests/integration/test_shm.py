@@ -115,3 +115,40 @@ def test_same_host_path_with_a_killed_writer_a_nan_writer_and_a_tcp_worker(procs
     assert x.shape == (D,) and np.isfinite(x).all() and np.abs(x).max() < 1e6  # no 1e30, no NaN got in
     evals = summary["evaluations"]
     assert evals[-1]["loss"] < evals[0]["loss"]
+
+
+def _private_shm_ok() -> bool:
+    try:
+        r = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"], capture_output=True,
+                           timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not _private_shm_ok(),
+                    reason="needs root for a mount namespace with its own /dev/shm")
+def test_a_worker_that_cannot_see_the_shared_memory_falls_back_to_tcp(procs, tmp_path):
+    """Same host id, but the worker lives in a mount namespace with its own /dev/shm (as in a
+    container): the server offers the path, the worker's probe fails, and it trains over TCP."""
+    events, out = str(tmp_path / "events.jsonl"), str(tmp_path / "out")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt",
+                         "d=64", "--algorithm", "asgd", "--set", "lr=0.2", "--max-time", "120", "--min-workers", "2",
+                         "--events", events, "--out", out, "--eval-every", "20")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    procs.start("work", "--server", endpoint, "--worker-id", "host", "--delay", "0.002")
+    boxed = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs tmpfs /dev/shm && exec "$0" -m ps work --server "$1" '
+         '--worker-id boxed --delay 0.002 --log-level info', sys.executable, endpoint],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    procs.children.append(boxed)
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" and e["worker_id"] == "boxed" for e in ev) >= 20
+                and sum(e["ev"] == "applied" and e["worker_id"] == "host" for e in ev) >= 20, timeout=90)
+    server.send_signal(signal.SIGTERM)
+    assert wait_exit(server, timeout=30) == 0
+    assert wait_exit(boxed, timeout=20) == 0
+    err = boxed.stderr.read().decode()
+    assert "same-host path unavailable (cannot open the server's shared memory" in err, err[-2000:]
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f)["transport"]
+    assert t["shm_workers"] == ["host"]  # the boxed worker never got a shared-memory job
