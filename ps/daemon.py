@@ -28,6 +28,7 @@ from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
+    CHUNK_THRESHOLD,
     MAX_HEADER_BYTES,
     MAX_PARTS,
     Bye,
@@ -48,6 +49,7 @@ from protocol.wire import to_wire
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence, reply_from_wire
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
@@ -211,7 +213,7 @@ class Daemon:
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
-                        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again
+                        if not self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
                             break
                         try:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -447,7 +449,7 @@ class Daemon:
             return False
         if isinstance(msg, Job):
             msg = self._job_arrays(wid, msg)
-            if wid in self.parts_ok and msg.points:
+            if wid in self.parts_ok and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
                 messages = split(msg, self.next_xfer)  # large arrays: parts, then the job
                 for frames in messages:

@@ -28,6 +28,7 @@ from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (
+    CHUNK_THRESHOLD,
     DEFAULT_MAX_ARRAY_BYTES,
     HEARTBEAT_INTERVAL_S,
     LIVENESS_TIMEOUT_S,
@@ -47,6 +48,7 @@ from protocol.wire import from_wire, to_wire
 from ps.shm import ShmReader, host_id, shm_dir_usable
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.worker")
 
 
@@ -153,7 +155,7 @@ class Worker:
 
     def _send(self, msg: Any) -> bool:
         try:
-            if self.parts_ok and isinstance(msg, Reply) and msg.grads:
+            if self.parts_ok and isinstance(msg, Reply) and sum(g.nbytes for g in msg.grads) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
                 for frames in split(msg, self.next_xfer):  # large gradients: parts, then the reply
                     self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
@@ -220,7 +222,7 @@ class Worker:
                 ready = dict(poller.poll(max(0, int((wake - now) * 1000)) + 1))
                 if self.sock in ready:
                     for _ in range(64):
-                        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again
+                        if not self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
                             break
                         try:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
