@@ -312,8 +312,9 @@ def _ints(s: str) -> list[int]:
 @click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
               help="latecomer rows: jobs each worker holds at once (`latecomer work --credit N`).")
 @click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
-@click.option("--out", type=click.Path(dir_okay=False), default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
-              show_default=True, help="Markdown table.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Markdown table (default: benchmarks/RESULTS.md for the default plan; RESULTS-quick.md with "
+                   "--quick, RESULTS-partial.md otherwise, so that no partial run replaces the committed table).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
               help="Also write the rows as JSON (default: next to --out, with the .json suffix).")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
@@ -344,13 +345,16 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
     if any(b in bl for b in ("latecomer", "latecomer-shm")):
         from benchmarks.reference import vector_passes
         ref = vector_passes(sorted({d for b, c in the_plan if b != SIM for d, _ in c}))
+    default = (not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and credit == 1
+               and bl == list(BACKENDS))
+    out = out or os.path.join(REPO, "benchmarks", "RESULTS.md" if default else
+                              "RESULTS-quick.md" if quick else "RESULTS-partial.md")
     json_out = json_out or os.path.splitext(out)[0] + ".json"
     if json_out:  # first: the raw rows survive whatever happens below
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
                        "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref,
                        "rows": [r.as_dict() for r in rows]}, f, indent=1)
-    default = not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and bl == list(BACKENDS)
     note = DEFAULT_PLAN_NOTE if default else ("--quick: d in {1e3, 1e5}, 1 worker. " if quick else
                                               "Cells, interval and warm-up chosen on the command line. ")
     md = markdown(rows, seconds, warmup, elapsed, desc, the_plan=the_plan, credit=credit, estimate=est, ref=ref,
