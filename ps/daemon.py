@@ -408,16 +408,16 @@ class Daemon:
                 self.shm_workers.discard(wid)
         refusal, wire = None, None
         if isinstance(msg, Reply):
+            if msg.xfer:  # its arrays came in parts: the journal gets them with the message, as sent
+                msg = dataclasses.replace(msg, xfer=0)
+                frames_in = encode(msg) if self.persist is not None else frames_in
             if msg.in_shm:  # the gradients are in the slots lent for this job (float32)
                 grads = None if msg.grads or self.arena is None else self.arena.gradients(wid, msg.job_id)
                 msg = dataclasses.replace(msg, grads=grads or (), in_shm=False)  # none: the core refuses it
                 frames_in = encode(msg) if self.persist is not None else frames_in
                 wire = "f32" if self.wire_dtype != "f32" else None
             elif self.wire_dtype != "f32":
-                msg, refusal = reply_from_wire(msg, self.wire_dtype)
-            if msg.xfer:  # its arrays came in parts: journal them with the message
-                msg = dataclasses.replace(msg, xfer=0)
-                frames_in = encode(msg) if self.persist is not None else frames_in
+                msg, refusal = reply_from_wire(msg, self.wire_dtype)  # the journal keeps the wire frames
         if self.persist is not None:
             self.persist.record_message(self.core, wid, msg, frames_in, now, key, wire=wire,
                                         refused=refusal is not None)
