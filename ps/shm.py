@@ -82,7 +82,7 @@ class ShmArena:
         self.closed = False
         self.copies_made = 0
         with open(self._path("probe"), "wb", opener=self._opener) as f:
-            f.write(boot.to_bytes(8, "little"))
+            f.write(boot.to_bytes(8, "little") + _pid_namespace().to_bytes(8, "little"))
 
     # ---------------------------------------------------------------- files
     def _path(self, slot: int | str) -> str:
@@ -215,31 +215,58 @@ class ShmArena:
         self.maps.clear()
 
 
+def _pid_namespace() -> int:
+    """Inode of this process's PID namespace (0 if unknown): pids are only comparable within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFFFFFFFFFF
+    except OSError:
+        return 0
+
+
 def remove_stale(directory: str = SHM_DIR) -> int:
-    """Unlink slots left by servers that died without cleaning up (their pid is gone)."""
+    """Unlink slots left by servers that died without cleaning up.
+
+    A server's files are judged only when its probe file says it ran in our PID namespace (a
+    container sharing /dev/shm but not our pids may hold live files under a pid we cannot
+    see) and its pid no longer exists. Returns the number of files removed."""
     n = 0
     try:
         names = os.listdir(directory)
     except OSError:
         return 0
+    ours = _pid_namespace()
+    verdict: dict[str, bool] = {}  # prefix -> stale
     for name in names:
-        m = re.match(r"^latecomer-([0-9a-f]+)-[0-9a-f]+-", name)
+        m = re.match(r"^(latecomer-([0-9a-f]+)-[0-9a-f]+)-", name)
         if not m:
             continue
-        pid = int(m.group(1), 16)
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            n += 1
-        except OSError:
-            pass
+        prefix = m.group(1)
+        if prefix not in verdict:
+            verdict[prefix] = _stale(directory, prefix, int(m.group(2), 16), ours)
+        if verdict[prefix]:
+            try:
+                os.unlink(os.path.join(directory, name))
+                n += 1
+            except OSError:
+                pass
     return n
+
+
+def _stale(directory: str, prefix: str, pid: int, ours: int) -> bool:
+    try:
+        with open(os.path.join(directory, f"{prefix}-probe"), "rb") as f:
+            probe = f.read(16)
+    except OSError:
+        return False  # no probe: not ours to judge
+    if len(probe) != 16 or not ours or int.from_bytes(probe[8:], "little") != ours:
+        return False
+    try:
+        os.kill(pid, 0)
+        return False  # alive
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
 
 
 class ShmReader:

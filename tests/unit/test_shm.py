@@ -120,9 +120,21 @@ def test_close_unlinks_everything_and_stale_files_of_dead_servers_go(tmp_path):
     assert len(a.files()) == 3  # probe, gradient, iterate
     a.close()
     assert os.listdir(tmp_path) == []
-    dead = 2**22 + 12345  # above pid_max on this kernel: no such process
-    (tmp_path / f"latecomer-{dead:x}-1-0").write_bytes(b"x")
-    (tmp_path / f"latecomer-{os.getpid():x}-1-0").write_bytes(b"x")  # alive: kept
-    (tmp_path / "other").write_bytes(b"x")
-    assert remove_stale(str(tmp_path)) == 1
-    assert sorted(os.listdir(tmp_path)) == sorted([f"latecomer-{os.getpid():x}-1-0", "other"])
+    from ps.shm import _pid_namespace
+
+    ns = _pid_namespace().to_bytes(8, "little")
+    dead = 2**22 + 12345  # above any pid_max: no such process
+    files = {
+        f"latecomer-{dead:x}-1-probe": b"\1" * 8 + ns,  # a dead server of our pid namespace: removed
+        f"latecomer-{dead:x}-1-0": b"x",
+        f"latecomer-{dead:x}-2-probe": b"\1" * 8 + (1).to_bytes(8, "little"),  # another namespace: kept
+        f"latecomer-{dead:x}-2-0": b"x",
+        f"latecomer-{dead:x}-3-0": b"x",  # no probe: kept
+        f"latecomer-{os.getpid():x}-1-probe": b"\1" * 8 + ns,  # alive: kept
+        f"latecomer-{os.getpid():x}-1-0": b"x",
+        "other": b"x",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    assert remove_stale(str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(n for n in files if not n.startswith(f"latecomer-{dead:x}-1-"))
