@@ -204,9 +204,11 @@ def list_algorithms() -> None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port; the port is logged).")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address of the metrics endpoint.")
-@click.option("--shm", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+@click.option("--shm", type=click.Choice(["auto", "any", "off"]), default="auto", show_default=True,
               help="Same-host path: workers on this host exchange iterates and gradients through shared memory "
-                   "(auto: offered to those that ask; off: TCP for everyone).")
+                   "(auto: offered to workers that ask and report this host's id; any: to every worker that asks, "
+                   "e.g. containers sharing /dev/shm under another machine id, the worker's probe decides; "
+                   "off: TCP for everyone).")
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="Precision of iterates and gradients on the wire (TCP); the server keeps float32.")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,

@@ -160,9 +160,10 @@ class Daemon:
         self.reassemblers: dict[bytes, Reassembler] = {}  # routing id -> its transfer in progress
         self.next_xfer = 0
         self.parts_in = self.parts_out = 0
-        if shm not in ("auto", "off"):
-            raise ValueError(f"shm must be auto or off, got {shm!r}")
-        if shm == "auto":
+        if shm not in ("auto", "any", "off"):
+            raise ValueError(f"shm must be auto, any or off, got {shm!r}")
+        self.shm_any = shm == "any"  # offer it to every worker that asks: its probe decides
+        if shm != "off":
             from ps import shm as shm_mod
 
             if shm_mod.shm_dir_usable():
@@ -383,7 +384,7 @@ class Daemon:
             (self.parts_ok.add if msg.parts else self.parts_ok.discard)(wid)
             if self.arena is not None:
                 self.arena.forget_worker(wid)
-                if msg.shm and msg.host_id == self.host_id:
+                if msg.shm and (self.shm_any or msg.host_id == self.host_id):
                     self.shm_capable.add(wid)
                 else:
                     self.shm_capable.discard(wid)

@@ -152,3 +152,41 @@ def test_a_worker_that_cannot_see_the_shared_memory_falls_back_to_tcp(procs, tmp
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         t = json.load(f)["transport"]
     assert t["shm_workers"] == ["host"]  # the boxed worker never got a shared-memory job
+
+
+def _fake_machine_id_ok(tmp) -> bool:
+    fake = os.path.join(tmp, "machine-id")
+    with open(fake, "w", encoding="ascii") as f:
+        f.write("another-host\n")
+    try:
+        r = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {fake} /etc/machine-id"],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0 and os.path.exists("/etc/machine-id")
+
+
+@pytest.mark.parametrize("mode", ["auto", "any"])
+def test_a_worker_with_another_host_id_gets_the_path_only_with_shm_any(procs, tmp_path, mode):
+    """The worker sees this /dev/shm but reports another machine id (as a container would):
+    `--shm auto` does not offer it the path, `--shm any` does and its probe succeeds."""
+    if not os.path.isdir("/dev/shm") or not _fake_machine_id_ok(str(tmp_path)):
+        pytest.skip("needs root for a mount namespace with another /etc/machine-id")
+    events, out = str(tmp_path / "events.jsonl"), str(tmp_path / "out")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt",
+                         "d=64", "--algorithm", "asgd", "--set", "lr=0.2", "--max-time", "120", "--events", events,
+                         "--out", out, "--eval-every", "20", "--shm", mode)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    fake = os.path.join(str(tmp_path), "machine-id")
+    other = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", f'mount --bind {fake} /etc/machine-id && exec "$0" -m ps work --server "$1" '
+         '--worker-id other --delay 0.002', sys.executable, endpoint],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    procs.children.append(other)
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 20, timeout=90)
+    server.send_signal(signal.SIGTERM)
+    assert wait_exit(server, timeout=30) == 0
+    assert wait_exit(other, timeout=20) == 0
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f)["transport"]
+    assert t["shm_workers"] == (["other"] if mode == "any" else [])
