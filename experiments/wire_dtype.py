@@ -43,29 +43,20 @@ COLUMNS = ["t", "version", "loss", "gap", "applied"]
 
 def config(quick: bool) -> dict[str, Any]:
     """Problems (group -> spec), seeds and evaluation resolution."""
-    if quick:
-        problems = {
-            "quadratic σ=0.01": {"name": "quadratic", "opts": {"d": 64}, "batch": 1, "horizon": 300.0,
-                                 "target": 0.03, "settings": {"ordered-momentum": {"lr": 3.0, "beta": 0.3},
-                                                              "asgd": {"lr": 0.1}}},
-            "quadratic σ=0": {"name": "quadratic", "opts": {"d": 8, "sigma": 0.0}, "batch": 1, "horizon": 400.0,
-                              "target": 1e-7, "settings": {"ordered-momentum": {"lr": 3.0, "beta": 0.3},
-                                                           "asgd": {"lr": 0.1}}},
-            "logreg": {"name": "logreg", "opts": {"n": 2000}, "batch": 32, "horizon": 100.0, "target": 0.02,
-                       "settings": {"ordered-momentum": {"lr": 1.0, "beta": 0.3}, "asgd": {"lr": 0.1}}},
-        }
-        return {"problems": problems, "seeds": 1, "points": 50}
+    om, asgd = {"lr": 3.0, "beta": 0.3}, {"lr": 0.1}
+    # per mode: sizes (quadratic noisy d, exact d, logreg n), horizons and targets (same order)
+    (d_noisy, d_exact, n), (h_noisy, h_exact, h_lr), (t_noisy, t_exact, t_lr) = (
+        ((64, 8, 2000), (300.0, 400.0, 100.0), (0.03, 1e-7, 0.02)) if quick else
+        ((256, 16, 10000), (1000.0, 2000.0, 300.0), (0.01, 1e-6, 0.01)))
     problems = {
-        "quadratic σ=0.01": {"name": "quadratic", "opts": {"d": 256}, "batch": 1, "horizon": 1000.0,
-                             "target": 0.01, "settings": {"ordered-momentum": {"lr": 3.0, "beta": 0.3},
-                                                          "asgd": {"lr": 0.1}}},
-        "quadratic σ=0": {"name": "quadratic", "opts": {"d": 16, "sigma": 0.0}, "batch": 1, "horizon": 2000.0,
-                          "target": 1e-6, "settings": {"ordered-momentum": {"lr": 3.0, "beta": 0.3},
-                                                       "asgd": {"lr": 0.1}}},
-        "logreg": {"name": "logreg", "opts": {"n": 10000}, "batch": 32, "horizon": 300.0, "target": 0.01,
-                   "settings": {"ordered-momentum": {"lr": 1.0, "beta": 0.3}, "asgd": {"lr": 0.1}}},
+        "quadratic σ=0.01": {"name": "quadratic", "opts": {"d": d_noisy}, "batch": 1, "horizon": h_noisy,
+                             "target": t_noisy, "settings": {"ordered-momentum": om, "asgd": asgd}},
+        "quadratic σ=0": {"name": "quadratic", "opts": {"d": d_exact, "sigma": 0.0}, "batch": 1,
+                          "horizon": h_exact, "target": t_exact, "settings": {"ordered-momentum": om, "asgd": asgd}},
+        "logreg": {"name": "logreg", "opts": {"n": n}, "batch": 32, "horizon": h_lr, "target": t_lr,
+                   "settings": {"ordered-momentum": {"lr": 1.0, "beta": 0.3}, "asgd": asgd}},
     }
-    return {"problems": problems, "seeds": 3, "points": 200}
+    return {"problems": problems, "seeds": 1 if quick else 3, "points": 50 if quick else 200}
 
 
 def optimum(problem: Any) -> float:

@@ -12,6 +12,7 @@ Pure: no sockets. The daemon and the worker call :func:`split` before sending an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -34,7 +35,7 @@ def split(msg: Any, xfer: int, *, threshold: int = CHUNK_THRESHOLD, chunk: int =
     total = array_bytes(frames)
     if total <= threshold or len(frames) == 1:
         return [frames]
-    carrier = encode(_with_xfer(msg, xfer))
+    carrier = encode(dataclasses.replace(msg, xfer=xfer))
     arrays = [memoryview(a).cast("B") if memoryview(a).nbytes else memoryview(b"") for a in carrier[1:]]
     pieces = [(a, lo) for a in arrays for lo in range(0, a.nbytes, chunk)]
     if len(pieces) > MAX_PARTS:  # very large: bigger parts, never more than MAX_PARTS
@@ -44,12 +45,6 @@ def split(msg: Any, xfer: int, *, threshold: int = CHUNK_THRESHOLD, chunk: int =
            for i, (a, lo) in enumerate(pieces)]
     out.append(carrier[:1])
     return out
-
-
-def _with_xfer(msg: Any, xfer: int) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(msg, xfer=xfer)
 
 
 class Reassembler:

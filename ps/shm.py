@@ -72,7 +72,6 @@ class ShmArena:
         self.dir = directory
         self.prefix = f"latecomer-{os.getpid():x}-{boot & 0xFFFFFFFFFFFFFFFF:x}"
         self.next_slot = 0
-        self.maps: dict[int, mmap.mmap] = {}
         self.by_addr: dict[int, int] = {}  # data address of a pool buffer -> its slot
         self.copies: dict[int, tuple[int, np.ndarray]] = {}  # iterate id -> (slot, array) for copied iterates
         self.free_copy_slots: list[tuple[int, np.ndarray]] = []
@@ -101,7 +100,6 @@ class ShmArena:
             m = mmap.mmap(fd, max(self.nbytes, 1))
         finally:
             os.close(fd)
-        self.maps[slot] = m
         return slot, np.frombuffer(m, np.float32, count=self.dim)
 
     def _unlink(self, slot: int) -> None:
@@ -109,7 +107,7 @@ class ShmArena:
             os.unlink(self._path(slot))
         except FileNotFoundError:
             pass
-        self.maps.pop(slot, None)  # unmapped when the last array over it is gone
+        # the mapping goes with the last array over it
 
     # ---------------------------------------------------------------- iterates
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -131,7 +129,7 @@ class ShmArena:
         """The slot holding iterate ``iid`` (whose array is ``x``), copying it there once."""
         if x.shape == (self.dim,) and x.dtype == np.float32 and x.base is not None:
             slot = self.by_addr.get(x.ctypes.data)
-            if slot is not None and self.maps.get(slot) is not None:
+            if slot is not None:
                 return slot
         held = self.copies.get(iid)
         if held is not None:
@@ -212,7 +210,7 @@ class ShmArena:
         self.lent.clear()
         self.free_grad.clear()
         self.grad_arrays.clear()
-        self.maps.clear()
+        self.by_addr.clear()
 
 
 def _pid_namespace() -> int:

@@ -113,8 +113,9 @@ class Worker:
         self.jobs: dict[int, Job] = {}  # received, not answered (running, queued or waiting for iterates)
         self.wire = "f32"  # how the server sends iterates and wants gradients (Welcome.wire_dtype)
         self.shm: ShmReader | None = None  # the server's shared memory, when it offered and we could open it
-        self.shm_grads: dict[int, tuple] = {}  # job id -> gradients of a recent shared-memory reply
-        self.shm_boot: dict[int, int | None] = {}  # job id -> the server process whose memory it used
+        # job id -> [server boot whose memory it used, its gradients once computed]: a reply to a
+        # server process that is gone is resent as frames (``_detach``)
+        self.shm_jobs: dict[int, list] = {}
         self.parts_ok = False  # the server takes large arrays in parts (Welcome.parts)
         self.parts = Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES, alloc=lambda n: POOL.empty((n,), np.uint8))
         self.next_xfer = 0
@@ -356,7 +357,7 @@ class Worker:
         self.seen = max(self.seen, job.job_id)
         if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
             self.jobs[job.job_id] = job
-            self.shm_boot[job.job_id] = self.server_boot
+            self.shm_jobs[job.job_id] = [self.server_boot, None]
             if self.shm is None or len(job.refs) != len(job.iterate_ids):
                 self.jobs.pop(job.job_id, None)
                 self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
@@ -405,7 +406,9 @@ class Worker:
                 if dst.size != g.size:
                     raise ValueError(f"gradient of {g.size} values, shared-memory slot of {dst.size}")
                 np.copyto(dst, g.reshape(-1))
-            self.shm_grads[job.job_id] = reply.grads  # for a resend to a restarted server
+            held = self.shm_jobs.get(job.job_id)
+            if held is not None:
+                held[1] = reply.grads  # for a resend to a restarted server
             return dataclasses.replace(reply, grads=(), in_shm=True)
         if self.wire != "f32":
             return dataclasses.replace(reply, grads=tuple(to_wire(g, self.wire) for g in reply.grads))
@@ -435,7 +438,7 @@ class Worker:
             self.unsent.append(reply)
         while self.unsent and self.welcomed:
             r = self.unsent[0]
-            if r.in_shm and self.shm_boot.get(r.job_id) != self.server_boot:
+            if r.in_shm and self.shm_jobs.get(r.job_id, (None,))[0] != self.server_boot:
                 r = self._detach(r, self.wire)  # computed for the previous server process
                 if r is None:
                     self.unsent.pop(0)
@@ -449,11 +452,10 @@ class Worker:
             self.recent.append((now, r))
             while self.recent and now - self.recent[0][0] > self.liveness:
                 self.recent.popleft()
-        if self.shm_grads:  # keep only what a resend after a server restart could need
+        if self.shm_jobs:  # keep only what a resend after a server restart could need
             keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
-            for jid in [j for j in self.shm_grads if j not in keep]:
-                self.shm_grads.pop(jid, None)
-                self.shm_boot.pop(jid, None)
+            for jid in [j for j in self.shm_jobs if j not in keep]:
+                del self.shm_jobs[jid]
 
     def _detach(self, r: Reply, wire: str) -> Reply | None:
         """A shared-memory reply as a frame reply (for a new server process, which cannot read
@@ -463,7 +465,7 @@ class Worker:
         dropped job off (it is not in our busy list)."""
         if not r.in_shm:
             return r
-        grads = self.shm_grads.get(r.job_id)
+        grads = self.shm_jobs.get(r.job_id, (None, None))[1]
         if grads is None or wire != "f32":
             log.info("job %d: its reply went to the previous server's shared memory; dropped", r.job_id)
             return None
