@@ -27,11 +27,13 @@ KEEP_FREE = 2  # free buffers kept per shape; more are let go
 
 
 class ArrayPool:
-    """Buffers of one dtype and shape, handed out again when only the pool refers to them."""
+    """Buffers by dtype and shape, handed out again when only the pool refers to them."""
+
+    # references getrefcount sees to a buffer nobody else holds: the list, its copy, the loop variable, the argument
+    UNSHARED = 4
 
     def __init__(self, factory: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None) -> None:
         self.factory = factory
-        self._free_check = 3  # references of an unshared buffer seen by getrefcount: list, loop variable, argument
         self._arrays: dict[tuple, list[np.ndarray]] = {}
         self.allocated = 0  # buffers created (a test and the benchmark read it)
 
@@ -46,7 +48,7 @@ class ArrayPool:
         found = None
         spare = 0
         for a in list(arrays):
-            if sys.getrefcount(a) > self._free_check + 1:  # +1: the list() copy
+            if sys.getrefcount(a) > self.UNSHARED:
                 continue
             if found is None:
                 found = a
@@ -85,3 +87,11 @@ def step_into(x: np.ndarray, lr: float, d: np.ndarray) -> np.ndarray:
     np.add(x, y, out=y)
     y.setflags(write=False)
     return y
+
+
+def add_scaled(m: np.ndarray, a: float, g: np.ndarray) -> None:
+    """``m += a·g`` in place, through a pooled scratch buffer instead of a fresh temporary;
+    bit-identical to ``m += np.asarray(a, m.dtype) * g``."""
+    t = POOL.empty(m.shape, m.dtype)
+    np.multiply(g, np.asarray(a, m.dtype), out=t)
+    m += t

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
-from algorithms._pool import step_into
+from algorithms._pool import add_scaled, step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 
 
@@ -130,7 +130,7 @@ class NaiveMomentumASGD(PerReplyAlgorithm):
         for r in results:
             ages.append(state.version - r.created_at)
             state.m *= np.asarray(1.0 - self.beta, dt)
-            state.m += np.asarray(self.beta, dt) * r.grads[0]
+            add_scaled(state.m, self.beta, r.grads[0])
             state.x = step_into(state.x, self.lr, state.m)
             state.version += 1
             applied.append(r.job_id)

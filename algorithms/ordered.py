@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from algorithms._common import frozen, grad_job
-from algorithms._pool import step_into
+from algorithms._pool import add_scaled, step_into
 from algorithms.base import JobSpec, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, check_choice
 from protocol.messages import JobKind
@@ -77,7 +77,7 @@ class OrderedMomentum(PerReplyAlgorithm):
             state.m *= np.asarray(1.0 - self.beta, dt)
             for r in results:
                 age = state.version - r.created_at
-                state.m += self._weight(age, dt) * r.grads[0]
+                add_scaled(state.m, self._weight(age, dt), r.grads[0])
                 applied.append(r.job_id)
                 ages.append(age)
             state.x = step_into(state.x, self.lr, state.m)
@@ -86,7 +86,7 @@ class OrderedMomentum(PerReplyAlgorithm):
             for r in results:
                 age = state.version - r.created_at
                 state.m *= np.asarray(1.0 - self.beta, dt)
-                state.m += self._weight(age, dt) * r.grads[0]
+                add_scaled(state.m, self._weight(age, dt), r.grads[0])
                 state.x = step_into(state.x, self.lr, state.m)
                 state.version += 1
                 applied.append(r.job_id)

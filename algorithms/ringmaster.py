@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
-from algorithms._pool import step_into
+from algorithms._pool import add_scaled, step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
@@ -129,7 +129,7 @@ class _LMOMomentum(PerReplyAlgorithm):
         """m ← α g + (1−α) m; u = (1−α) m + α g if Nesterov else m; x ← x − η D(u); k += 1."""
         dt = state.m.dtype
         state.m *= np.asarray(1.0 - alpha, dt)
-        state.m += np.asarray(alpha, dt) * g
+        add_scaled(state.m, alpha, g)
         u = np.asarray(1.0 - alpha, dt) * state.m + np.asarray(alpha, dt) * g if self.nesterov else state.m
         d = self._direction(lmo, u).astype(dt, copy=False)
         state.x = step_into(state.x, eta, d)

@@ -57,3 +57,16 @@ def test_step_into_is_bit_identical_to_the_plain_expression(d):
         got = step_into(x, lr, g)
         assert got.dtype == np.float32 and not got.flags.writeable
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("d", [7, 3 * D + 5])
+def test_add_scaled_is_bit_identical_to_the_plain_update(d):
+    from algorithms._pool import add_scaled
+
+    rng = np.random.default_rng(d)
+    m = rng.standard_normal(d).astype(np.float32)
+    g = (rng.standard_normal(d) * 1e3).astype(np.float32)
+    want = m.copy()
+    want += np.asarray(0.37, np.float32) * g
+    add_scaled(m, 0.37, g)
+    assert np.array_equal(m.view(np.uint32), want.view(np.uint32))
