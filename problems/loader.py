@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 import typing
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from problems.base import Problem
 
@@ -28,30 +30,117 @@ BUILTIN_PROBLEMS: dict[str, str] = {
 REQUIRED_ATTRIBUTES = ("layout", "init_params", "grad", "evaluate")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SCALARS = (bool, int, float, str)
+WORKER_LOCAL_ATTR = "__latecomer_worker_local__"  # set by @worker_local on a factory
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _import_user_module(spec: str, module_name: str) -> Any:
+    """Import a user's problem module the way ``python -m`` would find it: the current working
+    directory is searched too (appended to ``sys.path``, so it never shadows an installed
+    package), for the console script as for ``python -m ps``."""
+    cwd = os.getcwd()
+    if cwd not in (os.path.abspath(p or ".") for p in sys.path):
+        sys.path.append(cwd)
+    top = module_name.split(".")[0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e}): run from the folder "
+                             f"that holds {top}.py (or its package {top}/), or add that folder to PYTHONPATH") \
+                from None
+        raise ValueError(f"problem {spec!r}: importing module {module_name!r} failed: {e}") from None
+    except Exception as e:  # the user's module raised while importing: one line, not a traceback
+        raise ValueError(f"problem {spec!r}: importing module {module_name!r} failed: "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
     """The callable behind ``spec``: a ``BUILTIN_PROBLEMS`` entry or ``module:attr[.attr…]``.
 
+    A user's module is looked up on ``sys.path`` and then in the current working directory.
+
     Raises:
-        ValueError: unknown name, malformed spec, module not importable, attribute missing
-            or not callable.
+        ValueError: unknown name, malformed spec, module not importable (with what to do about
+            it), attribute missing or not callable.
     """
+    builtin = spec in BUILTIN_PROBLEMS
     module_name, sep, attr = BUILTIN_PROBLEMS.get(spec, spec).partition(":")
     if not sep or not module_name or not attr or module_name.startswith("."):
         raise ValueError(f"unknown problem {spec!r} (choose one of {', '.join(BUILTIN_PROBLEMS)}, "
                          "or give 'module:callable')")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e})") from None
+    if builtin:
+        try:
+            obj = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e})") from None
+    else:
+        obj = _import_user_module(spec, module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"problem {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            where = getattr(obj, "__file__", None)
+            raise ValueError(f"problem {spec!r}: module {module_name!r} has no attribute {attr!r}"
+                             + (f" (imported from {where})" if where else ""))
         obj = getattr(obj, part)
     if not callable(obj):
         raise ValueError(f"problem {spec!r}: {attr!r} is not callable")
     return obj
+
+
+def worker_local(*names: str) -> Callable[[F], F]:
+    """Decorator for a problem factory: the options ``names`` may be overridden per worker.
+
+    A worker started with ``latecomer work --problem-opt KEY=VALUE`` loads the server's problem
+    with its own value of a worker-local option (a data path on that host, a local cache); every
+    other option comes from the server. Overriding an option that is not declared here is refused.
+
+    Example:
+        >>> @worker_local("data_dir")
+        ... def make(data_dir: str = "/data", device: str = "cpu"): ...
+        >>> sorted(worker_local_options(make))
+        ['data_dir']
+
+    Raises:
+        ValueError: a name that is not a non-empty string, or ``device`` (chosen per worker anyway).
+    """
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"worker_local: option names must be identifiers, got {name!r}")
+        if name == "device":
+            raise ValueError("worker_local: 'device' is always the worker's own (latecomer work --device)")
+
+    def deco(factory: F) -> F:
+        declared = frozenset(getattr(factory, WORKER_LOCAL_ATTR, ())) | frozenset(names)
+        setattr(factory, WORKER_LOCAL_ATTR, declared)
+        return factory
+
+    return deco
+
+
+def worker_local_options(factory: Callable[..., Any]) -> frozenset[str]:
+    """The options ``factory`` declared with :func:`worker_local` (empty if none)."""
+    return frozenset(getattr(factory, WORKER_LOCAL_ATTR, ()))
+
+
+def merge_worker_options(spec: str, options: Mapping[str, Any] | None,
+                         overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options a worker loads the server's problem with: the server's ``options`` (from
+    ``Welcome``) with this worker's ``overrides`` on top. Only worker-local options (declared
+    with :func:`worker_local` on the factory) may be overridden.
+
+    Raises:
+        ValueError: an override of an option that is not worker-local (or an unloadable spec).
+    """
+    merged = dict(options or {})
+    if not overrides:
+        return merged
+    allowed = worker_local_options(resolve_factory(spec))
+    refused = sorted(set(overrides) - allowed)
+    if refused:
+        raise ValueError(f"problem {spec!r}: --problem-opt {', '.join(refused)}: not a worker-local option, the "
+                         f"server sets it (worker-local: {', '.join(sorted(allowed)) or 'none'})")
+    merged.update(overrides)
+    return merged
 
 
 def coerce_option(spec: str, key: str, value: Any, typ: type | None) -> Any:
