@@ -1,4 +1,4 @@
-"""Asynchronous SGD baselines (ALGORITHMS.md §3–4): A1 vanilla, A2 naive momentum,
+"""Asynchronous SGD baselines (docs/ALGORITHMS.md §3–4): A1 vanilla, A2 naive momentum,
 A3 delay-adaptive, A4 delay-filtered. Ringmaster ASGD (A5) lives in ``ringmaster.py``.
 """
 
@@ -63,7 +63,7 @@ class VanillaASGD(PlainSGDMethod):
 
     Jobs are GRAD at the current iterate. The classic Hogwild!-style baseline of
     Ringmaster ASGD (Maranjyan, Tyurin, Richtárik, ICML 2025, arXiv 2501.16168) and of
-    the other papers in ALGORITHMS.md.
+    the other papers in docs/ALGORITHMS.md §9.
 
     Args:
         lr: step size γ (> 0).
@@ -98,7 +98,7 @@ class NaiveMomentumASGD(PerReplyAlgorithm):
         x_{k+1} = x_k − lr · m_{k+1}
 
     with m_0 = 0. The baseline that Ordered Momentum corrects (Dahan, Reshef, Goldstein, Levy,
-    "Bringing Order to Asynchronous SGD", arXiv 2605.02043, ALGORITHMS.md §4).
+    "Bringing Order to Asynchronous SGD", arXiv 2605.02043, docs/ALGORITHMS.md §4.1).
 
     Args:
         lr: step size η (> 0).
@@ -204,7 +204,7 @@ class DelayFilteredASGD(PlainSGDMethod):
     A reply of age δ ≤ τ_max is applied, x_{k+1} = x_k − lr · g; a reply with δ > τ_max is
     dropped (k unchanged) and its worker gets a new job at the current x_k. Equivalent to
     Ringmaster ASGD without stops with R = τ_max + 1. Baseline in Dahan, Reshef, Goldstein,
-    Levy, arXiv 2605.02043 (ALGORITHMS.md §3 A4 [S][I]).
+    Levy, arXiv 2605.02043 (docs/ALGORITHMS.md §3.4 [S][I]).
 
     Args:
         lr: step size γ (> 0).

@@ -1,4 +1,4 @@
-"""Linear minimization oracles and Newton–Schulz orthogonalization (ALGORITHMS.md §1, §6).
+"""Linear minimization oracles and Newton–Schulz orthogonalization (docs/ALGORITHMS.md §1, §6.1).
 
 Pure math on numpy arrays, no state. Sign convention (§1): ``lmo(m) = argmin_{‖u‖≤1} ⟨m, u⟩``,
 so ``x + η·lmo(m)`` is a descent step. :func:`muon_direction` instead returns the Muon update

@@ -1,4 +1,4 @@
-"""Rennala family (ALGORITHMS.md §5: A8, A9, A9b) and the Rennala Muon baseline (§6).
+"""Rennala family (docs/ALGORITHMS.md §5: A8, A9, A9b) and the Rennala Muon baseline (§6.4).
 
 Rennala methods work in rounds. Round k has one target (the iterate x_k, or the pair
 (x_{k+1}, x_k) for MVR); every free worker gets a job for the current round, fast workers
@@ -337,7 +337,7 @@ class RennalaMVRInexactState:
 @dataclass(frozen=True)
 class RennalaMVRInexact(_Rennala):
     """A9b, inexact "MARS-inspired" Rennala MVR (Tovmasyan, Maranjyan, Richtárik,
-    arXiv 2605.08871; our reconstruction [I], ALGORITHMS.md §5).
+    arXiv 2605.08871; our reconstruction [I], docs/ALGORITHMS.md §5.4).
 
     Workers compute single GRAD jobs at the newest iterate only. Initialization: B_init
     gradients at x_0 give ĝ_0 = g_0 (their mean) and x_1 = x_0 − lr · g_0. Round k ≥ 0: with
@@ -443,7 +443,7 @@ class RennalaMuonState:
 @dataclass(frozen=True)
 class RennalaMuon(_PlainBatch, _Rennala):
     """Rennala Muon, the Rennala baseline of Ringmaster LMO (Sadiev, Maranjyan, Ilin,
-    Richtárik, arXiv 2605.18174; public code ``RennalaMuonSGD``, ALGORITHMS.md §6).
+    Richtárik, arXiv 2605.18174; public code ``RennalaMuonSGD``, docs/ALGORITHMS.md §6.4).
 
     Rounds as in :class:`RennalaSGD` (GRAD jobs at x_k, B gradients of the current round).
     With ḡ the batch mean, one Muon step per round:

@@ -1,4 +1,4 @@
-"""Ringmaster methods (ALGORITHMS.md §3 A5, §6 A10) and the Delay-adaptive Muon baseline.
+"""Ringmaster methods (docs/ALGORITHMS.md §3.5 A5, §6.2 A10) and the Delay-adaptive Muon baseline.
 
 Ringmaster ASGD: Maranjyan, Tyurin, Richtárik, "Ringmaster ASGD: The First Asynchronous SGD
 with Optimal Time Complexity", ICML 2025, arXiv 2501.16168.

@@ -1,4 +1,4 @@
-"""Delayed-feedback variance reduction (ALGORITHMS.md §7: A11 STORM-VR, A12 snapshot VR).
+"""Delayed-feedback variance reduction (docs/ALGORITHMS.md §7: A11 STORM-VR, A12 snapshot VR).
 
 Jiang, Yu, Li, delayed-feedback variance reduction, preprint dated 20 Oct 2026. The paper and its
 code were not found; the rules below are the spec's reading of the seed summary ([S]) plus our
@@ -581,7 +581,7 @@ class DelayedStormVR(_DelayedVR):
     """A11, STORM-style variance reduction with ordered weights and lost-reply tolerance.
 
     Jiang, Yu, Li, delayed-feedback variance reduction, preprint dated 20 Oct 2026
-    (ALGORITHMS.md §7 A11; paper not found, rules from the seed [S] and the spec [I]).
+    (docs/ALGORITHMS.md §7.2; paper not found, rules from the seed [S] and the spec [I]).
 
     Correction of job s (GRAD_PAIR on (x_s, x_{s−1}), same sample ξ_s, ``created_at = s``):
 
@@ -659,7 +659,7 @@ class SnapshotVR(_DelayedVR):
     """A12, finite-sum variance reduction with periodic snapshots computed in the background.
 
     Jiang, Yu, Li, delayed-feedback variance reduction, preprint dated 20 Oct 2026
-    (ALGORITHMS.md §7 A12; paper not found, rules from the seed [S] and the spec [I]).
+    (docs/ALGORITHMS.md §7.3; paper not found, rules from the seed [S] and the spec [I]).
 
     F(x) = (1/N) Σ_i f_i(x). Rounds as in A11 (:class:`DelayedStormVR`) with
     q_s = ∇f_i(x_s) − (1−a) ∇f_i(x_{s−1}) on a component minibatch (``batch``) picked by the
