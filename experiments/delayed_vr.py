@@ -1,4 +1,4 @@
-"""Delayed-feedback variance reduction (ALGORITHMS.md §7, A11 and A12).
+"""Delayed-feedback variance reduction (docs/ALGORITHMS.md §7, A11 and A12).
 
 Part A (A11, ``storm-vr``): the §8.1 quadratic with n = 10 workers (sqrt delays), replies lost in
 transit with probability 0, 0.05 and 0.2 (``Simulator(loss_prob=...)``; a lost job is written

@@ -1,4 +1,4 @@
-"""Ordered Momentum (A6) and Ordered μ²-SGD (A7) under data-dependent delays (ALGORITHMS.md §4).
+"""Ordered Momentum (A6) and Ordered μ²-SGD (A7) under data-dependent delays (docs/ALGORITHMS.md §4).
 
 Setup ("Reference experiments (data-dependent delays)", our choices [I]): the ``digits`` MLP
 (64–32–10 ReLU) with ``homogeneous=True``: every job draws a minibatch of 32 from one class,

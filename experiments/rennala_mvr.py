@@ -1,4 +1,4 @@
-"""Rennala MVR (exact, A9) vs Rennala SGD (A8) on the §8.1 quadratic (ALGORITHMS.md §5).
+"""Rennala MVR (exact, A9) vs Rennala SGD (A8) on the §8.1 quadratic (docs/ALGORITHMS.md §5).
 
 Reference claim (Tovmasyan, Maranjyan, Richtárik 2026, via the seed summary): with n = 10 and
 n = 100 workers under the sqrt, mixture and uniform delay models, exact Rennala MVR reaches a

@@ -1,4 +1,4 @@
-"""Ringmaster LMO (A10) vs Rennala Muon and Delay-adaptive Muon (ALGORITHMS.md §6).
+"""Ringmaster LMO (A10) vs Rennala Muon and Delay-adaptive Muon (docs/ALGORITHMS.md §6).
 
 Reference claim (Sadiev, Maranjyan, Ilin, Richtárik, NanoChat experiment): Ringmaster Muon is
 on par with the baselines when the workers are near-homogeneous, its advantage grows with

@@ -1,7 +1,7 @@
 """scikit-learn's 8x8 digits (1,797 images, 10 classes) with a small MLP: the offline MNIST stand-in.
 
 Needs no download (the data ships with scikit-learn), so it is the classifier that tests and
-the data-dependent-delay experiments (ALGORITHMS.md §4) use by default.
+the data-dependent-delay experiments (docs/ALGORITHMS.md §4.4) use by default.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The parameters are one flat float32 vector; each call to ``grad`` copies it to the device once
 and takes the weight matrices as views of that single tensor, so there is no per-call model
-construction. Data-dependent delays (ALGORITHMS.md §4, "Reference experiments"): with
+construction. Data-dependent delays (docs/ALGORITHMS.md §4.4): with
 ``homogeneous=True`` every minibatch comes from one class, picked with its train frequency so
 the gradient stays unbiased, and ``sample_cost`` reports ``kappa`` for batches of ``slow_class``.
 """

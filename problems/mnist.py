@@ -1,4 +1,4 @@
-"""MNIST from local idx files with the 784–32–10 ReLU MLP of ALGORITHMS.md §8.4.
+"""MNIST from local idx files with the 784–32–10 ReLU MLP of docs/ALGORITHMS.md §8.4.
 
 Nothing is downloaded: give the four idx files (plain or ``.gz``) as options. Server and workers
 each read them, so the paths must be valid on every machine.

@@ -1,4 +1,4 @@
-"""Nesterov's worst-case tridiagonal quadratic with a noisy gradient oracle (ALGORITHMS.md §8.1).
+"""Nesterov's worst-case tridiagonal quadratic with a noisy gradient oracle (docs/ALGORITHMS.md §8.1).
 
 f(x) = ½ xᵀAx − bᵀx with A = (L/4)·tridiag(−1, 2, −1) and b = −(L/4)·e₁ (the sign the group's
 code uses). A is never formed: ``A @ x`` is three vector operations.

@@ -2,7 +2,7 @@
 
 The fake clock is the event heap. Simulated workers receive the core's ``Job`` messages,
 compute them with the same :func:`worker.compute.run_job` a real worker uses, and answer
-after a simulated duration drawn from a :class:`DelayModel` (ALGORITHMS.md §8.2). Crashes,
+after a simulated duration drawn from a :class:`DelayModel` (docs/ALGORITHMS.md §8.2). Crashes,
 rejoins and lost replies are scripted. Same seed, same trace.
 
 ``wire_dtype`` (PROTOCOL.md §6.12) quantizes what the real transport would: a simulated worker
@@ -32,7 +32,7 @@ DelayName = Literal["sqrt", "sqrt1", "linear", "uniform", "mixture", "fixed"]
 
 @dataclass(frozen=True)
 class DelayModel:
-    """Per-worker computation times (ALGORITHMS.md §8.2).
+    """Per-worker computation times (docs/ALGORITHMS.md §8.2).
 
     A job of worker i (1-based) takes ``tau[i] * cost(kind) * sample_cost + |N(0, noise[i]^2)|
     + latency`` simulated seconds, where cost(GRAD)=1, cost(GRAD_PAIR)=2, cost(FULL_GRAD) =
