@@ -1,5 +1,5 @@
 """The server's iterate store stays bounded through runs with crashes, rejoins and lost replies
-(issue 7; ALGORITHMS.md §2.4, "Iterate retention").
+(issue 7; docs/ALGORITHMS.md §2.4, "Iterate retention").
 
 The core keeps an iterate (``core.store``) while an outstanding job references it or the
 algorithm says it still needs it (``live_iterate_ids``). After every message the core handles
@@ -53,7 +53,7 @@ class Case:
     name: str
     settings: dict
     per_job: int  # iterate ids per job (GRAD 1, GRAD_PAIR 2)
-    keep: int  # K: iterates the algorithm itself may keep beyond outstanding jobs' (ALGORITHMS.md §2.4)
+    keep: int  # K: iterates the algorithm itself may keep beyond outstanding jobs' (docs/ALGORITHMS.md §2.4)
     round_period: float | None = None
 
 

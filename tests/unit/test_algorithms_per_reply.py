@@ -1,9 +1,9 @@
-"""Per-reply algorithms (ALGORITHMS.md §3, §4, §6): worked examples, properties, contracts.
+"""Per-reply algorithms (docs/ALGORITHMS.md §3, §4, §6; examples §11): worked examples, properties, contracts.
 
 A small replay driver stands in for the server core: it follows the per-reply driver
 contract (apply one result, then cancel, then make_job for every free worker) with the toy
 oracle ∇f(x; ξ) = x + ξ evaluated at the job's own points. Tolerances: rtol=1e-9 for
-terminating decimals, atol=1e-6 for rounded values (§ header of ALGORITHMS.md).
+terminating decimals, atol=1e-6 for rounded values (docs/ALGORITHMS.md §11).
 """
 
 from __future__ import annotations

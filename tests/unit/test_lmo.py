@@ -1,4 +1,4 @@
-"""Pure LMO / Newton–Schulz math (ALGORITHMS.md §1, §6): spec test vectors, atol 1e-6."""
+"""Pure LMO / Newton–Schulz math (docs/ALGORITHMS.md §1, §6.1): test vectors of §11.4, atol 1e-6."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from algorithms.lmo import (
 
 ATOL = 1e-6
 
-# (matrix, exact U Vᵀ, classic NS5, Polar-Express NS5) from ALGORITHMS.md §6.
+# (matrix, exact U Vᵀ, classic NS5, Polar-Express NS5) from docs/ALGORITHMS.md §11.4.
 NS5_VECTORS = [
     (np.diag([3.0, 1.0]), np.eye(2), np.diag([0.753033, 1.133706]), np.diag([1.017546, 1.130347])),
     (np.array([[1.0, 2.0], [3.0, 4.0]]),
@@ -146,7 +146,7 @@ def test_check_layout_accepts():
     check_layout((("w", (2, 3)), ("b", (3,)), ("s", ())))
 
 
-# k: (α_k, R_k, η_k/η) from ALGORITHMS.md §6 (7 significant digits).
+# k: (α_k, R_k, η_k/η) from docs/ALGORITHMS.md §11.4 (7 significant digits).
 PA_TABLE = {
     0: (1.0, 1, 1.0), 1: (1.0, 1, 0.594604), 2: (0.707107, 1, 0.438691), 3: (0.577350, 1, 0.353553),
     4: (0.5, 2, 0.299070), 5: (0.447214, 2, 0.260847), 8: (0.353553, 2, 0.192450), 9: (0.333333, 3, 0.177828),

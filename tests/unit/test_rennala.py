@@ -1,4 +1,4 @@
-"""Rennala family (ALGORITHMS.md §5 A8, A9, A9b; §6 Rennala Muon baseline).
+"""Rennala family (docs/ALGORITHMS.md §5 A8, A9, A9b; §6.4 Rennala Muon baseline; examples §11.5).
 
 Toy oracle of the worked examples: f(x) = x²/2, ∇f(x; ξ) = x + ξ at every point of the job.
 """
@@ -35,7 +35,7 @@ class Job:
 
 @dataclass
 class Driver:
-    """Minimal per-reply driver (ALGORITHMS.md §2.3) with one job slot per worker.
+    """Minimal per-reply driver (docs/ALGORITHMS.md §2.3) with one job slot per worker.
 
     ``issue`` asks the algorithm for a job; ``reply`` computes g = x + ξ at the job's points,
     calls ``apply`` with that one result, then ``cancel``, and frees the worker(s).

@@ -1,4 +1,4 @@
-"""A11 (storm-vr) and A12 (snapshot-vr): ALGORITHMS.md §7 worked examples and §11 checklist.
+"""A11 (storm-vr) and A12 (snapshot-vr): docs/ALGORITHMS.md §7 rules, §11.6 worked examples.
 
 The tests call the algorithm the way the round driver does (``Driver.round``: apply, cancel,
 make_job for one free worker) with hand-made results. Toy oracle of §1: f(x) = x²/2,
