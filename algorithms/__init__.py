@@ -32,9 +32,11 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
 }
 
 
-def build(name: str, settings=None) -> Algorithm:
-    """Build a registered algorithm from its name and hyper-parameter settings."""
-    return _build(ALGORITHMS, name, settings)
+def build(name: str, settings=None, *, max_steps: int | None = None) -> Algorithm:
+    """Build a registered algorithm (or a user's ``"module:Class"``) from its name and settings
+    (its hyper-parameters plus the wrapper keys of ``algorithms/wrappers.py``; ``max_steps`` is
+    the default ``decay_steps`` of a schedule)."""
+    return _build(ALGORITHMS, name, settings, max_steps=max_steps)
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "JobSpec", "Outcome", "Result", "build", "hyper_parameters"]

@@ -109,10 +109,13 @@ class Algorithm:
             arrived since the last round, once per round (possibly with an empty list); a
             round happens whenever a worker is ready for a job (demand-driven) or on the
             driver's clock if it has a round period.
+        weight_decay_refusal: why the ``weight_decay`` wrapper (``algorithms/wrappers.py``) must
+            not decay ``state.x`` after an update; empty (the default) accepts it.
     """
 
     name: ClassVar[str] = ""
     mode: ClassVar[Literal["per_reply", "round"]] = "per_reply"
+    weight_decay_refusal: ClassVar[str] = ""
 
     # ---- required
     def init(self, x0: np.ndarray, *, seed: int) -> tuple[Any, list[JobSpec]]:

@@ -157,6 +157,8 @@ class OrderedMu2SGD(PerReplyAlgorithm):
 
     name = "ordered-mu2"
     iterate_fields = ("x", "x_prev")
+    weight_decay_refusal = ("it steps the descent sequence w and publishes an average x of it, so decaying x would "
+                            "not decay the model")
     lr: float = 0.1
     weights: Literal["constant", "theory"] = "constant"
     beta: float = 0.1
