@@ -132,7 +132,7 @@ def _positive(ctx, param, value):
 class _LazyGroup(click.Group):
     """Commands from other packages are imported only when invoked: `latecomer work` stays light."""
 
-    LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench"}
+    LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench", "export": "ps.export:export"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -416,9 +416,12 @@ def _deterministic_oracle() -> None:
               envvar="LATECOMER_SERVER_KEY", help="CurveZMQ: the server's public server.key.")
 @click.option("--shm", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Same-host path: use the server's shared memory when it offers it (auto) or never (off).")
+@click.option("--problem-opt", multiple=True, metavar="KEY=VALUE",
+              help="Override a worker-local option of the server's problem here, e.g. a data path on this host "
+                   "(repeatable; options the problem does not declare worker-local are refused).")
 @click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
 def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay, cache_size, give_up, max_jobs,
-         threads, seed, key_secret, server_key, shm, log_level) -> None:
+         threads, seed, key_secret, server_key, shm, problem_opt, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     _setup_logging(log_level)
     if not server.startswith(("tcp://", "ipc://", "inproc://")):
@@ -439,6 +442,7 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
     cfg = WorkerConfig(server=server, worker_id=worker_id, credit=credit, device=device, cache_size=cache_size,
                        give_up_s=give_up, max_jobs=max_jobs, threads=threads, key_secret=key_secret,
                        server_key=server_key, shm=shm,
+                       problem_overrides=tuple(_parse_pairs(problem_opt, "--problem-opt").items()),
                        delay=DelaySpec(delay_s=delay, jitter_s=jitter, slowdown=slowdown, data_dependent=data_delay,
                                        seed=seed))
     try:

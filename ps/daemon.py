@@ -654,8 +654,12 @@ class Daemon:
 
 
 def write_outputs(out_dir: str, daemon: Daemon) -> None:
-    """Write summary.json and final_x.npy into ``out_dir``."""
+    """Write summary.json, final_x.npy and problem.json (the problem's spec and options, which
+    ``latecomer export`` rebuilds it from) into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "problem.json"), "w", encoding="utf-8") as f:
+        json.dump({"problem": daemon.core.cfg.problem, "problem_options": dict(daemon.core.cfg.problem_options)}, f,
+                  indent=1)
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(daemon.summary(), f, indent=1)
     np.save(os.path.join(out_dir, "final_x.npy"), np.asarray(daemon.core.params()))

@@ -67,6 +67,8 @@ class WorkerConfig:
         max_jobs: exit after this many replies (None: never); for tests.
         threads: torch intra-op threads (None: leave torch's default).
         shm: "auto" asks a server on this host for the shared-memory path; "off" never does.
+        problem_overrides: ``(key, value)`` pairs laid over the options of the server's problem
+            (``--problem-opt``); only options its factory declares worker-local are accepted.
     """
 
     server: str
@@ -83,6 +85,7 @@ class WorkerConfig:
     key_secret: str | None = None  # CurveZMQ: this worker's NAME.key_secret file
     server_key: str | None = None  # CurveZMQ: the server's server.key file
     shm: str = "auto"  # same-host path: "auto" (use it when the server offers it) or "off"
+    problem_overrides: tuple[tuple[str, str], ...] = ()  # worker-local problem options (problems.loader)
 
 
 class Worker:
@@ -298,8 +301,14 @@ class Worker:
                 self.compute = None
             spec, options, device, threads = w.problem, dict(w.problem_options), self.cfg.device, self.cfg.threads
 
+            overrides = dict(self.cfg.problem_overrides)
+
             def load():
-                problem = self._load_problem(spec, options, device=device)
+                if overrides:  # refused (a failed load) unless the factory declares them worker-local
+                    from problems.loader import merge_worker_options
+                    problem = self._load_problem(spec, merge_worker_options(spec, options, overrides), device=device)
+                else:
+                    problem = self._load_problem(spec, options, device=device)
                 if threads and "torch" in sys.modules:  # only torch problems pay for importing torch
                     sys.modules["torch"].set_num_threads(threads)
                 return problem

@@ -1,0 +1,231 @@
+"""``latecomer export``: a trained run as a state dict that plain PyTorch (or numpy) loads.
+
+A run directory is either
+
+- a ``serve --state DIR``: ``run.json`` names the problem; the iterate comes from the newest
+  valid checkpoint (``--checkpoint LSN`` or ``--checkpoint PATH`` picks another), or from
+  ``final_x.npy`` when there is no checkpoint;
+- a ``serve --out DIR`` (or ``latecomer run --out``): ``problem.json`` names the problem and
+  ``final_x.npy`` holds the final iterate.
+
+The problem is rebuilt from its spec and options (a user's ``module:callable`` needs the
+module importable: run from its folder). For a :class:`problems.torch_problem.TorchProblem`
+the state dict is keyed by the model's parameter *and* buffer names, with BatchNorm statistics
+re-estimated exactly as ``evaluate`` does, so ``model.load_state_dict(torch.load(FILE))`` works
+on a fresh module and scores what the server's evaluation scored. Any other problem exports its
+layout's blocks by name.
+
+Formats: ``torch`` (``torch.save`` of a dict of tensors), ``safetensors`` (needs the optional
+``safetensors`` package: ``pip install safetensors``), ``npy`` (a numpy ``.npz`` archive of the
+same arrays, ``np.load(FILE)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import numpy as np
+
+FORMATS = ("torch", "safetensors", "npy")
+
+
+@dataclass(frozen=True)
+class RunPoint:
+    """Where an exported iterate comes from: the problem's spec and options, the iterate, its
+    step, and a description of the source file."""
+
+    problem: str
+    problem_options: dict[str, Any]
+    x: np.ndarray
+    version: int | None
+    source: str
+
+
+def _checkpoint_path(run_dir: str, checkpoint: str) -> str:
+    if checkpoint.isdigit():
+        path = os.path.join(run_dir, f"ckpt-{int(checkpoint):012d}.bin")
+        if not os.path.exists(path):
+            have = sorted(f[5:-4].lstrip("0") or "0" for f in os.listdir(run_dir)
+                          if f.startswith("ckpt-") and f.endswith(".bin"))
+            raise ValueError(f"{run_dir} has no checkpoint at LSN {checkpoint} (have: {', '.join(have) or 'none'})")
+        return path
+    if not os.path.isfile(checkpoint):
+        raise ValueError(f"--checkpoint {checkpoint}: neither a log sequence number nor a checkpoint file")
+    return checkpoint
+
+
+def locate(run_dir: str, checkpoint: str | int | None = None) -> RunPoint:
+    """The problem and the iterate a run directory holds (see the module docstring).
+
+    Args:
+        run_dir: a ``--state`` or ``--out`` directory.
+        checkpoint: with a ``--state`` directory, a checkpoint's LSN or path (default: the newest).
+
+    Raises:
+        ValueError: not a run directory, no such checkpoint, a corrupt file.
+    """
+    from ps.persist import latest_checkpoint, read_checkpoint, read_run
+
+    if not os.path.isdir(run_dir):
+        raise ValueError(f"{run_dir} is not a directory")
+    run = read_run(run_dir)
+    final = os.path.join(run_dir, "final_x.npy")
+    if run is not None:
+        if checkpoint is not None:
+            path = _checkpoint_path(run_dir, str(checkpoint))
+            try:
+                ck = read_checkpoint(path)
+            except OSError as e:
+                raise ValueError(f"cannot read {path}: {e.strerror}") from None
+        else:
+            ck = latest_checkpoint(run_dir)
+        if ck is not None:
+            from ps.core import ServerCore
+            from ps.replay import build_from_run
+
+            _, alg, cfg = build_from_run(run)
+            core = ServerCore.restore(alg, ck[1], cfg)
+            name = os.path.basename(path) if checkpoint is not None else f"ckpt-{ck[0]:012d}.bin"
+            return RunPoint(run["problem"], dict(run["problem_options"]), np.array(core.params(), copy=True),
+                            core.version, f"{name} (LSN {ck[0]})")
+        if not os.path.exists(final):
+            raise ValueError(f"{run_dir} holds a run but no checkpoint and no final_x.npy yet")
+        return RunPoint(run["problem"], dict(run["problem_options"]), _load_final(final), _summary_version(run_dir),
+                        "final_x.npy")
+    if checkpoint is not None:
+        raise ValueError(f"--checkpoint needs a --state directory (with run.json); {run_dir} has none")
+    problem_json = os.path.join(run_dir, "problem.json")
+    if not os.path.exists(final):
+        raise ValueError(f"{run_dir} is not a run directory (no run.json, no final_x.npy)")
+    if not os.path.exists(problem_json):
+        raise ValueError(f"{run_dir} has final_x.npy but no problem.json (it predates export): export the "
+                         "--state directory instead")
+    with open(problem_json, encoding="utf-8") as f:
+        desc = json.load(f)
+    return RunPoint(desc["problem"], dict(desc.get("problem_options", {})), _load_final(final),
+                    _summary_version(run_dir), "final_x.npy")
+
+
+def _load_final(path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def _summary_version(run_dir: str) -> int | None:
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            return int(json.load(f)["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_state_dict(run_dir: str, checkpoint: str | int | None = None) -> tuple[dict[str, Any], Any, RunPoint]:
+    """(state dict, problem, where from) of a run directory. A TorchProblem gives torch tensors
+    keyed like its model's ``state_dict()``; any other problem numpy arrays by layout name.
+
+    Raises:
+        ValueError: see :func:`locate`, and a problem that cannot be rebuilt here.
+    """
+    from problems import load_problem
+
+    point = locate(run_dir, checkpoint)
+    problem = load_problem(point.problem, point.problem_options, device="cpu")
+    if point.x.shape != (problem.dim,):
+        raise ValueError(f"the iterate in {run_dir} has shape {point.x.shape}, the problem {point.problem!r} "
+                         f"has {problem.dim} parameters")
+    to_dict = getattr(problem, "state_dict", None)
+    if callable(to_dict) and hasattr(problem, "buffer_names"):
+        return to_dict(point.x), problem, point
+    from problems.torch_problem import flat_state
+
+    return flat_state(problem, point.x), problem, point
+
+
+def state_dict(run_dir: str, *, checkpoint: str | int | None = None) -> dict[str, Any]:
+    """The state dict of a trained run (``--state`` or ``--out`` directory), see :func:`run_state_dict`."""
+    return run_state_dict(run_dir, checkpoint)[0]
+
+
+def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = None, strict: bool = True) -> Any:
+    """Load a trained run into ``model`` (an ``nn.Module``) and return the module.
+
+    Args:
+        model: a fresh module of the run's architecture.
+        run_dir: the run's ``--state`` or ``--out`` directory.
+        checkpoint: a checkpoint's LSN or path (``--state`` directories only).
+        strict: passed to ``nn.Module.load_state_dict``.
+
+    Raises:
+        ValueError: see :func:`run_state_dict`; keys or shapes that do not fit the module.
+    """
+    import torch
+
+    sd = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
+          for k, v in state_dict(run_dir, checkpoint=checkpoint).items()}
+    try:
+        model.load_state_dict(sd, strict=strict)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        raise ValueError(f"the run in {run_dir} does not fit this module: {' '.join(s.strip() for s in first)}") \
+            from None
+    return model
+
+
+def write(sd: dict[str, Any], path: str, fmt: str) -> None:
+    """Write a state dict as ``fmt`` (see the module docstring).
+
+    Raises:
+        ValueError: unknown format, or safetensors without the package.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r} (choose one of {', '.join(FORMATS)})")
+    if fmt == "npy":
+        arrays = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v) for k, v in sd.items()}
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+        return
+    import torch
+
+    tensors = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)) for k, v in sd.items()}
+    if fmt == "torch":
+        torch.save(tensors, path)
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ValueError("--format safetensors needs the safetensors package: pip install safetensors "
+                         "(or pip install 'latecomer[export]')") from None
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+
+
+@click.command("export")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="torch", show_default=True,
+              help="torch: torch.save of a dict of tensors; safetensors; npy: a numpy .npz archive.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write.")
+@click.option("--checkpoint", default=None, metavar="LSN|PATH",
+              help="With a --state directory: this checkpoint instead of the newest.")
+def export(run_dir, fmt, output, checkpoint) -> None:
+    """Export a run's trained model (a --state or --out directory) as a state dict.
+
+    For a TorchProblem the keys are the model's parameter and buffer names (BatchNorm statistics
+    re-estimated as evaluate does), so model.load_state_dict(torch.load(FILE)) works on a fresh
+    module; other problems export their layout's blocks by name.
+    """
+    try:
+        sd, problem, point = run_state_dict(run_dir, checkpoint)
+        write(sd, output, fmt)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror}") from None
+    n_buffers = len(getattr(problem, "buffer_names", ()))
+    step = f" at step {point.version}" if point.version is not None else ""
+    click.echo(f"wrote {output}: {len(sd)} tensors ({problem.dim} trained parameters"
+               f"{f', {n_buffers} buffers' if n_buffers else ''}) of {point.problem}{step} from {point.source}")
