@@ -23,6 +23,7 @@ from protocol.messages import (
     ALLOWED_DTYPES,
     DEFAULT_MAX_ARRAY_BYTES,
     MAX_ARRAYS,
+    MAX_ERROR_TEXT,
     MAX_HEADER_BYTES,
     MAX_ID_LEN,
     MAX_LIST_LEN,
@@ -229,6 +230,21 @@ _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }
+
+
+# --------------------------------------------------------------------------- text
+
+def error_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """``text`` as a protocol string: non-printable characters (the newlines of a traceback, odd
+    bytes) become spaces, and a text longer than ``limit`` characters is cut to ``limit`` with a
+    final "…". The result always encodes (``limit`` is capped at MAX_STR_LEN).
+
+    >>> error_text("line 1\nline 2", 10)
+    'line 1 li…'
+    """
+    limit = max(1, min(limit, MAX_STR_LEN))
+    text = "".join(c if c.isprintable() else " " for c in str(text))
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 # --------------------------------------------------------------------------- encode

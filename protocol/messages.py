@@ -68,6 +68,12 @@ class ErrorCode(IntEnum):
     NON_FINITE = 6  # NaN or Inf in a gradient
     REFUSED = 7  # refused (e.g. quarantined, shutting down)
     MISSING_ITERATE = 8  # worker lacks an iterate the job references (worker -> server)
+    COMPUTE_FAILED = 9  # the worker could not compute the job: its problem raised (worker -> server)
+    PROBLEM_UNAVAILABLE = 10  # the worker cannot load the welcome's problem; it is leaving (worker -> server)
+
+
+# Error texts a peer composes from exceptions are made printable and cut to this many characters.
+MAX_ERROR_TEXT = 1000
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ workers, and once kills the server with -9 and starts it again on the same state
 At the end it drains the server and prints a verdict:
 
 1. every issued job is accounted for:
-   issued = applied + dropped + lost + cancelled + rejected + outstanding
+   issued = applied + dropped + lost + failed + cancelled + rejected + outstanding
    (late replies answer jobs already settled as lost or cancelled: counted apart);
 2. no applied update was lost across the server restart (the restarted server resumed at the
    step its journal held, and no step was applied twice);
@@ -58,7 +58,8 @@ class ChaosReport:
             f"chaos run of {self.duration_s:.0f} s: {self.worker_kills} worker kills (-9), {self.freezes} freezes, "
             f"{self.thaws} thaws, {self.worker_restarts} worker restarts, {self.server_kills} server kill(s)",
             f"  jobs: issued {c.get('issued')}, applied {c.get('applied')}, dropped {c.get('dropped')}, "
-            f"lost {c.get('lost')}, cancelled {c.get('cancelled')}, rejected {c.get('rejected')}, "
+            f"lost {c.get('lost')}, failed {c.get('failed', 0)}, cancelled {c.get('cancelled')}, "
+            f"rejected {c.get('rejected')}, "
             f"outstanding {self.outstanding}; late replies {c.get('late')}",
             f"  final step {self.version}; server resumed at step {self.resumed_at} "
             f"(journal held {self.logged_at_crash} at the crash)",
@@ -263,7 +264,8 @@ class Chaos:
         rep.version = summary["version"]
         ev = _events(self.events_path)
         rep.checks["every issued job accounted for"] = (
-            c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] + rep.outstanding)
+            c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"]
+            + rep.outstanding)
         versions = [e["version"] for e in ev if e["ev"] == "applied"]
         if rep.server_kills:
             after = [e for e in ev if e["ev"] == "applied" and e["t"] > self.t_server_kill]

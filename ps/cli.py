@@ -44,10 +44,16 @@ class TrainingSpec:
     problem_options: dict[str, Any] = field(default_factory=dict)
     algorithm: str = "ordered-momentum"
     settings: dict[str, Any] = field(default_factory=dict)
+    max_steps: int | None = None  # the run's step limit: the default decay_steps of an lr schedule
 
     def build(self, device: str = "cpu"):
-        """Load the problem and build (and bind) the algorithm; user errors become ClickExceptions."""
+        """Load the problem and build (and bind) the algorithm; user errors become ClickExceptions.
+
+        ``settings`` is completed with what the run's context provides (``decay_steps`` from
+        ``max_steps``), so that recording it lets resume and replay rebuild the same algorithm.
+        """
         import algorithms
+        from algorithms.registry import complete_settings
         from problems import load_problem
 
         try:
@@ -55,6 +61,8 @@ class TrainingSpec:
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--problem/--problem-opt") from None
         try:
+            self.settings = complete_settings(algorithms.ALGORITHMS, self.algorithm, self.settings,
+                                              max_steps=self.max_steps)
             alg = algorithms.build(self.algorithm, self.settings)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
@@ -153,14 +161,24 @@ def main() -> None:
 
 
 @main.command("algorithms")
-def list_algorithms() -> None:
-    """List the registered algorithms and their hyper-parameters."""
+@click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")
+def list_algorithms(names) -> None:
+    """List the algorithms (or just NAMES), what each hyper-parameter means, and the wrapper keys."""
     import algorithms
+    from algorithms.registry import describe, resolve, summary
+    from algorithms.wrappers import WrapperSettings
 
-    for name, cls in sorted(algorithms.ALGORITHMS.items()):
-        hp = algorithms.hyper_parameters(cls)
-        args = ", ".join(f"{k}={d!r}" for k, (_, d) in hp.items() if k != "layout")
-        click.echo(f"{name:24s} {args}")
+    try:
+        classes = [(n, resolve(algorithms.ALGORITHMS, n)) for n in names] or sorted(algorithms.ALGORITHMS.items())
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="NAME") from None
+    for name, cls in (*classes, ("wrappers", WrapperSettings)):
+        hp, text = algorithms.hyper_parameters(cls), describe(cls)
+        head = "wrappers: --set keys that compose with any algorithm (see algorithms/wrappers.py)" \
+            if cls is WrapperSettings else f"{name}: {summary(cls)}"
+        click.echo(head)
+        for k, (_, default) in hp.items():
+            click.echo(f"  {k + '=' + repr(default):28s} {text[k] or '(undocumented)'}")
 
 
 # --------------------------------------------------------------------------- serve
@@ -227,6 +245,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                                "read the traffic: give --keys DIR (see `latecomer keys`) or --insecure")
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="digits",
                          default_algorithm="ordered-momentum")
+    spec.max_steps = max_steps
     if heartbeat_interval >= liveness_timeout:
         raise click.BadParameter("must be smaller than --liveness-timeout", param_hint="--heartbeat-interval")
     daemon = _make_daemon(spec, bind, batch_size=batch_size, max_steps=max_steps, max_time=max_time,
@@ -486,6 +505,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         raise click.BadParameter("delays must be finite numbers >= 0", param_hint="--delays")
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="digits",
                          default_algorithm="ordered-momentum", default_settings={"lr": 0.3, "beta": 0.3})
+    spec.max_steps = steps
     os.makedirs(out, exist_ok=True)
     events_path = os.path.join(out, "events.jsonl")
     if os.path.exists(events_path):
@@ -588,6 +608,7 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
 
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="quadratic",
                          default_algorithm="ordered-momentum")
+    spec.max_steps = max_steps
     problem_obj, alg = spec.build()
     crash_list = []
     for c in crashes:

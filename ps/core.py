@@ -8,10 +8,11 @@ production and in the deterministic simulator, and a run can be replayed exactly
 
 Accounting invariant, checked by the tests at every step::
 
-    issued == applied + dropped + lost + cancelled + rejected + outstanding
+    issued == applied + dropped + lost + failed + cancelled + rejected + outstanding
 
 where ``outstanding`` counts jobs issued and not yet settled (including results received
-and buffered for the next round of a round-based algorithm).
+and buffered for the next round of a round-based algorithm), ``failed`` the jobs a worker
+could not compute (``err COMPUTE_FAILED``) and ``lost`` those written off without an answer.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ class WorkerInfo:
     key: str = ""
     ready: bool = False  # set by the worker's first Ready (its problem is loaded); no job before
     reconnecting: bool = False  # restored after a server restart: its next hello settles its jobs
+    failed: int = 0  # its jobs that failed (err COMPUTE_FAILED)
+    failed_in_a_row: int = 0  # failed jobs since its last accepted reply
+    last_error: str = ""  # the text of its latest COMPUTE_FAILED or PROBLEM_UNAVAILABLE
+    benched: bool = False  # max_failed_jobs failures in a row: no more jobs until a hello or a success
 
 
 @dataclass(slots=True)
@@ -108,6 +113,7 @@ class Counters:
     applied: int = 0
     dropped: int = 0
     lost: int = 0
+    failed: int = 0  # the worker could not compute the job (err COMPUTE_FAILED)
     cancelled: int = 0
     rejected: int = 0  # a reply to an outstanding job that failed validation (job written off)
     late: int = 0  # reply to a job already settled (cancelled, lost, rejected, duplicate)
@@ -121,6 +127,7 @@ class Counters:
     stray: int = 0  # heartbeats/ready from workers not (or no longer) known
     worker_errors: int = 0  # err messages from workers (a failed job, a cache miss, ...)
     missing_iterates: int = 0
+    benched: int = 0  # times a worker was benched (max_failed_jobs failures in a row)
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -138,6 +145,8 @@ class CoreConfig:
         liveness_timeout_s: a worker silent for longer is declared dead.
         min_workers: issue no job until this many workers are ready (then never wait again).
         max_bad_replies: quarantine a worker after this many invalid replies in a row (0: never).
+        max_failed_jobs: bench a worker (no more jobs) after this many failed jobs in a row
+            with no accepted reply between (0: never).
         quarantine_s: how long a quarantined worker id is refused.
         max_workers: refuse new workers beyond this many (bounds the worker table).
         round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
@@ -153,6 +162,7 @@ class CoreConfig:
     liveness_timeout_s: float = LIVENESS_TIMEOUT_S
     min_workers: int = 1
     max_bad_replies: int = 5
+    max_failed_jobs: int = 5
     quarantine_s: float = 300.0
     max_workers: int = 4096
     round_period_s: float | None = None
@@ -202,6 +212,9 @@ class ServerCore:
         # Round mode: after make_job said "nothing now", no round runs until something new happens
         # (a result arrives, a worker joins or is written off), so heartbeats never advance the model.
         self.round_blocked = False
+        # The problem's layout as error texts name it ("w (5, 6), b (1,)"); set by the driver, which
+        # holds the problem (worker.compute.describe_layout). Not state: only words in messages.
+        self.layout_text = ""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -218,7 +231,7 @@ class ServerCore:
     def accounted(self) -> bool:
         """The accounting invariant (see module docstring)."""
         c = self.counters
-        return c.issued == c.applied + c.dropped + c.lost + c.cancelled + c.rejected + len(self.ledger)
+        return c.issued == c.applied + c.dropped + c.lost + c.failed + c.cancelled + c.rejected + len(self.ledger)
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
@@ -286,6 +299,7 @@ class ServerCore:
         self.last_metrics = dict(snap["last_metrics"])
         self.quarantine = dict(snap.get("quarantine", {}))
         self.events = []
+        self.layout_text = ""
         return self
 
     def rebase_clock(self, now: float) -> None:
@@ -342,15 +356,9 @@ class ServerCore:
             return self.remove_worker(worker_id, now, reason="bye")
         if isinstance(msg, Error):
             self.counters.worker_errors += 1
-        if isinstance(msg, Error) and msg.code == ErrorCode.MISSING_ITERATE:
-            return self.on_missing(w, msg)
-        if isinstance(msg, Error):
-            self.events.append({"ev": "worker_error", "worker_id": worker_id, "code": int(msg.code),
-                                "message": msg.message, "job_id": msg.job_id})
-            entry = self.ledger.get(msg.job_id) if msg.job_id is not None else None
-            if entry is not None and entry.worker_id == worker_id and not entry.received:
-                self._write_off(w, [entry.job_id], "worker_error", now)  # frees its credit
-            return self._dispatch(now)
+            if msg.code == ErrorCode.MISSING_ITERATE:
+                return self.on_missing(w, msg)
+            return self.on_error(w, msg, now)
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
 
@@ -382,6 +390,8 @@ class ServerCore:
             self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device, "key": key, "t": now})
         else:  # same incarnation saying hello again (after a reconnect or a server restart)
             old.credit, old.last_seen, old.holds = hello.credit, now, holds
+            if old.benched:  # a hello brings a benched worker back (a new incarnation is a new join anyway)
+                self._unbench(old, "hello", now)
             busy = set(hello.busy)
             if same_run:
                 # Jobs it has seen but neither holds nor answered are gone. After a server restart
@@ -430,6 +440,9 @@ class ServerCore:
                 out += self._quarantine(w, now)
             return out + self._dispatch(now)
         w.bad_in_a_row = 0
+        w.failed_in_a_row = 0
+        if w.benched:  # not every job of it fails after all
+            self._unbench(w, "success", now)
         w.jobs_done += 1
         w.compute_s += reply.compute_s
         if reply.holds:
@@ -477,6 +490,59 @@ class ServerCore:
             return "other"
         return "ok" if self._check_grads(entry, reply) is None else "bad"
 
+    def on_error(self, w: WorkerInfo, err: Error, now: float) -> list[Command]:
+        """An ``err`` from a joined worker (other than MISSING_ITERATE). COMPUTE_FAILED for a job
+        outstanding at it: the job is settled as failed (:meth:`_fail`). PROBLEM_UNAVAILABLE: the
+        worker cannot load the problem (it is leaving; an event carries its reason). Any other
+        code naming a job outstanding at it: the job is written off as lost. Either way its
+        credit slot frees up and the algorithm is told; an err naming no such job settles nothing."""
+        entry = self.ledger.get(err.job_id) if err.job_id is not None else None
+        mine = entry is not None and entry.worker_id == w.worker_id and not entry.received
+        if err.code == ErrorCode.COMPUTE_FAILED and mine:
+            return self._fail(w, entry, err.message, now) + self._dispatch(now)
+        if err.code == ErrorCode.PROBLEM_UNAVAILABLE:
+            w.last_error = f"cannot load problem {self.cfg.problem}: {err.message}"
+            self.events.append({"ev": "problem_unavailable", "worker_id": w.worker_id, "problem": self.cfg.problem,
+                                "message": err.message, "t": now})
+        else:
+            self.events.append({"ev": "worker_error", "worker_id": w.worker_id, "code": int(err.code),
+                                "message": err.message, "job_id": err.job_id})
+        if mine:
+            self._write_off(w, [entry.job_id], "worker_error", now)  # frees its credit
+        return self._dispatch(now)
+
+    def _fail(self, w: WorkerInfo, entry: LedgerEntry, message: str, now: float) -> list[Command]:
+        """``w`` could not compute this job: settled as failed, the algorithm told (on_lost, as for
+        any write-off). After ``max_failed_jobs`` failures in a row the worker is benched: it keeps
+        its place in the table but gets no job until it says hello again or answers a job it
+        still holds (it is told with ``err REFUSED``)."""
+        self._settle(entry, "failed")
+        self.counters.failed += 1
+        w.failed += 1
+        w.failed_in_a_row += 1
+        w.last_error = message
+        self.state = self.alg.on_lost(self.state, [entry.job_id])
+        self.round_blocked = False
+        self._sweep_store()
+        self.events.append({"ev": "failed", "job_id": entry.job_id, "worker_id": w.worker_id,
+                            "created_at": entry.created_at, "seed": entry.seed, "message": message,
+                            "worker_failed": w.failed, "in_a_row": w.failed_in_a_row, "t": now})
+        k = self.cfg.max_failed_jobs
+        if not k or w.benched or w.failed_in_a_row < k:
+            return []
+        w.benched = True
+        self.counters.benched += 1
+        self.events.append({"ev": "benched", "worker_id": w.worker_id, "in_a_row": w.failed_in_a_row,
+                            "message": message, "t": now})
+        return [Send(w.worker_id, Error(ErrorCode.REFUSED, f"benched: {w.failed_in_a_row} jobs in a row failed; "
+                                        "no more jobs until this worker says hello again (restart it)"))]
+
+    def _unbench(self, w: WorkerInfo, why: str, now: float) -> None:
+        w.benched = False
+        w.failed_in_a_row = 0
+        self.round_blocked = False
+        self.events.append({"ev": "unbenched", "worker_id": w.worker_id, "reason": why, "t": now})
+
     def on_missing(self, w: WorkerInfo, err: Error) -> list[Command]:
         """The worker lacks iterates a job references: send the job again with those points."""
         entry = self.ledger.get(err.job_id) if err.job_id is not None else None
@@ -522,9 +588,10 @@ class ServerCore:
         want = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
         if len(reply.grads) != want:
             return ErrorCode.BAD_SHAPE, f"expected {want} gradient(s), got {len(reply.grads)}"
-        for g in reply.grads:
+        for i, g in enumerate(reply.grads):
             if g.shape != (self.dim,):
-                return ErrorCode.BAD_SHAPE, f"gradient shape {g.shape} != ({self.dim},)"
+                layout = f" ({self.layout_text})" if self.layout_text else ""
+                return ErrorCode.BAD_SHAPE, f"gradient {i}: expected shape ({self.dim},){layout}, got {g.shape}"
             if g.dtype.kind != "f":
                 return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
             # One BLAS pass: g·g is finite unless g holds NaN/Inf (or overflows; then look exactly).
@@ -622,14 +689,14 @@ class ServerCore:
         return out
 
     def _free_workers(self) -> Iterable[WorkerInfo]:
-        return [w for w in self.workers.values() if w.ready and len(w.outstanding) < w.credit]
+        return [w for w in self.workers.values() if w.ready and not w.benched and len(w.outstanding) < w.credit]
 
     def _dispatch(self, now: float) -> list[Command]:
         """Give jobs to every worker with free credit, in join order."""
         if not self.issuing:
             return []
         if not self.started:
-            if sum(w.ready for w in self.workers.values()) < self.cfg.min_workers:
+            if sum(w.ready and not w.benched for w in self.workers.values()) < self.cfg.min_workers:
                 return []
             self.started = True
         out: list[Command] = []

@@ -25,8 +25,8 @@ import zmq
 from algorithms._pool import POOL
 from problems.base import Problem
 from protocol.chunks import Reassembler, split
-from protocol.codec import decode, encode
-from protocol.errors import RemoteProtocolError, UnsupportedVersion
+from protocol.codec import decode, encode, error_text
+from protocol.errors import LocalProtocolError, RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
     CHUNK_THRESHOLD,
     MAX_HEADER_BYTES,
@@ -48,13 +48,26 @@ from protocol.messages import (
 from protocol.wire import to_wire
 from ps.core import Disconnect, Send, ServerCore
 from ps.persist import Persistence, reply_from_wire
+from worker.compute import describe_layout
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
-WORKER_COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age")
+WORKER_COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age",
+                  "state", "failed", "last_error")
+STATUS_ERROR_CHARS = 200  # a worker's last error as status rows carry it
 LIFECYCLE = {"joined", "ready", "left", "lost", "quarantined", "late", "rejected"}
+# Worker failures: one warning line each (the event's fields ride along as with LIFECYCLE). A
+# failed job is logged for the first failure of each worker only; the rest are in the event
+# log, `latecomer status` and the counters.
+FAILURE_LINES = {
+    "problem_unavailable": "worker {worker_id} cannot load problem {problem}: {message}",
+    "failed": "worker {worker_id}: job {job_id} failed: {message}",
+    "benched": "worker {worker_id} benched: {in_a_row} jobs in a row failed (last: {message}); it gets no jobs "
+               "until it says hello again",
+    "unbenched": "worker {worker_id} gets jobs again ({reason})",
+}
 DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
 ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval
 
@@ -115,6 +128,9 @@ class Daemon:
         # Largest legal frame: one float64 gradient (libzmq applies MAXMSGSIZE per frame); the
         # header frame is far smaller. A peer sending more is disconnected by libzmq.
         self.max_array_bytes = core.dim * 8
+        layout = tuple(getattr(problem, "layout", ()) or ())
+        if not core.layout_text and layout:
+            core.layout_text = describe_layout(layout)  # BAD_SHAPE texts name the blocks
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_array_bytes, MAX_HEADER_BYTES) + 4096)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -351,8 +367,7 @@ class Daemon:
             return
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled
-            columns, rows = self.worker_rows()
-            self._send_raw(rid, Status(token=msg.token, info=self.status_info(), columns=columns, rows=rows))
+            self._send_frames(rid, self.status_frames(msg.token))
             return
         key = ""
         if self.security is not None:
@@ -570,6 +585,8 @@ class Daemon:
                 self.age_counts[ev["age"]] = self.age_counts.get(ev["age"], 0) + 1
             elif kind in LIFECYCLE:  # one log line per lifecycle event (JSON with --log-format json)
                 self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
+            elif kind in FAILURE_LINES and (kind != "failed" or ev.get("worker_failed") == 1):
+                self.lifecycle.warning(FAILURE_LINES[kind].format_map(ev), extra={"event": ev})
         if events:
             now = self.clock()
             if not self.versions or now - self.versions[-1][0] >= 0.1:
@@ -586,6 +603,7 @@ class Daemon:
         info: dict[str, Any] = {f"counter.{k}": v for k, v in core.counters.as_dict().items()
                                 if k not in ("updates", "missing_iterates")}
         info.update({"version": core.version, "workers": len(core.workers), "outstanding": core.outstanding,
+                     "workers_benched": sum(w.benched for w in core.workers.values()),
                      "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
                      "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": self.wire_dtype,
                      "shm_workers": len(self.shm_workers & core.workers.keys())})
@@ -618,6 +636,7 @@ class Daemon:
         figures.update({f"alg_{k}": float(v) for k, v in core.last_metrics.items()})
         self.metrics.publish({"counters": core.counters.as_dict(), "version": core.version,
                               "workers": len(core.workers), "outstanding": core.outstanding,
+                              "benched": sum(w.benched for w in core.workers.values()),
                               "step_rate": self.step_rate(self.clock()), "age_counts": dict(self.age_counts),
                               "figures": figures})
 
@@ -628,16 +647,31 @@ class Daemon:
             return 0.0
         return (old[-1][1] - old[0][1]) / (old[-1][0] - old[0][0])
 
-    def worker_rows(self) -> tuple[tuple[str, ...], tuple[tuple, ...]]:
-        """One row per worker for status: id, device, jobs done, mean job time, last seen, jobs held
-        and the oldest held job's age."""
+    def worker_rows(self, error_chars: int = STATUS_ERROR_CHARS) -> tuple[tuple[str, ...], tuple[tuple, ...]]:
+        """One row per worker for status: id, device, jobs done, mean job time, last seen, jobs held,
+        the oldest held job's age, its state (``loading``: no ready yet; ``ok``; ``failing``: its
+        latest job failed; ``benched``), its failed jobs and its last error (cut to ``error_chars``)."""
         now, v = self.clock(), self.core.version
         rows = []
         for w in list(self.core.workers.values())[:256]:
             ages = [v - self.core.ledger[j].created_at for j in w.outstanding if j in self.core.ledger]
+            state = "benched" if w.benched else "loading" if not w.ready else "failing" if w.failed_in_a_row else "ok"
             rows.append((w.worker_id, w.device, w.jobs_done, w.compute_s / w.jobs_done if w.jobs_done else 0.0,
-                         now - w.last_seen, len(w.outstanding), max(ages) if ages else 0))
+                         now - w.last_seen, len(w.outstanding), max(ages) if ages else 0, state, w.failed,
+                         error_text(w.last_error, error_chars) if w.last_error and error_chars else ""))
         return WORKER_COLUMNS, tuple(rows)
+
+    def status_frames(self, token: int) -> list:
+        """The encoded answer to a status request. Should 256 rows with long ids and errors not fit
+        the protocol's header cap, the error texts are cut shorter, then left out."""
+        info = self.status_info()
+        for chars in (STATUS_ERROR_CHARS, 40, 0):
+            columns, rows = self.worker_rows(chars)
+            try:
+                return encode(Status(token=token, info=info, columns=columns, rows=rows))
+            except LocalProtocolError:
+                continue
+        return encode(Status(token=token, info=info, columns=columns, rows=rows[:64]))
 
     def summary(self) -> dict[str, Any]:
         """Counters, evaluations and age statistics of the run (JSON-able)."""

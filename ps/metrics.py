@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 AGE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
-OUTCOMES = ("applied", "dropped", "lost", "cancelled", "rejected")
+OUTCOMES = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 MESSAGES = ("late", "unknown", "invalid", "stray", "refused", "worker_errors")
 
 
@@ -45,8 +45,11 @@ class SnapshotCollector:
         yield CounterMetricFamily("latecomer_workers_joined", "Worker joins", value=c["workers_joined"])
         yield CounterMetricFamily("latecomer_workers_lost", "Workers declared dead", value=c["workers_lost"])
         yield CounterMetricFamily("latecomer_quarantined", "Workers quarantined", value=c["quarantined"])
+        yield CounterMetricFamily("latecomer_benched", "Workers benched (their jobs kept failing)", value=c["benched"])
         yield GaugeMetricFamily("latecomer_version", "Server step (model updates applied)", value=s["version"])
         yield GaugeMetricFamily("latecomer_workers_alive", "Workers in the table", value=s["workers"])
+        yield GaugeMetricFamily("latecomer_workers_benched", "Workers benched now (given no jobs)",
+                                value=s.get("benched", 0))
         yield GaugeMetricFamily("latecomer_jobs_outstanding", "Jobs issued and not settled", value=s["outstanding"])
         yield GaugeMetricFamily("latecomer_step_rate", "Updates per second (last 10 s)", value=s["step_rate"])
         for name, value in sorted(s.get("figures", {}).items()):

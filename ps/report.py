@@ -98,7 +98,7 @@ def write_trace_csv(trace: Any, path: str) -> None:
 
 # --------------------------------------------------------------------------- `latecomer report DIR`
 
-_SETTLED = ("applied", "dropped", "lost", "cancelled", "rejected")
+_SETTLED = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 
 
 def _read_summary(state_dir: str) -> dict[str, Any] | None:
@@ -136,12 +136,14 @@ def _merge(intervals: list[tuple[float, float]], gap: float = 0.0) -> list[tuple
 
 
 def worker_table(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per worker: device, jobs by outcome, mean job time, age statistics, busy fraction."""
+    """Per worker: device, jobs by outcome, mean job time, age statistics, busy fraction, times
+    benched and the last error (of a failed job, or why it could not load the problem)."""
     rows: dict[str, dict[str, Any]] = {}
 
     def row(wid: str) -> dict[str, Any]:
         return rows.setdefault(wid, {"device": "", "joins": 0, "issued": 0, **{k: 0 for k in _SETTLED},
-                                     "ages": [], "job_times": [], "busy_s": 0.0, "span_s": 0.0})
+                                     "ages": [], "job_times": [], "busy_s": 0.0, "span_s": 0.0,
+                                     "benched": 0, "last_error": ""})
 
     ts = [float(e["t"]) for e in events if "t" in e]
     t_end = max(ts) if ts else 0.0
@@ -163,6 +165,12 @@ def worker_table(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             r[ev] += 1
             if ev == "applied":
                 r["ages"].append(e["age"])
+            elif ev == "failed":
+                r["last_error"] = e.get("message", "")
+        elif ev == "benched":
+            r["benched"] += 1
+        elif ev == "problem_unavailable":
+            r["last_error"] = f"cannot load problem {e.get('problem', '?')}: {e.get('message', '')}"
     for wid, jobs in job_intervals(events).items():
         r = row(wid)
         r["job_times"] = [b - a for a, b, how in jobs if how in ("applied", "dropped")]
@@ -298,7 +306,7 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
         c = summary.get("counters", {})
         lines += [f"- stopped: {summary.get('stopped') or 'running or killed'} at step {summary.get('version')}, "
                   f"after {_fmt(float(summary.get('elapsed_s', float('nan'))), '.1f')} s",
-                  f"- accounted (issued = applied + dropped + lost + cancelled + rejected + outstanding): "
+                  f"- accounted (issued = applied + dropped + lost + failed + cancelled + rejected + outstanding): "
                   f"{summary.get('accounted')}", ""]
         evals = summary.get("evaluations") or []
         if evals:
@@ -317,9 +325,9 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
               f"{_fmt(ages['p50'], '.0f')}, p90 {_fmt(ages['p90'], '.0f')}, max {_fmt(ages['max'], '.0f')}", ""]
     table = worker_table(events)
     lines += ["## Workers", "",
-              "| worker | device | joins | issued | applied | dropped | lost | cancelled | rejected | "
+              "| worker | device | joins | issued | applied | dropped | lost | failed | cancelled | rejected | "
               "mean job time (ms) | age mean | age median | age p90 | age max | busy |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for wid in sorted(table, key=lambda w: (len(w), w)):
         r = table[wid]
         a = np.array(r["ages"], dtype=float)
@@ -328,11 +336,20 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
         jt = float(np.mean(r["job_times"]) * 1000) if r["job_times"] else float("nan")
         busy = f"{100 * r['busy_s'] / r['span_s']:.0f}%" if r["span_s"] > 0 else "-"
         lines.append(f"| {wid} | {r['device'] or '-'} | {r['joins']} | {r['issued']} | {r['applied']} | "
-                     f"{r['dropped']} | {r['lost']} | {r['cancelled']} | {r['rejected']} | {_fmt(jt, '.1f')} | "
+                     f"{r['dropped']} | {r['lost']} | {r['failed']} | {r['cancelled']} | {r['rejected']} | "
+                     f"{_fmt(jt, '.1f')} | "
                      f"{_fmt(st[0], '.2f')} | {_fmt(st[1], '.0f')} | {_fmt(st[2], '.0f')} | {_fmt(st[3], '.0f')} | "
                      f"{busy} |")
     lines += ["", "Job time: from `issued` to the reply being applied or dropped, as the server saw it. Busy: the "
               "share of time since the worker first appeared during which it held at least one job.", ""]
+    failing = [wid for wid in sorted(table, key=lambda w: (len(w), w)) if table[wid]["last_error"]]
+    if failing:
+        lines += ["## Worker errors", "", "| worker | failed jobs | benched | last error |", "|---|---|---|---|"]
+        for wid in failing:
+            r = table[wid]
+            text = r["last_error"].replace("|", "\\|")
+            lines.append(f"| {wid} | {r['failed']} | {r['benched']} | {text} |")
+        lines += [""]
     if figures:
         lines += ["## Figures", ""] + [f"![{name}]({name})" for name in figures] + [""]
     return "\n".join(lines)

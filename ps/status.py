@@ -50,13 +50,15 @@ def _fmt(v) -> str:
 
 
 def render_status(st: Status) -> str:
+    """The figures as a person reads them: a few summary lines, one table row per worker, and
+    one line per worker with an error (its state, failed jobs and last error text)."""
     i = st.info
     c = {k[len("counter."):]: v for k, v in i.items() if k.startswith("counter.")}
     lines = [f"latecomer server: {i.get('algorithm')} on {i.get('problem')}, step {i.get('version')}, "
              f"{i.get('step_rate', 0):.1f} steps/s, up {i.get('uptime_s', 0):.0f} s",
              f"jobs: issued {c.get('issued')}, applied {c.get('applied')}, dropped {c.get('dropped')}, "
-             f"lost {c.get('lost')}, cancelled {c.get('cancelled')}, rejected {c.get('rejected')}, "
-             f"late {c.get('late')}, outstanding {i.get('outstanding')}"
+             f"lost {c.get('lost')}, failed {c.get('failed', 0)}, cancelled {c.get('cancelled')}, "
+             f"rejected {c.get('rejected')}, late {c.get('late')}, outstanding {i.get('outstanding')}"
              + (f" (oldest age {i['outstanding.max_age']})" if "outstanding.max_age" in i else "")]
     if "age.p50" in i:
         lines.append(f"ages of applied replies: mean {i['age.mean']:.2f}, median {i['age.p50']:.0f}, "
@@ -68,11 +70,20 @@ def render_status(st: Status) -> str:
     if alg:
         lines.append("algorithm: " + ", ".join(f"{k} {_fmt(v)}" for k, v in alg.items()))
     if st.rows:
-        widths = [max(len(col), *(len(_fmt(r[j])) for r in st.rows)) for j, col in enumerate(st.columns)]
+        shown = [j for j, col in enumerate(st.columns) if col != "last_error"]  # errors get lines of their own
+        widths = {j: max(len(st.columns[j]), *(len(_fmt(r[j])) for r in st.rows)) for j in shown}
         lines.append("")
-        lines.append("  ".join(col.ljust(w) for col, w in zip(st.columns, widths, strict=True)))
+        lines.append("  ".join(st.columns[j].ljust(widths[j]) for j in shown).rstrip())
         for r in st.rows:
-            lines.append("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+            lines.append("  ".join(_fmt(r[j]).ljust(widths[j]) for j in shown).rstrip())
+        col = {name: j for j, name in enumerate(st.columns)}
+        errors = [r for r in st.rows if "last_error" in col and r[col["last_error"]]]
+        if errors:
+            lines.append("")
+            lines.append("worker errors:")
+            for r in errors:
+                lines.append(f"  {r[col['worker']]} ({r[col['state']]}, {r[col['failed']]} failed jobs): "
+                             f"{r[col['last_error']]}")
     else:
         lines.append("no workers")
     return "\n".join(lines)

@@ -6,12 +6,40 @@ no I/O and reads no clock, so the simulator computes exactly the bits a real wor
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from problems.base import Problem
 from protocol.messages import Job, JobKind, Reply
+
+MAX_LAYOUT_BLOCKS = 8  # blocks named in full by describe_layout; the rest are counted
+
+
+class BadGradient(ValueError):
+    """A problem returned a gradient that does not fit its layout (the job fails with this text)."""
+
+
+def describe_layout(layout: Sequence[tuple[str, Any]], max_blocks: int = MAX_LAYOUT_BLOCKS) -> str:
+    """The blocks of a layout with their shapes, for error messages: ``"w (5, 6), b (1,)"``;
+    beyond ``max_blocks`` blocks, the first ones and ``"… N more"``.
+
+    >>> describe_layout([("w", (5, 6)), ("b", (1,))])
+    'w (5, 6), b (1,)'
+    """
+    blocks = [f"{name} {tuple(int(s) for s in shape)}" for name, shape in list(layout)[:max_blocks]]
+    more = len(layout) - max_blocks
+    return ", ".join(blocks + ([f"\u2026 {more} more"] if more > 0 else []))
+
+
+def check_gradient(g: np.ndarray, dim: int, layout: Sequence[tuple[str, Any]], method: str) -> None:
+    """Raise :class:`BadGradient` naming the layout unless ``g`` is a flat vector of ``dim`` values."""
+    if g.shape == (dim,):
+        return
+    want = f"expected {dim} values ({describe_layout(layout)})" if len(layout) else f"expected {dim} values"
+    if g.size == dim:
+        raise BadGradient(f"{method}: {want} as a flat vector, got shape {g.shape}")
+    raise BadGradient(f"{method}: {want}, got {g.size}")
 
 
 def run_job(job: Job, points: Sequence[np.ndarray], problem: Problem) -> Reply:
@@ -25,23 +53,32 @@ def run_job(job: Job, points: Sequence[np.ndarray], problem: Problem) -> Reply:
     Returns:
         A Reply with one float32 gradient per point (FULL_GRAD: the shard's gradient sum and
         its count), the sample loss, and ``compute_s = 0`` (the caller times real work).
+
+    Raises:
+        BadGradient: a gradient is not a flat vector of the iterate's size; the text names
+            the problem's layout, e.g. ``grad: expected 31 values (w (5, 6), b (1,)), got 5``.
+        Exception: whatever the problem's ``grad`` raised.
     """
     if len(points) != len(job.iterate_ids):
         raise ValueError(f"job {job.job_id}: {len(points)} points for {len(job.iterate_ids)} iterate ids")
     if job.kind == JobKind.GRAD:
         r = problem.grad(points[0], job.seed, job.batch_size)
-        grads, loss, count = (r.grad,), r.loss, job.batch_size
+        grads, loss, count, method = (r.grad,), r.loss, job.batch_size, "grad"
     elif job.kind == JobKind.GRAD_PAIR:
         a, b = problem.grad_pair(points[0], points[1], job.seed, job.batch_size)
-        grads, loss, count = (a.grad, b.grad), a.loss, job.batch_size
+        grads, loss, count, method = (a.grad, b.grad), a.loss, job.batch_size, "grad_pair"
     elif job.kind == JobKind.FULL_GRAD:
         if job.shard is None:
             raise ValueError(f"job {job.job_id}: FULL_GRAD without a shard")
         lo, hi = job.shard
         g, count, loss_sum = problem.full_grad(points[0], lo, hi)
-        grads, loss = (g,), (loss_sum / count if count else 0.0)
+        grads, loss, method = (g,), (loss_sum / count if count else 0.0), "full_grad"
     else:  # pragma: no cover - JobKind is closed
         raise ValueError(f"unknown job kind {job.kind}")
     grads = tuple(np.ascontiguousarray(g, dtype=np.float32) for g in grads)
+    dim = points[0].shape[0] if points[0].ndim == 1 else points[0].size
+    for g in grads:
+        if g.shape != (dim,):
+            check_gradient(g, dim, getattr(problem, "layout", ()), method)
     return Reply(job_id=job.job_id, created_at=job.created_at, grads=grads,
                  loss=None if loss is None else float(loss), count=int(count))

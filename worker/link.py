@@ -25,7 +25,7 @@ import zmq
 
 from algorithms._pool import POOL
 from protocol.chunks import Reassembler, split
-from protocol.codec import decode, encode
+from protocol.codec import decode, encode, error_text
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (
     CHUNK_THRESHOLD,
@@ -50,6 +50,7 @@ from worker.runner import ComputeThread, DelaySpec, IterateCache
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.worker")
+EXIT_PROBLEM_UNAVAILABLE = 3  # exit status of `latecomer work` when the server's problem cannot be loaded here
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Worker:
         self.welcomed = False
         self.replies_sent = 0
         self.stopping: str | None = None
+        self.failure: str | None = None  # why the worker stops on its own failure (its problem cannot be loaded)
         self.sock: zmq.Socket | None = None
 
     # ------------------------------------------------------------------ socket
@@ -290,6 +292,8 @@ class Worker:
                 self.welcomed = False  # the server forgot us (restart, timeout): hello again
             elif msg.code == ErrorCode.UNSUPPORTED_VERSION:
                 self.stopping = f"server refused: {msg.message}"
+            elif msg.code == ErrorCode.REFUSED:  # e.g. benched: every job failed (PROTOCOL.md 8.8)
+                log.warning("server refused: %s", msg.message)
             else:
                 log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
 
@@ -431,7 +435,7 @@ class Worker:
             except IndexError:
                 break
             if jid == ComputeThread.LOAD_FAILED:
-                self.stopping = f"cannot load the server's problem: {error}"
+                self._load_failed(error)
                 return
             if jid == ComputeThread.LOADED:
                 self.loaded = True
@@ -440,9 +444,8 @@ class Worker:
                 continue
             if self.jobs.pop(jid, None) is None:
                 continue  # cancelled meanwhile
-            if error is not None:
-                log.error("job %d failed: %s", jid, error)
-                self._send(Error(ErrorCode.REFUSED, _printable(f"worker failed: {error}")[:1000], job_id=jid))
+            if error is not None:  # the compute side logged it (FailureLog); the server records a failed job
+                self._send(Error(ErrorCode.COMPUTE_FAILED, error_text(error), job_id=jid))
                 continue
             self.unsent.append(reply)
         while self.unsent and self.welcomed:
@@ -465,6 +468,14 @@ class Worker:
             keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
             for jid in [j for j in self.shm_jobs if j not in keep]:
                 del self.shm_jobs[jid]
+
+    def _load_failed(self, reason: str) -> None:
+        """The welcome's problem cannot be loaded here: tell the server why (PROBLEM_UNAVAILABLE)
+        and stop; :func:`run_worker` then prints the reason and exits with status 3."""
+        spec = self.problem_key[0] if self.problem_key else "?"
+        reason = reason.removeprefix(f"problem {spec!r}: ")  # the loader names the spec; so does our line
+        self.failure = self.stopping = f"cannot load problem {spec}: {reason}"
+        self._send(Error(ErrorCode.PROBLEM_UNAVAILABLE, error_text(reason)))
 
     def _detach(self, r: Reply, wire: str) -> Reply | None:
         """A shared-memory reply as a frame reply (for a new server process, which cannot read
@@ -509,7 +520,14 @@ def _printable(text: str) -> str:
 
 
 def run_worker(config: WorkerConfig) -> str:
-    """Run a worker in this process until told to stop; returns the reason."""
+    """Run a worker in this process until told to stop; returns the reason. If the server's
+    problem cannot be loaded here, prints one line saying why on stderr and exits the process
+    with status 3 (EXIT_PROBLEM_UNAVAILABLE), after telling the server."""
     w = Worker(config)
     w.install_signal_handlers()
-    return w.run()
+    reason = w.run()
+    if w.failure is not None:
+        sys.stderr.write(f"latecomer worker: {w.failure}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_PROBLEM_UNAVAILABLE)
+    return reason

@@ -8,10 +8,12 @@ link's poll loop. Heartbeats therefore keep flowing during long computations.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
+import traceback
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -20,7 +22,9 @@ import numpy as np
 
 from problems.base import Problem
 from protocol.messages import Job, JobKind, Reply
-from worker.compute import run_job
+from worker.compute import BadGradient, run_job
+
+log = logging.getLogger("latecomer.worker")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,50 @@ class IterateCache:
         return tuple(self.items)
 
 
+def failure_text(exc: BaseException) -> str:
+    """One line for a job that failed: ``"ValueError: boom"``; a :class:`BadGradient` (already
+    one line naming the layout) as its text alone."""
+    if isinstance(exc, BadGradient):
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class FailureLog:
+    """The worker's log of jobs it could not compute, without a flood.
+
+    The first failure at each *place* (exception type and the file/line of every traceback
+    frame) is logged with its traceback (a :class:`BadGradient` as one line: its traceback
+    points into run_job, not at the problem); repeats are counted, and every ``every``-th
+    failure logs one line with the running count. At most ``max_places`` places are told
+    apart; beyond them every failure counts as a repeat.
+    """
+
+    def __init__(self, every: int = 100, max_places: int = 16) -> None:
+        self.every = every
+        self.max_places = max_places
+        self.places: set[tuple] = set()
+        self.count = 0
+        self.lock = threading.Lock()  # the compute thread and the inline path both report
+
+    def record(self, job_id: int, exc: BaseException) -> str:
+        """Count (and maybe log) the failure of ``job_id``; returns its one-line text."""
+        text = failure_text(exc)
+        place = (type(exc).__qualname__,
+                 tuple((f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)))
+        with self.lock:
+            self.count += 1
+            count, new = self.count, place not in self.places and len(self.places) < self.max_places
+            if new:
+                self.places.add(place)
+        if new:
+            log.error("job %d failed: %s", job_id, text, exc_info=None if isinstance(exc, BadGradient) else exc)
+        elif count % self.every == 0:
+            log.error("job %d failed: %s (%d jobs failed so far; each kind of failure is logged once with "
+                      "its traceback)", job_id, text, count)
+        return text
+
+
 INLINE_AFTER = 8  # fast jobs in a row before the I/O thread computes them itself
 INLINE_MAX_S = 0.005  # "fast": well under any heartbeat interval
 
@@ -111,6 +159,7 @@ class ComputeThread:
         self.delay = delay
         self.no_delay = delay == DelaySpec(seed=delay.seed)  # nothing injected
         self.rng = np.random.default_rng(delay.seed)
+        self.failures = FailureLog()
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: deque = deque()  # (job id, reply, error); appends and pops are atomic
         self.wake_r, self.wake_w = os.pipe()
@@ -158,8 +207,10 @@ class ComputeThread:
         # seconds, and heartbeats must keep flowing meanwhile. Jobs queue up until it is done.
         try:
             self.problem = self._load()
-        except Exception as e:  # reported to the link, which stops the worker with this message
-            self.outbox.append((self.LOAD_FAILED, None, f"{type(e).__name__}: {e}"))
+        except Exception as e:  # reported to the link, which tells the server and stops the worker
+            log.debug("the problem could not be loaded", exc_info=e)
+            why = str(e) if isinstance(e, ValueError) and str(e) else failure_text(e)  # the loader's one line
+            self.outbox.append((self.LOAD_FAILED, None, why))
             os.write(self.wake_w, b"x")
             return
         self.outbox.append((self.LOADED, None, None))
@@ -193,8 +244,8 @@ class ComputeThread:
             if self.finish is not None:
                 reply = self.finish(job, reply)
             error = None
-        except Exception as e:  # a problem's bug must not kill the worker silently
-            reply, error = None, f"{type(e).__name__}: {e}"
+        except Exception as e:  # a problem's bug must not kill the worker: the job fails, the server is told
+            reply, error = None, self.failures.record(job.job_id, e)
         compute_s = time.perf_counter() - t0
         self.recent_s.append(compute_s)
         if reply is not None:

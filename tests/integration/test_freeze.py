@@ -25,7 +25,7 @@ from tests.integration.util import read_events, wait_events, wait_exit, wait_lin
 pytestmark = pytest.mark.slow
 
 LIVENESS_S = 1.5
-SETTLED = ("applied", "dropped", "lost", "cancelled", "rejected")
+SETTLED = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 
 
 def applied_by(events, wid):
@@ -123,7 +123,7 @@ def test_frozen_worker_is_declared_dead_its_late_reply_is_not_applied_and_it_rej
     assert c["workers_lost"] == 1
 
     # Every job is accounted for.
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
     issued = {e["job_id"] for e in ev if e["ev"] == "issued"}
     settled = [e["job_id"] for e in ev if e["ev"] in SETTLED]

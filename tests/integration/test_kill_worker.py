@@ -54,11 +54,11 @@ def test_kill_minus_nine_worker_mid_run(procs, tmp_path):
         summary = json.load(f)
     c = summary["counters"]
     assert c["lost"] == 1 and c["workers_lost"] >= 1
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
     ev = read_events(events)
     issued = {e["job_id"] for e in ev if e["ev"] == "issued"}
-    settled = [e["job_id"] for e in ev if e["ev"] in ("applied", "dropped", "lost", "cancelled", "rejected")]
+    settled = [e["job_id"] for e in ev if e["ev"] in ("applied", "dropped", "lost", "failed", "cancelled", "rejected")]
     assert len(settled) == len(set(settled)), "a job was settled twice"
     assert len(issued) == c["issued"] and len(issued - set(settled)) == summary["outstanding"]
     evals = summary["evaluations"]

@@ -40,7 +40,7 @@ PORT = 5555  # the server's namespace is ours alone: a fixed port cannot collide
 LIVENESS_S = 2.0
 HEARTBEAT_S = 0.25
 D = 20000  # 80 KB float32 vectors: every job carries one iterate, every reply one gradient
-SETTLED = ("applied", "dropped", "lost", "cancelled", "rejected")
+SETTLED = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 
 RATE = "8mbit"  # 80 KB at 8 Mbit/s: 80 ms per message and direction
 LOSS = 0.03  # fraction of packets (skbs) dropped in each direction
@@ -311,7 +311,7 @@ def stop_and_check_accounting(server: subprocess.Popen, events: str, out: str) -
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)
     c = summary["counters"]
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
     ev = read_events(events)
     issued = {e["job_id"] for e in ev if e["ev"] == "issued"}

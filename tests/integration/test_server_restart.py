@@ -73,7 +73,7 @@ def test_server_kill_minus_nine_and_restart(procs, tmp_path, wire):
     if wire == "bf16":
         assert "with --wire-dtype bf16: resuming it with that" in err
     assert summary["version"] == STEPS and summary["accounted"]
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
 
     final = replay_run(state)

@@ -109,7 +109,7 @@ def test_same_host_path_with_a_killed_writer_a_nan_writer_and_a_tcp_worker(procs
     assert not [e for e in ev if e["ev"] == "applied" and e["worker_id"].startswith("hostile")]
     for w in ("near", "far"):
         assert sum(e["ev"] == "applied" and e["worker_id"] == w for e in ev) >= 5
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] \
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] \
         + summary["outstanding"]
     x = np.load(os.path.join(out, "final_x.npy"))
     assert x.shape == (D,) and np.isfinite(x).all() and np.abs(x).max() < 1e6  # no 1e30, no NaN got in

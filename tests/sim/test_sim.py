@@ -46,7 +46,7 @@ def test_sim_lost_replies_are_written_off_by_heartbeat_reconciliation():
     tr = run(loss_prob=0.1)
     c = tr.counters
     assert c["lost"] > 5
-    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["cancelled"] + c["rejected"] + 6
+    assert c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"] + 6
 
 
 def test_sim_store_holds_at_most_outstanding_iterates():

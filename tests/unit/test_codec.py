@@ -574,7 +574,7 @@ RAW_HEADERS = {
     "seen -2": pack({"v": 1, "t": "hb", "boot": 0, "seen": -2}),
     "vmax 65536": pack({"v": 1, "t": "hello", "worker_id": "w", "boot": 0, "credit": 1, "vmax": 65536}),
     "err code 0": pack({"v": 1, "t": "err", "code": 0}),
-    "err code 9": pack({"v": 1, "t": "err", "code": 9}),
+    "err code 11": pack({"v": 1, "t": "err", "code": max(ErrorCode) + 1}),
     "err no code": pack({"v": 1, "t": "err"}),
     "options not a map": pack({"v": 1, "t": "welcome", "server_boot": 0, "version": 1, "problem": "q",
                                "problem_options": [["a", 1]]}),
@@ -864,3 +864,45 @@ def test_other_protocol_version_raises_unsupported_version() -> None:
 
     with pytest.raises(UnsupportedVersion):
         decode([msgpack.packb({"v": 2, "t": "hello", "worker_id": "w", "boot": 0, "credit": 1})])
+
+
+# --------------------------------------------------------------------------- worker failures (codes 9, 10)
+
+def test_worker_failure_codes_keep_their_numbers() -> None:
+    assert (ErrorCode.COMPUTE_FAILED, ErrorCode.PROBLEM_UNAVAILABLE) == (9, 10)
+    got = decode([pack({"v": 1, "t": "err", "code": 9, "message": "ValueError: boom", "job_id": 4})])
+    assert got == Error(ErrorCode.COMPUTE_FAILED, "ValueError: boom", job_id=4)
+    assert decode([pack({"v": 1, "t": "err", "code": 10})]).code is ErrorCode.PROBLEM_UNAVAILABLE
+
+
+@MAIN
+@given(code=st.sampled_from([ErrorCode.COMPUTE_FAILED, ErrorCode.PROBLEM_UNAVAILABLE]),
+       raw=st.text(max_size=3 * MAX_STR_LEN), job_id=st.none() | nat, kind=st.sampled_from(FRAME_KINDS))
+def test_any_exception_text_becomes_an_err_that_round_trips(code: ErrorCode, raw: str, job_id: Any,
+                                                            kind: str) -> None:
+    """Whatever a problem raises (tracebacks, control characters, any length), error_text makes
+    it a message that encodes and decodes unchanged: printable, at most MAX_ERROR_TEXT long."""
+    from protocol.codec import error_text
+    from protocol.messages import MAX_ERROR_TEXT
+
+    msg = Error(code, error_text(raw), job_id=job_id)
+    assert msg.message.isprintable() and len(msg.message) <= MAX_ERROR_TEXT
+    if len(raw) <= MAX_ERROR_TEXT and raw.isprintable():
+        assert msg.message == raw, "a short printable text travels as it is"
+    else:
+        assert len(raw) <= MAX_ERROR_TEXT or msg.message.endswith("\u2026")
+    assert_same(msg, decode(as_frames(encode(msg), kind)))
+
+
+worker_rows = st.tuples(ascii_ids, text(MAX_ID_LEN), nat, finite, finite, st.integers(0, 256), nat,
+                        st.sampled_from(["loading", "ok", "failing", "benched"]), nat, text(200))
+
+
+@MAIN
+@given(rows=st.lists(worker_rows, max_size=8), failed=nat)
+def test_status_with_worker_failures_round_trips(rows: list, failed: int) -> None:
+    from ps.daemon import WORKER_COLUMNS
+
+    msg = Status(token=1, info={"counter.failed": failed, "workers_benched": len(rows)}, columns=WORKER_COLUMNS,
+                 rows=tuple(rows))
+    assert_same(msg, decode(encode(msg)))

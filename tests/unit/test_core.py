@@ -246,6 +246,18 @@ class CoreMachine(RuleBasedStateMachine):
                                                grads=(np.full(D, np.inf, np.float32),)), self.now))
         assert same(before, snapshot(self.core))
 
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def compute_failed(self, data):
+        w = data.draw(st.sampled_from(sorted(w for w, js in self.held.items() if js)))
+        job = self.held[w].pop(0)
+        before = snapshot(self.core)
+        failed = self.core.counters.failed
+        mine = job.job_id in self.core.ledger and self.core.ledger[job.job_id].worker_id == w
+        self._absorb(self.core.handle(w, Error(ErrorCode.COMPUTE_FAILED, "boom", job_id=job.job_id), self.now))
+        assert same(before, snapshot(self.core))
+        assert self.core.counters.failed == failed + (mine and w in self.core.workers)
+
     @rule(w=st.sampled_from(["a", "b", "c"]))
     def heartbeat(self, w):
         if w in self.core.workers:
@@ -325,3 +337,195 @@ def test_core_rejects_reply_with_wrong_created_at():
                                    grads=(np.zeros(D, np.float32),)), 0.1)
     assert cmds[0].msg.code == ErrorCode.UNKNOWN_JOB and same(before, snapshot(core))
     assert core.counters.unknown == 1 and job.job_id in core.ledger
+
+
+# --------------------------------------------------------------------------- failed jobs and benching
+
+class SpyAlgorithm:
+    """Delegates to a real algorithm and records what ``on_lost`` was told."""
+
+    def __init__(self, alg) -> None:
+        self._alg = alg
+        self.told_lost: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._alg, name)
+
+    def on_lost(self, state, job_ids):
+        self.told_lost.append(list(job_ids))
+        return self._alg.on_lost(state, job_ids)
+
+
+def spy_core(name="asgd", settings_=None, **cfg) -> tuple[ServerCore, SpyAlgorithm]:
+    alg = SpyAlgorithm(algorithms.build(name, settings_ or {"lr": 0.1}))
+    return ServerCore(alg, np.ones(D, np.float32), CoreConfig(**cfg)), alg
+
+
+def fail(core: ServerCore, wid: str, job: Job, now: float, text: str = "ValueError: boom") -> list:
+    return core.handle(wid, Error(ErrorCode.COMPUTE_FAILED, text, job_id=job.job_id), now)
+
+
+def test_core_compute_failed_is_its_own_outcome_told_to_the_algorithm():
+    core, alg = spy_core()
+    job = jobs_in(join(core, "w1"))[0][1]
+    before = snapshot(core)
+    cmds = fail(core, "w1", job, 0.1)
+    c = core.counters
+    assert (c.failed, c.lost, c.rejected, c.worker_errors) == (1, 0, 0, 1)
+    assert core.accounted() and job.job_id not in core.ledger and core.closed[job.job_id] == "failed"
+    assert alg.told_lost == [[job.job_id]], "the algorithm is told as for any write-off"
+    assert same(before, snapshot(core)), "a failed job moves nothing"
+    assert [j.job_id for _, j in jobs_in(cmds)] == [1], "its credit slot is free: the next job goes out"
+    ev = [e for e in core.drain_events() if e["ev"] == "failed"]
+    assert len(ev) == 1 and ev[0]["worker_id"] == "w1" and ev[0]["job_id"] == job.job_id
+    assert ev[0]["message"] == "ValueError: boom" and ev[0]["seed"] == job.seed
+    w = core.workers["w1"]
+    assert (w.failed, w.failed_in_a_row, w.last_error, w.benched) == (1, 1, "ValueError: boom", False)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_core_benches_a_worker_after_k_failures_in_a_row(k):
+    core = make_core(max_failed_jobs=k)
+    cmds = join(core, "w1")
+    for i in range(k):
+        job = jobs_in(cmds)
+        assert len(job) == 1, f"failure {i}: the worker is still given jobs"
+        assert "benched" not in {e["ev"] for e in core.drain_events()}
+        cmds = fail(core, "w1", job[0][1], 0.1 * (i + 1), f"ValueError: boom {i}")
+    assert jobs_in(cmds) == [], f"benched after exactly {k} failures"
+    refused = [c.msg for c in cmds if isinstance(c.msg, Error)]
+    assert len(refused) == 1 and refused[0].code == ErrorCode.REFUSED and "benched" in refused[0].message
+    benched = [e for e in core.drain_events() if e["ev"] == "benched"]
+    assert len(benched) == 1 and benched[0]["in_a_row"] == k and benched[0]["message"] == f"ValueError: boom {k - 1}"
+    w = core.workers["w1"]
+    assert w.benched and core.counters.failed == k and core.counters.benched == 1 and core.accounted()
+    # it stays in the table (it is alive) but gets nothing: heartbeats, ready, ticks
+    assert jobs_in(core.handle("w1", Heartbeat(boot=1, credit=1), 1.0)) == []
+    assert jobs_in(core.handle("w1", Ready(credit=1), 1.1)) == []
+    assert jobs_in(core.on_tick(1.2)) == [] and "w1" in core.workers
+    # others are still served
+    assert len(jobs_in(join(core, "w2", now=1.3))) == 1
+
+
+def test_core_benching_one_short_of_k_or_with_a_success_between_does_not_happen():
+    core = make_core(max_failed_jobs=3)
+    cmds = join(core, "w1")
+    for ok in (False, False, True, False, False):
+        job = jobs_in(cmds)[0][1]
+        cmds = core.handle("w1", reply_for(job), 0.1) if ok else fail(core, "w1", job, 0.1)
+    w = core.workers["w1"]
+    assert not w.benched and w.failed == 4 and w.failed_in_a_row == 2 and len(jobs_in(cmds)) == 1
+
+
+def test_core_never_benches_when_max_failed_jobs_is_zero():
+    core = make_core(max_failed_jobs=0)
+    cmds = join(core, "w1")
+    for _ in range(20):
+        cmds = fail(core, "w1", jobs_in(cmds)[0][1], 0.1)
+    assert not core.workers["w1"].benched and core.counters.failed == 20 and core.accounted()
+
+
+def test_core_hello_brings_a_benched_worker_back():
+    core = make_core(max_failed_jobs=2)
+    cmds = join(core, "w1")
+    for _ in range(2):
+        cmds = fail(core, "w1", jobs_in(cmds)[0][1], 0.1)
+    assert core.workers["w1"].benched and jobs_in(cmds) == []
+    core.drain_events()
+    cmds = core.handle("w1", Hello(worker_id="w1", boot=1, credit=1), 0.5)  # the same process, reconnected
+    assert not core.workers["w1"].benched and core.workers["w1"].failed_in_a_row == 0
+    assert len(jobs_in(cmds)) == 1
+    assert [e["reason"] for e in core.drain_events() if e["ev"] == "unbenched"] == ["hello"]
+    for _ in range(2):  # and is benched again if it still fails
+        cmds = fail(core, "w1", jobs_in(cmds)[0][1], 0.6)
+    assert core.workers["w1"].benched and core.counters.benched == 2
+    cmds = join(core, "w1", now=0.7, boot=2)  # a restarted process is a new join, with a clean slate
+    w = core.workers["w1"]
+    assert not w.benched and w.failed == 0 and len(jobs_in(cmds)) == 1 and core.accounted()
+
+
+def test_core_benched_worker_answering_a_job_it_still_holds_gets_jobs_again():
+    core = make_core(max_failed_jobs=2)
+    held = [j for _, j in jobs_in(join(core, "w1", credit=3))]
+    assert len(held) == 3
+    fail(core, "w1", held[0], 0.1)
+    cmds = fail(core, "w1", held[1], 0.2)
+    assert core.workers["w1"].benched and jobs_in(cmds) == []
+    assert len(core.workers["w1"].outstanding) == 2, "held[2] and the job that replaced held[0]"
+    cmds = core.handle("w1", reply_for(held[2]), 0.3)
+    assert not core.workers["w1"].benched and len(jobs_in(cmds)) == 2 and core.version == 1
+    assert len(core.workers["w1"].outstanding) == 3
+
+
+def test_core_compute_failed_for_a_job_not_its_own_settles_nothing():
+    core = make_core()
+    j1 = jobs_in(join(core, "w1"))[0][1]
+    join(core, "w2")
+    fail(core, "w2", j1, 0.1)  # w1's job
+    core.handle("w2", Error(ErrorCode.COMPUTE_FAILED, "x", job_id=999), 0.2)  # never issued
+    core.handle("w2", Error(ErrorCode.COMPUTE_FAILED, "x"), 0.3)  # no job id
+    c = core.counters
+    assert c.failed == 0 and c.lost == 0 and c.worker_errors == 3 and j1.job_id in core.ledger
+    assert core.workers["w2"].failed == 0 and core.accounted()
+
+
+def test_core_refused_from_a_worker_is_still_written_off_as_lost():
+    """What an older worker sends for a failed job (REFUSED "worker failed: ...")."""
+    core, alg = spy_core()
+    job = jobs_in(join(core, "w1"))[0][1]
+    core.handle("w1", Error(ErrorCode.REFUSED, "worker failed: ValueError: boom", job_id=job.job_id), 0.1)
+    assert core.counters.lost == 1 and core.counters.failed == 0 and alg.told_lost == [[job.job_id]]
+
+
+def test_core_problem_unavailable_is_recorded_and_the_bye_that_follows_removes_the_worker():
+    core = make_core(problem="mymod:make")
+    core.handle("w3", Hello(worker_id="w3", boot=1, credit=1), 0.0)  # never ready: it cannot load the problem
+    core.drain_events()
+    cmds = core.handle("w3", Error(ErrorCode.PROBLEM_UNAVAILABLE, "cannot import module 'mymod'"), 0.1)
+    assert jobs_in(cmds) == [] and core.counters.worker_errors == 1 and core.accounted()
+    ev = core.drain_events()
+    assert ev == [{"ev": "problem_unavailable", "worker_id": "w3", "problem": "mymod:make",
+                   "message": "cannot import module 'mymod'", "t": 0.1}]
+    assert core.workers["w3"].last_error == "cannot load problem mymod:make: cannot import module 'mymod'"
+    core.handle("w3", Bye("cannot load problem mymod:make: cannot import module 'mymod'"), 0.2)
+    assert "w3" not in core.workers and core.counters.workers_lost == 0
+
+
+def test_core_failed_jobs_in_round_mode_let_the_round_go_on():
+    core, alg = spy_core("rennala", {"lr": 0.1, "B": 2}, max_failed_jobs=0)
+    cmds = join(core, "w1", credit=2)
+    for step in range(6):  # every other job fails; the batches still fill and the model moves
+        jobs = jobs_in(cmds)
+        assert jobs, f"step {step}: no job issued"
+        job = jobs[0][1]
+        cmds = fail(core, "w1", job, 0.1 * step) if step % 2 else core.handle("w1", reply_for(job), 0.1 * step)
+        cmds += core.on_tick(0.1 * step + 0.05)
+    assert core.counters.failed == 3 and core.version >= 1 and core.accounted()
+    assert sum(alg.told_lost, []) == [e for e in range(100) if core.closed.get(e) == "failed"]
+
+
+def test_core_snapshot_keeps_failures_and_benching_and_reads_older_snapshots():
+    core = make_core(max_failed_jobs=2)
+    cmds = join(core, "w1")
+    for _ in range(2):
+        cmds = fail(core, "w1", jobs_in(cmds)[0][1], 0.1)
+    snap = core.snapshot()
+    again = ServerCore.restore(core.alg, snap, core.cfg)
+    w = again.workers["w1"]
+    assert (w.benched, w.failed, w.failed_in_a_row, w.last_error) == (True, 2, 2, "ValueError: boom")
+    assert again.counters.failed == 2 and again.accounted()
+    old = dict(snap, counters={k: v for k, v in snap["counters"].items() if k not in ("failed", "benched")},
+               workers=[{k: v for k, v in w.items() if k not in ("failed", "failed_in_a_row", "last_error",
+                                                                  "benched")} for w in snap["workers"]])
+    old["counters"]["lost"] += 2  # an older server counted failed jobs as lost
+    older = ServerCore.restore(core.alg, old, core.cfg)
+    assert not older.workers["w1"].benched and older.counters.failed == 0 and older.accounted()
+
+
+def test_core_bad_shape_names_the_expected_shape_and_layout():
+    core = make_core()
+    core.layout_text = "w (2, 2)"
+    job = jobs_in(join(core, "w1"))[0][1]
+    cmds = core.handle("w1", Reply(job_id=job.job_id, created_at=0, grads=(np.zeros(D + 1, np.float32),)), 0.1)
+    err = [c.msg for c in cmds if isinstance(c.msg, Error)][0]
+    assert err.code == ErrorCode.BAD_SHAPE and err.message == "gradient 0: expected shape (4,) (w (2, 2)), got (5,)"
