@@ -24,8 +24,10 @@ class Procs:
     def __init__(self) -> None:
         self.children: list[subprocess.Popen] = []
 
-    def start(self, *args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def start(self, *args: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``env``: variables set (over this process's environment) for that child only."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         p = subprocess.Popen([sys.executable, "-m", "ps", *args], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                              stdout=stdout, stderr=stderr, start_new_session=True)
         self.children.append(p)
