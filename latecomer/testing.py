@@ -17,7 +17,9 @@ crashes for good at t = 120 s (so jobs are written off and ``on_lost`` is exerci
 1. Convergence (:func:`check_convergence`): within 300 simulated seconds the loss f(x) − f* of
    the d = 16 quadratic of docs/ALGORITHMS.md §8.1 falls to at most 5 % of its starting value (for
    ``problem="logreg"``, a finite sum, the squared gradient norm to at most 1 %); the crashes
-   really wrote off workers and jobs, and every issued job is accounted for.
+   really wrote off workers and jobs, and every issued job is accounted for. Along the way,
+   every point a job carries is watched: an iterate id always names the same point, and a
+   point handed out is never written again (workers and the iterate store keep it by id).
 2. State-dict round trip (:func:`check_state_dict_round_trip`): a third of the way in, the
    algorithm state goes through ``to_state_dict``/``from_state_dict``; the reloaded state has
    the same state dict, and the run continues bit for bit like one that was not reloaded
@@ -33,13 +35,16 @@ per simulation; algorithms are immutable, so an instance is reused as is.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
 from algorithms.base import Algorithm
+from algorithms.wrappers import Wrapper
 
 __all__ = ["check_algorithm", "check_convergence", "check_state_dict_round_trip", "check_checkpoint_round_trip",
            "make_simulator", "N_WORKERS", "HORIZON", "CRITERIA"]
@@ -81,6 +86,57 @@ def make_simulator(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: str
     cfg = CoreConfig(min_workers=N_WORKERS, liveness_timeout_s=5.0, seed=seed + 1)
     return Simulator(_fresh(algorithm), prob, DelayModel.named("sqrt", N_WORKERS), cfg, seed=seed + 2,
                      crashes=[Crash(1, 50.0, 10.0), Crash(4, 120.0)])
+
+
+def _digest(a: np.ndarray) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest() + str((a.dtype.str, a.shape)).encode()
+
+
+@dataclass(frozen=True)
+class _Watch(Wrapper):
+    """Records every point handed out in a JobSpec (transparent otherwise), for the checks of
+    :func:`check_convergence`: one point per iterate id, and no point written after it went out."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seen", {})  # iterate id -> (the array, its digest when handed out)
+        object.__setattr__(self, "conflicts", [])
+
+    def _record(self, spec: Any) -> None:
+        if spec is None:
+            return
+        for iid, p in zip(spec.iterate_ids, spec.points, strict=False):
+            d = _digest(p)
+            if iid in self.seen:
+                if self.seen[iid][1] != d:
+                    self.conflicts.append(int(iid))
+            else:
+                self.seen[iid] = (p, d)
+
+    def init(self, x0: np.ndarray, *, seed: int):
+        state, jobs = self.inner.init(x0, seed=seed)
+        for spec in jobs:
+            self._record(spec)
+        return state, jobs
+
+    def make_job(self, state: Any, worker_id: str):
+        state, spec = self.inner.make_job(state, worker_id)
+        self._record(spec)
+        return state, spec
+
+    def bind(self, layout: tuple) -> Algorithm:
+        return _Watch(self.inner.bind(layout))
+
+    def violations(self) -> list[str]:
+        """What broke the iterate contract, in words (empty if nothing)."""
+        out = []
+        if self.conflicts:
+            out.append(f"iterate ids {sorted(set(self.conflicts))[:5]} were handed out with different points "
+                       "(an iterate id must always name the same point)")
+        written = sorted(int(i) for i, (p, d) in self.seen.items() if _digest(p) != d)
+        if written:
+            out.append(f"the points of iterate ids {written[:5]} changed after they were handed out (publish a "
+                       "new array per version: workers and the iterate store keep them by id)")
+        return out
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
@@ -132,9 +188,13 @@ def check_convergence(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: 
             raise ValueError(f"no default criterion for problem {problem!r}: give criterion=(figure, fraction)")
         criterion = CRITERIA[problem]
     key, fraction = criterion
-    sim = make_simulator(algorithm, seed=seed, problem=problem, problem_options=problem_options)
-    label = _label(sim.core.alg)
+    sim = make_simulator(lambda: _Watch(_fresh(algorithm)), seed=seed, problem=problem,
+                         problem_options=problem_options)
+    watch = sim.core.alg
+    label = _label(watch)
     trace = sim.run(max_time=horizon, eval_every=100)
+    broken = watch.violations()
+    assert not broken, f"{label}: " + "; ".join(broken)
     first, last = trace.points[0], trace.points[-1]
     assert np.isfinite(last[key]), f"{label}: {key} is {last[key]} after {horizon:g} simulated s (diverged)"
     assert last[key] <= fraction * first[key], (

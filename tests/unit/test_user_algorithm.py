@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import algorithms
+from algorithms import Outcome
 from algorithms.registry import describe, resolve
 from algorithms.wrappers import WRAPPER_KEYS, WrapperSettings
 from latecomer.testing import check_algorithm, check_convergence, check_state_dict_round_trip
@@ -115,6 +116,26 @@ def test_the_example_algorithm_meets_the_contract_and_a_broken_one_does_not(user
 
     with pytest.raises(AssertionError, match="from_state_dict\\(to_state_dict\\(state\\)\\) is not the same state: m"):
         check_state_dict_round_trip(Forgetful)
+
+    @dataclasses.dataclass(frozen=True)
+    class InPlace(MomentumSGD):
+        """Steps x in place: a point already handed out changes under the workers' feet."""
+
+        def init(self, x0, *, seed):
+            state, jobs = super().init(x0, seed=seed)
+            state.x = state.x.copy()  # writable
+            return state, jobs
+
+        def apply(self, state, results):
+            for r in results:
+                state.m = self.beta * state.m + r.grads[0]
+                state.x -= self.lr * state.m
+                state.version += 1
+            return state, Outcome(applied=tuple(r.job_id for r in results), updated=bool(results),
+                                  ages=(0,) * len(results))
+
+    with pytest.raises(AssertionError, match="changed after they were handed out"):
+        check_convergence(InPlace)
 
 
 def test_every_hyper_parameter_of_every_algorithm_and_wrapper_has_a_meaning():
