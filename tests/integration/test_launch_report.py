@@ -160,16 +160,19 @@ def test_report_from_a_real_run(procs, tmp_path):
     assert int(counters["issued"]) == summary["counters"]["issued"]
     events = dict(md_table(md, "| event |"))
     assert int(events["applied"]) == 200 and int(events["issued"]) == sum(e["ev"] == "issued" for e in ev)
+    header = next(ln for ln in md.splitlines() if ln.startswith("| worker |"))
+    col = {name.strip(): j for j, name in enumerate(header.strip("|").split("|"))}
     rows = {r[0]: r for r in md_table(md, "| worker |")}
     assert set(rows) == {"w1", "w2"}
     for wid in ("w1", "w2"):
         applied = [e for e in ev if e["ev"] == "applied" and e["worker_id"] == wid]
-        assert int(rows[wid][4]) == len(applied) > 0
-        assert int(rows[wid][3]) == sum(e["ev"] == "issued" and e["worker_id"] == wid for e in ev)
+        assert int(rows[wid][col["applied"]]) == len(applied) > 0
+        assert int(rows[wid][col["issued"]]) == sum(e["ev"] == "issued" and e["worker_id"] == wid for e in ev)
+        assert rows[wid][col["failed"]] == "0"
         ages = [e["age"] for e in applied]
-        assert rows[wid][13] == f"{max(ages):.0f}"
-        assert float(rows[wid][9]) > 0, "mean job time in ms"
-    assert float(rows["w2"][9]) >= 10 * 0.9, "w2's injected 10 ms shows in its mean job time"
+        assert rows[wid][col["age max"]] == f"{max(ages):.0f}"
+        assert float(rows[wid][col["mean job time (ms)"]]) > 0
+    assert float(rows["w2"][col["mean job time (ms)"]]) >= 10 * 0.9, "w2's injected 10 ms shows in its mean job time"
     assert "![utilisation.png](utilisation.png)" in md
 
     other = tmp_path / "elsewhere"
