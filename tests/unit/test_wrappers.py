@@ -165,6 +165,20 @@ def test_weight_decay_uses_the_scheduled_lr_and_skips_dropped_replies():
     assert out.dropped == (2,) and not out.updated and state.x is before
 
 
+def test_weight_decay_outside_a_schedule_uses_the_scheduled_lr_too():
+    """Either order of WeightDecay and LRSchedule decays with lr_k (chain puts the schedule outside)."""
+    base = RingmasterASGD(lr=0.4, R=100)
+    outer = WeightDecay(LRSchedule(base, warmup=4), weight_decay=0.1)
+    inner = LRSchedule(WeightDecay(base, weight_decay=0.1), warmup=4)
+    g = np.array([1.0, -1.0, 0.5, 2.0], F32)
+    so, _ = outer.init(x0(), seed=0)
+    si, _ = inner.init(x0(), seed=0)
+    for k in range(6):
+        so, _ = outer.apply(so, [grad_result(k, k, g)])
+        si, _ = inner.apply(si, [grad_result(k, k, g)])
+        assert np.array_equal(so.x, si.x), k
+
+
 def test_weight_decay_and_clipping_compose_in_one_update():
     lam, big = 0.02, np.array([0.0, 30.0, 0.0, 40.0], F32)  # ‖·‖ = 50, clip_norm 5: g/10
     wrapped = algorithms.build("ordered-momentum", {"lr": 0.5, "beta": 0.3, "clip_norm": 5.0, "weight_decay": lam})
