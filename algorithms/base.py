@@ -1,4 +1,4 @@
-"""The algorithm interface (ALGORITHMS.md §2.2): pure state machines, no clock, no I/O.
+"""The algorithm interface (docs/ALGORITHMS.md §2.2): pure state machines, no clock, no I/O.
 
 An algorithm is a frozen dataclass of hyper-parameters. Everything that evolves lives in a
 state object that the algorithm creates in :meth:`Algorithm.init` and that every other method
@@ -44,7 +44,7 @@ class JobSpec:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A validated reply as the algorithm sees it (ALGORITHMS.md §2.1 ``Reply``).
+    """A validated reply as the algorithm sees it (docs/ALGORITHMS.md §2.1).
 
     ``created_at``, ``kind``, ``iterate_ids`` and ``seed`` come from the server's own job
     ledger, never from the worker. ``grads`` has one array per iterate id, same order;

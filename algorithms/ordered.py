@@ -1,4 +1,4 @@
-"""Momentum methods for data-dependent delays (ALGORITHMS.md §4: A6 Ordered Momentum,
+"""Momentum methods for data-dependent delays (docs/ALGORITHMS.md §4: A6 Ordered Momentum,
 A7 Ordered μ²-SGD).
 
 Dahan, Reshef, Goldstein, Levy, "Bringing Order to Asynchronous SGD", arXiv 2605.02043.
@@ -121,7 +121,7 @@ class OrderedMu2SGD(PerReplyAlgorithm):
     by the decay it would have had on time.
 
     μ²-SGD (Dahan & Levy, ICLR 2025) made asynchronous as in Dahan, Reshef, Goldstein, Levy,
-    "Bringing Order to Asynchronous SGD", arXiv 2605.02043 (ALGORITHMS.md §4 A7 [S][C][I]).
+    "Bringing Order to Asynchronous SGD", arXiv 2605.02043 (docs/ALGORITHMS.md §4.3 [S][C][I]).
     Steps count from t = 1 (t = version + 1); x_1 = w_1 = x0, d_0 = 0. Job s is created at
     version s − 1 (``created_at = s − 1``): s = 1 is GRAD at x_1, s ≥ 2 is GRAD_PAIR on
     (x_s, x_{s−1}) with one sample z. On the reply of job s at step t:
