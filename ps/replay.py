@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,11 +57,9 @@ def replay_run(state_dir: str) -> ReplayResult:
     run = read_run(state_dir)
     if run is None:
         raise ValueError(f"{state_dir} holds no run (no run.json)")
-    if "torch" in run["problem"] or run["problem"] in ("digits", "mnist"):
-        import torch
-
-        torch.set_num_threads(1)  # the workers' default: same bits
     problem, alg, cfg = build_from_run(run)
+    if "torch" in sys.modules:  # a torch problem, built-in or the user's (a TorchProblem): the workers'
+        sys.modules["torch"].set_num_threads(1)  # default of one thread gives the same bits
     core = ServerCore(alg, problem.init_params(cfg.seed), cfg)
     issued_at: dict[int, tuple[str, float]] = {}
     durations: dict[str, list[float]] = {}
