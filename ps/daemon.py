@@ -47,6 +47,7 @@ from protocol.messages import (
 )
 from protocol.wire import to_wire
 from ps.core import Disconnect, Send, ServerCore
+from ps.endpoints import needs_ipv6
 from ps.persist import Persistence, reply_from_wire
 from worker.compute import describe_layout
 
@@ -150,6 +151,7 @@ class Daemon:
         self.lifecycle = logging.getLogger("latecomer.events")
         self.metrics = None  # a SnapshotCollector when --metrics-port is given
         self.next_publish = 0.0
+        self.sock.ipv6 = needs_ipv6(bind)  # IPv6 literals only: IPv4 binds keep their plain endpoint
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id

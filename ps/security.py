@@ -59,7 +59,8 @@ def add_worker(keys_dir: str, name: str) -> tuple[str, str]:
     if os.path.exists(os.path.join(workers, f"{name}.key")):
         raise FileExistsError(f"a key named {name!r} exists already")
     os.makedirs(workers, exist_ok=True)
-    pub, sec = zmq.auth.create_certificates(workers, name)
+    # the name travels inside the key files: a renamed copy still gives the worker its default id
+    pub, sec = zmq.auth.create_certificates(workers, name, metadata={"name": name})
     os.chmod(sec, 0o600)
     shutil.copy(pub, os.path.join(keys_dir, "authorized", f"{name}.key"))
     return pub, sec

@@ -10,6 +10,7 @@ import zmq.auth
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Status, StatusRequest
+from ps.endpoints import needs_ipv6
 
 
 def fetch_status(server: str, *, timeout_s: float = 5.0, key_secret: str | None = None,
@@ -26,6 +27,7 @@ def fetch_status(server: str, *, timeout_s: float = 5.0, key_secret: str | None 
             except (OSError, ValueError) as e:
                 raise ValueError(f"cannot read the keys: {e}") from None
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, srv
+        sock.ipv6 = needs_ipv6(server)
         sock.connect(server)
         token = secrets.randbits(63)
         sock.send_multipart(encode(StatusRequest(token=token)))

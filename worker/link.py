@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -46,6 +44,7 @@ from protocol.messages import (
 )
 from protocol.wire import from_wire, to_wire
 from ps.shm import ShmReader, host_id, shm_dir_usable
+from worker.identity import claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
@@ -59,7 +58,8 @@ class WorkerConfig:
 
     Attributes:
         server: endpoint, e.g. ``tcp://10.0.0.1:5555``.
-        worker_id: stable name (default ``HOST-PID``).
+        worker_id: stable name (default: the key's NAME under CurveZMQ, else ``HOST-PID``;
+            see worker/identity.py).
         credit: jobs held at once (1: compute one, 2: one prefetched).
         device: torch device for torch problems (``cpu``, ``cuda``, ``cuda:1``).
         cache_size: iterates kept by id (at least credit + 1).
@@ -97,8 +97,8 @@ class Worker:
         if config.credit < 1:
             raise ValueError("credit must be >= 1")
         self.cfg = config
-        default_id = "".join(c if c.isascii() and c.isprintable() else "_" for c in socket.gethostname())
-        self.worker_id = config.worker_id or f"{default_id[:50]}-{os.getpid()}"
+        self.id_claim = None if config.worker_id else claim_default_id(config.key_secret)  # worker/identity.py
+        self.worker_id = config.worker_id or self.id_claim.worker_id
         if not (self.worker_id.isascii() and self.worker_id.isprintable() and 0 < len(self.worker_id) <= 64):
             raise ValueError(f"worker id must be 1-64 printable ASCII characters, got {self.worker_id!r}")
         self.boot = secrets.randbits(63)
@@ -155,6 +155,7 @@ class Worker:
         s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         if self.curve is not None:
             s.curve_publickey, s.curve_secretkey, s.curve_serverkey = self.curve
+        s.ipv6 = self.cfg.server.startswith("tcp://[")  # an IPv6 literal (ps/endpoints.py needs_ipv6)
         s.connect(self.cfg.server)
         self.sock = s
         self.welcomed = False
@@ -259,6 +260,8 @@ class Worker:
         if self.compute is not None:
             self.compute.close()
             self.compute = None
+        if self.id_claim is not None:  # a default id is free for the next worker of this key
+            self.id_claim.release()
 
     # ------------------------------------------------------------------ inbound
     def _on_frames(self, frames: list) -> None:
