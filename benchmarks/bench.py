@@ -33,6 +33,7 @@ import click
 import psutil
 
 from benchmarks.common import Row, skipped
+from ps.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")
@@ -312,12 +313,12 @@ def _ints(s: str) -> list[int]:
 @click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
               help="latecomer rows: jobs each worker holds at once (`latecomer work --credit N`).")
 @click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=click.Path(dir_okay=False), default=None, callback=output_file,
               help="Markdown table (default: benchmarks/RESULTS.md for the default plan; RESULTS-quick.md with "
                    "--quick, RESULTS-partial.md otherwise, so that no partial run replaces the committed table).")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, callback=output_file,
               help="Also write the rows as JSON (default: next to --out, with the .json suffix).")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, callback=output_file,
               help="Also plot updates/s against d (default for the full run: docs/img/bench.png).")
 def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out) -> None:
     """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload."""

@@ -11,13 +11,14 @@ import time
 import click
 
 from experiments import EXPERIMENTS
+from ps.paths import output_dir
 
 
 @click.command("experiment")
 @click.argument("name", metavar="NAME")
 @click.option("--quick", is_flag=True, help="Small grids and short horizons (well under a minute).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every simulation (same seed, same CSV).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="Output folder [default: runs/experiments/NAME].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--real", is_flag=True,

@@ -19,7 +19,15 @@ from typing import Any
 
 import click
 import numpy as np
-import tomllib
+
+from problems.loader import BUILTIN_PROBLEMS
+from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
+from ps.paths import check_output_file, output_dir, output_file, usage_check
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package (a dependency there)
+    import tomli as tomllib
 
 DEFAULT_PORT = 5555
 
@@ -112,7 +120,7 @@ def _training_options(default_problem: str, default_algorithm: str):
         f = click.option("--problem-opt", multiple=True, metavar="KEY=VALUE",
                          help="Problem option, e.g. --problem-opt d=256 (repeatable).")(f)
         f = click.option("--problem", "-p", default=None,
-                         help=f"Built-in problem (quadratic, digits, logreg, mnist) or module:callable "
+                         help=f"Built-in problem ({', '.join(BUILTIN_PROBLEMS)}) or module:callable "
                               f"(default {default_problem}).")(f)
         return f
     return deco
@@ -132,6 +140,13 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 def _positive(ctx, param, value):
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise click.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def _finite(ctx, param, value):
+    """click callback: NaN and infinity are refused (FloatRange lets them through)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number, got {value}")
     return value
 
 
@@ -184,13 +199,15 @@ def list_algorithms(names) -> None:
 # --------------------------------------------------------------------------- serve
 
 @main.command()
-@click.option("--bind", default=f"tcp://127.0.0.1:{DEFAULT_PORT}", show_default=True,
-              help="ZeroMQ endpoint to bind (port 0: any free port).")
+@click.option("--bind", default=f"tcp://127.0.0.1:{DEFAULT_PORT}", show_default=True, callback=bind_endpoint,
+              help="ZeroMQ endpoint to bind: tcp://HOST:PORT (HOST * for every interface, [::1] for IPv6; "
+                   "port 0: any free port) or ipc://PATH.")
 @_training_options("digits", "ordered-momentum")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many updates.")
 @click.option("--max-time", type=float, default=None, callback=_positive, help="Stop after this many seconds.")
-@click.option("--target-loss", type=float, default=None, help="Stop once the evaluated loss is at most this.")
+@click.option("--target-loss", type=float, default=None, callback=_finite,
+              help="Stop once the evaluated loss is at most this.")
 @click.option("--eval-every", type=click.IntRange(min=0), default=100, show_default=True,
               help="Evaluate the model every N updates.")
 @click.option("--liveness-timeout", type=float, default=3.0, show_default=True, callback=_positive,
@@ -201,14 +218,15 @@ def list_algorithms(names) -> None:
 @click.option("--round-period", type=float, default=None, callback=_positive,
               help="Round-based algorithms: a round every this many seconds (default: demand-driven).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--events", type=click.Path(dir_okay=False), default=None, help="Append every event as JSON lines.")
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.option("--events", type=click.Path(dir_okay=False), default=None, callback=output_file,
+              help="Append every event as JSON lines.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="Write summary.json and final_x.npy here at the end.")
-@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="State directory: journal and checkpoints; start again with the same DIR to resume.")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=1000, show_default=True,
               help="With --state: checkpoint every N updates (0: only by time and at exit).")
-@click.option("--checkpoint-interval", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--checkpoint-interval", type=click.FloatRange(min=0), default=30.0, show_default=True, callback=_finite,
               help="With --state: checkpoint at least every this many seconds (0: never by time).")
 @click.option("--fsync", type=click.Choice(["always", "batch", "never"]), default="batch", show_default=True,
               help="With --state: journal durability (batch = group commit every 10 ms).")
@@ -410,16 +428,19 @@ def _deterministic_oracle() -> None:
 # --------------------------------------------------------------------------- work
 
 @main.command()
-@click.option("--server", "-s", required=True, envvar="LATECOMER_SERVER", help="Server endpoint, tcp://HOST:PORT.")
-@click.option("--worker-id", default="", envvar="LATECOMER_WORKER_ID", help="Stable worker name (default HOST-PID).")
+@click.option("--server", "-s", required=True, envvar="LATECOMER_SERVER", callback=server_endpoint,
+              help="Server endpoint, tcp://HOST:PORT or ipc://PATH.")
+@click.option("--worker-id", default="", envvar="LATECOMER_WORKER_ID",
+              help="Stable worker name (default: with --key the key's NAME, NAME@HOST if the key is not named "
+                   "after this host, -2, -3... for more workers of one key here; else HOST-PID).")
 @click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Jobs held at once (2 = one prefetched).")
 @click.option("--device", default="cpu", show_default=True, help="Torch device: cpu, cuda or cuda:N.")
-@click.option("--delay", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--delay", type=click.FloatRange(min=0), default=0.0, show_default=True, callback=_finite,
               help="Injected extra seconds per job (heterogeneity for experiments).")
-@click.option("--jitter", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--jitter", type=click.FloatRange(min=0), default=0.0, show_default=True, callback=_finite,
               help="Half-normal noise scale added to each job's delay (seconds).")
-@click.option("--slowdown", type=click.FloatRange(min=1), default=1.0, show_default=True,
+@click.option("--slowdown", type=click.FloatRange(min=1), default=1.0, show_default=True, callback=_finite,
               help="Stretch the measured compute time by this factor.")
 @click.option("--data-delay/--no-data-delay", default=False,
               help="Multiply the delay by the problem's per-sample cost (data-dependent delays).")
@@ -443,16 +464,18 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
          threads, seed, key_secret, server_key, shm, problem_opt, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     _setup_logging(log_level)
-    if not server.startswith(("tcp://", "ipc://", "inproc://")):
-        raise click.BadParameter(f"expected tcp://HOST:PORT, got {server!r}", param_hint="--server")
     if worker_id and not (worker_id.isascii() and worker_id.isprintable() and len(worker_id) <= 64):
         raise click.BadParameter("1-64 printable ASCII characters", param_hint="--worker-id")
-    if device != "cpu" and not device.startswith("cuda"):
+    if not (device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
         raise click.BadParameter(f"expected cpu, cuda or cuda:N, got {device!r}", param_hint="--device")
     if device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise click.ClickException(f"--device {device}: CUDA is not available on this machine")
+        n_gpus = torch.cuda.device_count()
+        if device.startswith("cuda:") and int(device[5:]) >= n_gpus:
+            raise click.ClickException(f"--device {device}: this machine has {n_gpus} CUDA device(s): "
+                                       f"give cuda:0 to cuda:{n_gpus - 1}")
     from worker.link import WorkerConfig, run_worker
     from worker.runner import DelaySpec
 
@@ -489,7 +512,7 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True,
+@click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True, callback=output_dir,
               help="Where the summary, the events and the plots go.")
 @click.option("--progress/--no-progress", default=True)
 def run(problem, problem_opt, algorithm, settings, config, workers, delays, steps, batch_size, eval_every, seed, out,
@@ -598,7 +621,7 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
               help="How iterates and gradients travel (PROTOCOL.md §6.12): simulated workers compute on the "
                    "quantized iterate and their gradients reach the server quantized.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True, callback=output_dir)
 def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_model, noise, max_time, max_steps,
              batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
@@ -618,6 +641,9 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
             crash_list.append(Crash(int(w), float(at), float(rejoin) if rejoin else None))
         except ValueError:
             raise click.BadParameter(f"expected WORKER@TIME[+REJOIN], got {c!r}", param_hint="--crash") from None
+        times = (crash_list[-1].at, crash_list[-1].rejoin_after)
+        if not all(t is None or (math.isfinite(t) and t >= 0) for t in times):
+            raise click.BadParameter(f"TIME and REJOIN must be finite seconds >= 0, got {c!r}", param_hint="--crash")
         if not 0 <= crash_list[-1].worker < workers:
             raise click.BadParameter(f"worker index {crash_list[-1].worker} out of range", param_hint="--crash")
     cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem_obj.options or {}), batch_size=batch_size,
@@ -657,7 +683,8 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
 # --------------------------------------------------------------------------- status
 
 @main.command()
-@click.option("--server", "-s", required=True, envvar="LATECOMER_SERVER", help="Server endpoint, tcp://HOST:PORT.")
+@click.option("--server", "-s", required=True, envvar="LATECOMER_SERVER", callback=server_endpoint,
+              help="Server endpoint, tcp://HOST:PORT or ipc://PATH.")
 @click.option("--key", "key_secret", type=click.Path(exists=True, dir_okay=False), default=None,
               envvar="LATECOMER_KEY", help="CurveZMQ: an allow-listed key pair (.key_secret).")
 @click.option("--server-key", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -699,7 +726,7 @@ def keys() -> None:
 
 
 @keys.command("init")
-@click.argument("keys_dir", type=click.Path(file_okay=False))
+@click.argument("keys_dir", type=click.Path(file_okay=False), callback=output_dir)
 def keys_init(keys_dir) -> None:
     """Make the server key pair and an empty allow-list in KEYS_DIR."""
     from ps.security import fingerprint, init_keys, load_public
@@ -748,7 +775,8 @@ def keys_revoke(name, keys_dir) -> None:
 @click.option("--algorithm", "-a", default=None,
               help="Re-run the recorded delay trace under this algorithm instead (in the simulator).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Its hyper-parameters.")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="With --algorithm: trace and plot here.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, callback=output_dir,
+              help="With --algorithm: trace and plot here.")
 def replay(state_dir, algorithm, settings, out) -> None:
     """Re-run a recorded run exactly from its journal and check the final iterate bit for bit.
 
@@ -854,7 +882,7 @@ def stop(state_dir, timeout) -> None:
 @click.option("--workers", "-n", type=click.IntRange(2, 32), default=5, show_default=True)
 @click.option("--kills", type=click.IntRange(min=0), default=10, show_default=True, help="Worker kills (-9).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="State directory of the server (default: a new temporary one).")
 def chaos(duration, workers, kills, seed, state_dir) -> None:
     """Kill, freeze and restart random workers and once the server; then judge the run."""
@@ -874,7 +902,8 @@ def chaos(duration, workers, kills, seed, state_dir) -> None:
 @main.command()
 @click.option("--hosts", "hosts_file", type=click.Path(dir_okay=False), default=None,
               help="Hosts file: one line per host, HOST COUNT [DEVICE] (DEVICE cpu, cuda or cuda:N).")
-@click.option("--server", default=None, help="Server endpoint the workers connect to, tcp://HOST:PORT.")
+@click.option("--server", default=None, callback=remote_server_endpoint,
+              help="Server endpoint the workers connect to, tcp://HOST:PORT.")
 @click.option("--launch-file", default="latecomer-launch.json", show_default=True, type=click.Path(dir_okay=False),
               help="JSON record of the started workers (hosts and remote PIDs), read by --stop.")
 @click.option("--stop", "stop_", is_flag=True, help="Stop the workers recorded in --launch-file.")
@@ -913,8 +942,6 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
             raise click.UsageError("missing option '--hosts' (or --stop)")
         if not server:
             raise click.UsageError("missing option '--server'")
-        if not server.startswith(("tcp://", "ipc://")):
-            raise click.BadParameter(f"expected tcp://HOST:PORT, got {server!r}", param_hint="--server")
         try:
             extra = tuple(shlex.split(worker_args))
         except ValueError as e:
@@ -929,6 +956,7 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
             raise click.ClickException(f"{launch_file} exists (workers already launched?): stop them with "
                                        f"`latecomer launch --stop --launch-file {launch_file}` or pick another "
                                        f"--launch-file")
+        usage_check(check_output_file, launch_file, "--launch-file")  # before any worker starts
         record = lm.launch(hosts, server, launch_file, ssh=ssh, remote_cmd=remote_cmd, worker_args=extra,
                            log_dir=log_dir, timeout=ssh_timeout, echo=click.echo)
         click.echo(f"{len(record['workers'])} workers started; launch file {launch_file}")
@@ -938,7 +966,7 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
 
 @main.command()
 @click.argument("state_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", type=click.Path(file_okay=False), default=None,
+@click.option("--out", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="Where the plots and report.md go (default STATE_DIR/report).")
 @click.option("--events", "events_path", type=click.Path(dir_okay=False), default=None,
               help="The event log (default STATE_DIR/events.jsonl).")
