@@ -12,6 +12,8 @@ import zlib
 
 import numpy as np
 
+from problems.loader import worker_local
+
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 # idx type code -> big-endian numpy dtype (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT")
@@ -98,6 +100,7 @@ def load_mnist_arrays(images: str, labels: str, subset: int = 0) -> tuple[np.nda
     return x, y.astype(np.int64)
 
 
+@worker_local("images", "labels", "test_images", "test_labels")  # the files may live elsewhere on each host
 def make_mnist(images: str = "", labels: str = "", test_images: str = "", test_labels: str = "", subset: int = 0,
                hidden: int = 32, cubic: bool = False, homogeneous: bool = False, slow_class: int = 9,
                kappa: float = 10.0, device: str = "cpu"):
