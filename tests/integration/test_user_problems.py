@@ -1,0 +1,80 @@
+"""A user's problem module with real processes: found in the folder the console script runs
+from (no PYTHONPATH), and worker-local options overridden (or refused) per worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.integration.test_own_model import LATECOMER, start, user_env
+from tests.integration.util import wait_exit, wait_line
+
+pytestmark = pytest.mark.slow
+
+TOY = '''
+import os
+
+import numpy as np
+
+import latecomer
+
+
+class Toy(latecomer.Problem):
+    layout = (("w", (2,)),)
+
+    def init_params(self, seed):
+        return np.zeros(2, np.float32)
+
+    def grad(self, x, seed, batch_size):
+        return latecomer.GradResult(grad=(x - 1).astype(np.float32), loss=float(((x - 1) ** 2).sum()))
+
+    def evaluate(self, x):
+        return {"loss": float(((x - 1) ** 2).sum())}
+
+
+@latecomer.worker_local("data_dir")
+def make(data_dir: str = "", scale: float = 1.0, device: str = "cpu"):
+    if data_dir:  # shows which value this process loaded the problem with
+        with open(os.path.join(data_dir, f"loaded-{os.getpid()}"), "w") as f:
+            f.write(data_dir)
+    return Toy()
+'''
+
+
+def test_worker_local_override_and_refusal_with_the_console_script(procs, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "toymod.py").write_text(TOY)
+    server_dir, local_dir = tmp_path / "server-data", tmp_path / "local-data"
+    server_dir.mkdir()
+    local_dir.mkdir()
+    server = start(procs, project, "serve", "--bind", "tcp://127.0.0.1:0", "--problem", "toymod:make",
+                   "--problem-opt", f"data_dir={server_dir}", "--algorithm", "asgd", "--set", "lr=0.1",
+                   "--max-steps", "40", "--eval-every", "10", "--out", "out")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    refused = start(procs, project, "work", "--server", endpoint, "--problem-opt", "scale=3",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert wait_exit(refused, timeout=60) == 3
+    err = refused.stderr.read().decode().strip().splitlines()
+    assert len(err) == 1 and "scale: not a worker-local option, the server sets it (worker-local: data_dir)" \
+        in err[0], err
+    worker = start(procs, project, "work", "--server", endpoint, "--problem-opt", f"data_dir={local_dir}",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert wait_exit(server, timeout=60) == 0
+    assert wait_exit(worker, timeout=30) == 0
+    assert [p.read_text() for p in local_dir.iterdir()] == [str(local_dir)]  # the worker's own value
+    assert [p.read_text() for p in server_dir.iterdir()] == [str(server_dir)]  # the server kept its own
+    assert json.loads((project / "out" / "problem.json").read_text())["problem_options"] == \
+        {"data_dir": str(server_dir)}
+
+
+def test_a_module_that_is_not_in_the_folder_says_what_to_do(tmp_path):
+    r = subprocess.run([LATECOMER, "serve", "--problem", "elsewhere_mod:make", "--max-steps", "1"], cwd=tmp_path,
+                       env=user_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "run from the folder that holds elsewhere_mod.py (or its package elsewhere_mod/), or add that folder " \
+           "to PYTHONPATH" in r.stderr and "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []
