@@ -6,7 +6,8 @@ vector; ``layout`` names the blocks (e.g. per weight matrix, so Muon can step ea
 
 A user's own problem is given as ``module:callable``: the callable takes keyword options
 (strings, numbers, booleans, as passed with ``--problem-opt key=value``) plus ``device`` and
-returns an object with this interface. Both sides call it with the same options; the server
+returns an object with this interface (for a PyTorch model, a ``latecomer.TorchProblem``:
+``problems/torch_problem.py``). Both sides call it with the same options; the server
 announces spec and options to the workers in ``Welcome``.
 
 Determinism contract: ``grad(x, seed, batch_size)`` must be a pure function of its arguments
@@ -58,6 +59,8 @@ class Problem:
         options: the keyword options it was built with (msgpack-able scalars).
         layout: named block shapes of the flat parameter vector.
         num_samples: N for finite-sum problems (FULL_GRAD shards index [0, N)); None otherwise.
+        lmo_mask: optional, one bool per layout block: True where an LMO/Muon step applies
+            (TorchProblem sets it: matrices, not embeddings, not the output layer).
     """
 
     spec: str = ""
