@@ -1,0 +1,191 @@
+"""A harness for hostile-input tests: a real server with two real workers training, an attack
+run against it, and the figures every such test checks.
+
+    victim = Victim(procs, tmp_path)                 # serve --state + 2 workers, training
+    report = victim.measure(my_attack, seconds=4)    # baseline window, then the attack
+    report.check(rss_bound_mb=60)                    # alive, RSS bounded, rate >= half, ...
+    victim.finish()                                  # clean stop; nothing accepted lost
+
+``my_attack(endpoint, running)`` is a plain function that attacks ``endpoint`` until
+``running()`` turns False (or until it is done) and returns a dict of its own figures. It runs
+in a thread of the test process while the harness samples the server's RSS and counts the
+updates the real workers get applied.
+
+"Nothing accepted lost" is checked at the end: the server stops cleanly, its summary's
+accounting identity holds, and the journal replays bit for bit to the final iterate that the
+server wrote (every reply it accepted is in the state it left).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+
+from tests.integration.util import wait_exit, wait_line
+
+Attack = Callable[[str, Callable[[], bool]], dict]
+
+
+class EventCounter:
+    """Counts ``applied`` events in an event log incrementally (reads only what was appended)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.applied = 0
+        self.partial = b""
+
+    def poll(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.applied
+        self.offset += len(chunk)
+        data = self.partial + chunk
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        for line in lines:
+            if b'"applied"' in line and json.loads(line).get("ev") == "applied":
+                self.applied += 1
+        return self.applied
+
+
+@dataclass
+class AttackReport:
+    """What happened to the server and the real workers during one attack."""
+
+    rate_before: float  # applied updates/s of the real workers before the attack
+    rate_during: float  # ... while it ran
+    rss0: int  # server RSS (bytes) just before the attack
+    rss_peak: int  # highest RSS sampled during the attack
+    rss_after: int  # RSS once the attack's connections are closed (after a short settle)
+    alive: bool  # the server process is still running
+    seconds: float  # how long the attack ran
+    attack: dict = field(default_factory=dict)  # the attack's own figures
+
+    def summary(self) -> str:
+        mb = 2**20
+        return (f"rate {self.rate_before:.0f}/s -> {self.rate_during:.0f}/s during; RSS {self.rss0 / mb:.0f} MiB -> "
+                f"peak {self.rss_peak / mb:.0f} MiB, after {self.rss_after / mb:.0f} MiB; {self.seconds:.1f} s; "
+                f"attack {self.attack}")
+
+    def check(self, *, rss_bound_mb: float, min_rate_ratio: float = 0.5) -> None:
+        """The acceptance figures: alive, RSS within ``rss_bound_mb`` of the baseline during and
+        after, and the real workers' rate at least ``min_rate_ratio`` of what it was before."""
+        assert self.alive, f"the server died: {self.summary()}"
+        bound = rss_bound_mb * 2**20
+        assert self.rss_peak - self.rss0 <= bound, f"RSS grew past the bound during the attack: {self.summary()}"
+        assert self.rss_after - self.rss0 <= bound, f"RSS stayed past the bound after the attack: {self.summary()}"
+        assert self.rate_during >= min_rate_ratio * self.rate_before, f"the real workers slowed: {self.summary()}"
+
+
+class Victim:
+    """``latecomer serve --state`` with two real workers (injected delays), training the quadratic."""
+
+    def __init__(self, procs: Any, tmp_path: Any, *, extra_serve: tuple[str, ...] = (), d: int = 32,
+                 delays: tuple[str, ...] = ("0.004", "0.01"), algorithm: tuple[str, ...] = (
+                     "--algorithm", "asgd", "--set", "lr=0.05"), env: dict | None = None) -> None:
+        self.procs = procs
+        self.state = str(tmp_path / "state")
+        self.server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--state", self.state, "--problem",
+                                  "quadratic", "--problem-opt", f"d={d}", *algorithm, "--max-time", "600",
+                                  "--liveness-timeout", "3", "--eval-every", "0", "--log-level", "warning",
+                                  *extra_serve, env=env)
+        self.endpoint = wait_line(self.server, r"listening on (tcp://\S+)", timeout=60).group(1)
+        self.events = EventCounter(os.path.join(self.state, "events.jsonl"))
+        self.workers = [procs.start("work", "--server", self.endpoint, "--worker-id", f"real{i}", "--delay", dl)
+                        for i, dl in enumerate(delays, 1)]
+        self.wait_applied(50, timeout=60)
+
+    # ---- figures
+    def rss(self) -> int:
+        return psutil.Process(self.server.pid).memory_info().rss
+
+    def alive(self) -> bool:
+        return self.server.poll() is None
+
+    def wait_applied(self, n: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.events.poll() < n:
+            assert self.alive(), "the server died"
+            assert time.monotonic() < deadline, f"only {self.events.applied} updates applied within {timeout} s"
+            time.sleep(0.05)  # polling interval of a bounded wait
+        return self.events.applied
+
+    def rate(self, seconds: float) -> float:
+        """Applied updates per second over a window of ``seconds``."""
+        a0, t0 = self.events.poll(), time.monotonic()
+        time.sleep(seconds)  # the measurement window itself
+        return (self.events.poll() - a0) / (time.monotonic() - t0)
+
+    # ---- one attack
+    def measure(self, attack: Attack, *, seconds: float, baseline_s: float = 2.0,
+                settle_s: float = 1.5) -> AttackReport:
+        """Measure the rate for ``baseline_s``, then run ``attack`` for at most ``seconds`` while
+        sampling RSS every 50 ms; ``rss_after`` is sampled ``settle_s`` after the attack returned."""
+        rate_before = self.rate(baseline_s)
+        rss0 = self.rss()
+        stop = threading.Event()
+        out: dict = {}
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                out.update(attack(self.endpoint, lambda: not stop.is_set()) or {})
+            except BaseException as e:  # reported in the test's thread
+                errors.append(e)
+
+        th = threading.Thread(target=run, daemon=True)
+        a0, t0 = self.events.poll(), time.monotonic()
+        th.start()
+        peak = rss0
+        while th.is_alive() and time.monotonic() - t0 < seconds and self.alive():
+            peak = max(peak, self.rss())
+            th.join(0.05)
+        stop.set()
+        th.join(30)
+        elapsed = time.monotonic() - t0
+        applied = self.events.poll() - a0
+        alive = self.alive()
+        if alive:
+            peak = max(peak, self.rss())
+        assert not th.is_alive(), "the attack did not stop within 30 s of being told"
+        if errors:
+            raise errors[0]
+        settle_end = time.monotonic() + settle_s
+        while alive and time.monotonic() < settle_end:
+            peak = max(peak, self.rss())
+            time.sleep(0.05)  # sampling interval
+        rss_after = self.rss() if self.alive() else 0
+        return AttackReport(rate_before=rate_before, rate_during=applied / max(elapsed, 1e-9), rss0=rss0,
+                            rss_peak=peak, rss_after=rss_after, alive=self.alive(), seconds=elapsed, attack=out)
+
+    # ---- the end
+    def finish(self, *, more_updates: int = 100) -> dict:
+        """Training still goes on, then a clean stop; returns summary.json after checking that
+        nothing accepted was lost (accounting identity, exact replay of the journal)."""
+        from ps.replay import replay_run
+
+        self.wait_applied(self.events.applied + more_updates, timeout=60)
+        self.server.send_signal(signal.SIGTERM)
+        rc = wait_exit(self.server, timeout=60)
+        assert rc == 0, self.server.stderr.read()[-3000:].decode(errors="replace")
+        for w in self.workers:
+            wait_exit(w, timeout=30)
+        with open(os.path.join(self.state, "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+        assert summary["accounted"], summary["counters"]
+        replayed = replay_run(self.state)
+        assert np.array_equal(replayed.final_x, np.load(os.path.join(self.state, "final_x.npy"))), \
+            "the journal replays exactly to the final iterate"
+        return summary
