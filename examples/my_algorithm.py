@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from algorithms import Algorithm, JobSpec, Outcome
-from algorithms.base import check_hyper, publish
-from protocol.messages import JobKind
+from latecomer import Algorithm, JobKind, JobSpec, Outcome, check_hyper, publish
 
 
 @dataclass

@@ -15,8 +15,9 @@ and may change without notice.
 - :func:`state_dict`, :func:`load_state_dict`: a trained run (``serve --state DIR`` or
   ``--out DIR``) as a state dict, or loaded into a fresh module (``latecomer export`` does the
   same from the command line).
-- :class:`Algorithm`, :class:`JobSpec`, :class:`Result`, :class:`Outcome`, :func:`publish`:
-  the interface of server algorithms.
+- :class:`Algorithm`, :class:`JobSpec`, :class:`Result`, :class:`Outcome`, :func:`publish`,
+  :class:`JobKind`, :func:`check_hyper`: the interface of server algorithms (load your own
+  with ``--algorithm mymodule:MyAlgorithm``; check it with ``latecomer.testing.check_algorithm``).
 
 Imports are lazy: ``import latecomer`` does not import torch; the first use of a torch-backed
 name (``TorchProblem``, ``job_seed``) does.
@@ -42,15 +43,18 @@ _EXPORTS: dict[str, str] = {
     "Result": "algorithms.base:Result",
     "Outcome": "algorithms.base:Outcome",
     "publish": "algorithms.base:publish",
+    "check_hyper": "algorithms.base:check_hyper",
+    "JobKind": "protocol.messages:JobKind",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from algorithms.base import Algorithm, JobSpec, Outcome, Result, publish  # noqa: F401
+    from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper, publish  # noqa: F401
     from problems.base import GradResult, Problem  # noqa: F401
     from problems.loader import load_problem, worker_local  # noqa: F401
     from problems.torch_problem import TorchProblem, job_seed  # noqa: F401
+    from protocol.messages import JobKind  # noqa: F401
     from ps.export import load_state_dict, state_dict  # noqa: F401
 
 
