@@ -476,7 +476,8 @@ class Worker:
         """The welcome's problem cannot be loaded here: tell the server why (PROBLEM_UNAVAILABLE)
         and stop; :func:`run_worker` then prints the reason and exits with status 3."""
         spec = self.problem_key[0] if self.problem_key else "?"
-        reason = reason.removeprefix(f"problem {spec!r}: ")  # the loader names the spec; so does our line
+        # The loader's one-line ValueErrors name the spec already, and so does our line.
+        reason = reason.removeprefix("ValueError: ").removeprefix(f"problem {spec!r}: ")
         self.failure = self.stopping = f"cannot load problem {spec}: {reason}"
         self._send(Error(ErrorCode.PROBLEM_UNAVAILABLE, error_text(reason)))
 

@@ -61,6 +61,7 @@ def test_worker_local_override_and_refusal_with_the_console_script(procs, tmp_pa
     err = refused.stderr.read().decode().strip().splitlines()
     assert len(err) == 1 and "scale: not a worker-local option, the server sets it (worker-local: data_dir)" \
         in err[0], err
+    assert "ValueError" not in err[0] and err[0].count("toymod") == 1, f"the line says it once: {err[0]}"
     worker = start(procs, project, "work", "--server", endpoint, "--problem-opt", f"data_dir={local_dir}",
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert wait_exit(server, timeout=60) == 0
