@@ -589,7 +589,7 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
         f"  stopped:   {reason} after {daemon.summary()['elapsed_s']:.1f} s",
         f"  steps:     {daemon.core.version}",
         f"  jobs:      issued {c.issued}, applied {c.applied}, dropped {c.dropped}, lost {c.lost}, "
-        f"cancelled {c.cancelled}, outstanding {daemon.core.outstanding}",
+        f"{f'failed {c.failed}, ' if c.failed else ''}cancelled {c.cancelled}, outstanding {daemon.core.outstanding}",
         f"  ages:      mean {ages['mean']:.2f}, median {ages['p50']:.0f}, p90 {ages['p90']:.0f}, max {ages['max']:.0f}",
     ]
     for key in ("loss", "accuracy", "f1", "grad_norm_sq"):
