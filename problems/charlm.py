@@ -20,9 +20,10 @@ Thread settings are the caller's business (this module never calls ``torch.set_n
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
+import sys
+import sysconfig
 
 import numpy as np
 import torch
@@ -34,25 +35,27 @@ from problems.base import GradResult, Layout, Problem
 def read_package_text(package: str) -> str:
     """The concatenated ``.py`` sources of standard-library package ``package`` (sorted by name).
 
+    The files are read from the standard library's own folder (``sysconfig``'s ``stdlib``
+    path) without importing anything: ``package`` comes from the server's ``welcome`` too, and
+    a server must not be able to make a worker import a module or read the sources of any
+    other package installed there (SECURITY.md, trust model).
+
     Raises:
-        ValueError: not an importable package, or no ``.py`` file in it.
+        ValueError: not a standard-library package, or no ``.py`` file in it.
     """
-    try:
-        mod = importlib.import_module(package)
-    except ImportError as e:
-        raise ValueError(f"charlm: cannot import package {package!r} ({e})") from None
-    path = getattr(mod, "__file__", None)
-    if not path or os.path.basename(path) != "__init__.py":
+    names = package.split(".") if isinstance(package, str) else []
+    if not names or not all(n.isidentifier() for n in names) or names[0] not in sys.stdlib_module_names:
+        raise ValueError(f"charlm: package {package!r} is not a standard-library package (the text is read from "
+                         "the standard library only)")
+    folder = os.path.join(sysconfig.get_paths()["stdlib"], *names)
+    if not os.path.isfile(os.path.join(folder, "__init__.py")):
         raise ValueError(f"charlm: {package!r} is not a package with source files")
-    folder = os.path.dirname(path)
     files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
-    if not files:
-        raise ValueError(f"charlm: no .py files in {folder}")
-    parts = []
+    texts = []
     for name in files:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
-            parts.append(f.read())
-    return "\n".join(parts)
+            texts.append(f.read())
+    return "\n".join(texts)
 
 
 class CharLM(Problem):

@@ -37,11 +37,14 @@ def parse_idx(raw: bytes, name: str = "idx data") -> np.ndarray:
     Raises:
         ValueError: bad magic, unknown type code, no dimensions, or a size that does not match.
     """
+    # Until the header reads as idx (magic and type code), no message quotes the file's bytes: it
+    # may go to the server (err PROBLEM_UNAVAILABLE), whose path may name any file (SECURITY.md).
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{name}: not an idx file (bad magic {raw[:4].hex() or 'empty'})")
+        raise ValueError(f"{name}: not an idx file (bad magic: {'empty' if not raw else 'not 00 00 TYPE NDIM'})")
     code, ndim = raw[2], raw[3]
     if code not in IDX_DTYPES:
-        raise ValueError(f"{name}: unknown idx type code 0x{code:02x}")
+        raise ValueError(f"{name}: unknown idx type code (known: "
+                         f"{', '.join(f'0x{c:02x}' for c in IDX_DTYPES)})")
     if ndim == 0:
         raise ValueError(f"{name}: idx file declares 0 dimensions")
     header = 4 + 4 * ndim

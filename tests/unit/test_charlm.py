@@ -88,7 +88,9 @@ def test_options_are_coerced_through_the_loader():
     ({"context": "1"}, "context"),
     ({"val_frac": "0.9"}, "val_frac"),
     ({"layers": "0"}, "layers"),
-    ({"package": "no_such_pkg_xyz"}, "cannot import"),
+    ({"package": "no_such_pkg_xyz"}, "not a standard-library package"),
+    ({"package": "numpy"}, "not a standard-library package"),  # installed, but not the standard library's
+    ({"package": "../etc"}, "not a standard-library package"),
     ({"package": "math"}, "not a package"),
     ({"layers": "two"}, "invalid value"),
 ])
