@@ -28,6 +28,7 @@ import numpy as np
 from experiments import common
 from experiments.sync_sgd import SyncSGD
 from problems import load_problem
+from problems.trust import is_user_problem
 from ps.core import CoreConfig
 from ps.sim import DelayModel
 
@@ -85,7 +86,8 @@ def run_real(problem_name: str, problem_opts: dict[str, Any], method: str, param
         for i, dl in enumerate(delays):
             cmd = [sys.executable, "-m", "ps", "work", "--server", daemon.endpoint, "--worker-id", f"w{i + 1}",
                    "--delay", f"{dl:g}", "--give-up", "10", "--seed", str(seed * 1000 + i),
-                   *(["--data-delay"] if data_delay else [])]
+                   *(["--data-delay"] if data_delay else []),
+                   *(["--allow-problem", problem_name] if is_user_problem(problem_name) else [])]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log))
         daemon.run()
     finally:

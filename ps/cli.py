@@ -21,6 +21,7 @@ import click
 import numpy as np
 
 from problems.loader import BUILTIN_PROBLEMS
+from problems.trust import ENV_ALLOW_PROBLEM
 from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
 from ps.paths import check_output_file, output_dir, output_file, usage_check
 
@@ -124,6 +125,36 @@ def _training_options(default_problem: str, default_algorithm: str):
                               f"(default {default_problem}).")(f)
         return f
     return deco
+
+
+def _allow_patterns(ctx, param, value):
+    """``--allow-problem``/``--allow-algorithm`` values as validated patterns (problems/trust.py);
+    one value may hold several separated by white space (as ``LATECOMER_ALLOW_PROBLEM`` does)."""
+    from problems.trust import check_pattern
+
+    try:
+        return tuple(check_pattern(p, param.opts[0]) for v in value or () for p in v.split())
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix(f"{param.opts[0]} "), param_hint=param.opts[0]) from None
+
+
+def _allowed(allow_problem=(), allow_algorithm=()):
+    """The trust of a command that reads a state directory (problems/trust.py)."""
+    from problems.trust import Allowed
+
+    return Allowed(tuple(allow_problem), tuple(allow_algorithm))
+
+
+def _allow_options(f):
+    """``--allow-problem`` and ``--allow-algorithm`` for commands that load what a state directory names."""
+    f = click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN",
+                     callback=_allow_patterns,
+                     help="Trust this algorithm of your own (module:Class or an fnmatch pattern) where a state "
+                          "directory names it (repeatable).")(f)
+    f = click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", callback=_allow_patterns,
+                     help="Trust this problem of your own (module:callable or an fnmatch pattern such as "
+                          "'mymodel:*') where a state directory names it (repeatable).")(f)
+    return f
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
@@ -247,14 +278,20 @@ def list_algorithms(names) -> None:
                    "off: TCP for everyone).")
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="Precision of iterates and gradients on the wire (TCP); the server keeps float32.")
+@_allow_options
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure, metrics_port,
-          metrics_addr, shm, wire_dtype, log_format, log_level) -> None:
-    """Run the server daemon in the foreground."""
+          metrics_addr, shm, wire_dtype, allow_problem, allow_algorithm, log_format, log_level) -> None:
+    """Run the server daemon in the foreground.
+
+    Resuming a --state directory whose run.json names a problem or algorithm of your own
+    (module:callable) needs the command line to name it too: --problem/--algorithm equal to it, or
+    --allow-problem/--allow-algorithm patterns that match it.
+    """
     from ps.security import is_loopback_endpoint
 
     _setup_logging(log_level, log_format)
@@ -271,7 +308,9 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                           seed=seed, events=events,
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
-                          if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype)
+                          if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
+                          allowed=_allowed(allow_problem, allow_algorithm).naming(problem=spec.problem,
+                                                                                 algorithm=spec.algorithm))
     daemon.install_signal_handlers()
     if metrics_port is not None:
         try:
@@ -322,7 +361,7 @@ class StateOptions:
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
                  liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
                  state: StateOptions | None = None, keys_dir: str | None = None, shm: str = "auto",
-                 wire_dtype: str = "f32"):
+                 wire_dtype: str = "f32", allowed=None):
     import zmq
 
     from ps.core import CoreConfig, ServerCore
@@ -335,7 +374,7 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
                                                        liveness_timeout=liveness_timeout,
                                                        heartbeat_interval=heartbeat_interval, min_workers=min_workers,
                                                        round_period=round_period, seed=seed, boot=boot,
-                                                       wire_dtype=wire_dtype)
+                                                       wire_dtype=wire_dtype, allowed=allowed)
         wire_dtype = persistence.wire_dtype
         events = events or os.path.join(state.state_dir, "events.jsonl")
     else:
@@ -365,8 +404,14 @@ def _core_config(run: dict[str, Any]):
     return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
 
 
-def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", **core_kw):
-    """Start a new run in an empty state directory, or resume the one it holds."""
+def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
+                **core_kw):
+    """Start a new run in an empty state directory, or resume the one it holds.
+
+    A resumed run's problem and algorithm come from its run.json: a user callable there is
+    loaded only if ``allowed`` (the command line: problems/trust.py) trusts it; else one line
+    saying what to add."""
+    from problems.trust import Allowed, UntrustedError, check_run
     from ps.core import ServerCore
     from ps.persist import Journal, Persistence, read_run, recover, write_run
 
@@ -390,6 +435,12 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtyp
         journal.append("start", run=run)
         log.info("new run in %s", d)
     else:
+        try:
+            check_run(run, allowed or Allowed().naming(problem=spec.problem, algorithm=spec.algorithm),
+                      os.path.join(d, "run.json"), problem_hint="--allow-problem {spec} (or --problem {spec})",
+                      algorithm_hint="--allow-algorithm {spec} (or --algorithm {spec})")
+        except UntrustedError as e:
+            raise click.ClickException(str(e)) from None
         resumed = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
                                algorithm=run["algorithm"], settings=run["settings"])
         if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
@@ -459,9 +510,14 @@ def _deterministic_oracle() -> None:
 @click.option("--problem-opt", multiple=True, metavar="KEY=VALUE",
               help="Override a worker-local option of the server's problem here, e.g. a data path on this host "
                    "(repeatable; options the problem does not declare worker-local are refused).")
+@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", envvar=ENV_ALLOW_PROBLEM,
+              callback=_allow_patterns,
+              help="Load this problem of your own when the server names it: module:callable or an fnmatch "
+                   "pattern ('mymodel:*', 'mypkg.*'); repeatable. Built-in problems need none; a worker never "
+                   "imports anything else a server names (SECURITY.md, trust model).")
 @click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
 def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay, cache_size, give_up, max_jobs,
-         threads, seed, key_secret, server_key, shm, problem_opt, log_level) -> None:
+         threads, seed, key_secret, server_key, shm, problem_opt, allow_problem, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     _setup_logging(log_level)
     if worker_id and not (worker_id.isascii() and worker_id.isprintable() and len(worker_id) <= 64):
@@ -485,6 +541,7 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
                        give_up_s=give_up, max_jobs=max_jobs, threads=threads, key_secret=key_secret,
                        server_key=server_key, shm=shm,
                        problem_overrides=tuple(_parse_pairs(problem_opt, "--problem-opt").items()),
+                       allow_problems=allow_problem,
                        delay=DelaySpec(delay_s=delay, jitter_s=jitter, slowdown=slowdown, data_dependent=data_delay,
                                        seed=seed))
     try:
@@ -539,7 +596,11 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     daemon.install_signal_handlers()
     from tqdm import tqdm
 
-    procs = [_spawn_worker(daemon.endpoint, f"w{i + 1}", delay_list[i % len(delay_list)], [])
+    from problems.trust import is_user_problem
+
+    # the workers are ours: they trust the problem this command line names (SECURITY.md, trust model)
+    allow = ["--allow-problem", spec.problem] if is_user_problem(spec.problem) else []
+    procs = [_spawn_worker(daemon.endpoint, f"w{i + 1}", delay_list[i % len(delay_list)], allow)
              for i in range(workers)]
     bar = tqdm(total=steps, desc=f"{spec.algorithm} on {spec.problem}", unit="step", disable=not progress,
                dynamic_ncols=True)
@@ -777,17 +838,21 @@ def keys_revoke(name, keys_dir) -> None:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Its hyper-parameters.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="With --algorithm: trace and plot here.")
-def replay(state_dir, algorithm, settings, out) -> None:
+@_allow_options
+def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) -> None:
     """Re-run a recorded run exactly from its journal and check the final iterate bit for bit.
 
     Gradients journaled without payload are recomputed from their seeds with the problem's
     oracle (deterministic on CPU). With --algorithm, the recorded per-worker job durations are
     played back in the simulator under another algorithm, for a like-for-like comparison.
+    A problem or algorithm of your own that run.json names is loaded only with --allow-problem/
+    --allow-algorithm patterns that match it.
     """
     from ps.replay import recorded_final_x, replay_run
 
+    allowed = _allowed(allow_problem, allow_algorithm)
     try:
-        result = replay_run(state_dir)
+        result = replay_run(state_dir, allowed)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     recorded = recorded_final_x(state_dir)
@@ -804,18 +869,19 @@ def replay(state_dir, algorithm, settings, out) -> None:
             diff = float(np.max(np.abs(recorded.astype(np.float64) - result.final_x)))
             raise click.ClickException(f"replay differs from the recorded iterate (max abs diff {diff:.3g})")
         return
-    _replay_other_algorithm(state_dir, result, algorithm, _parse_pairs(settings, "--set"), out)
+    _replay_other_algorithm(state_dir, result, algorithm, _parse_pairs(settings, "--set"), out, allowed)
 
 
-def _replay_other_algorithm(state_dir, result, algorithm, settings, out) -> None:
+def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed) -> None:
     from ps.persist import read_run
     from ps.replay import TraceDelays, build_from_run
     from ps.sim import Simulator
 
     run = read_run(state_dir)
     try:
-        problem, alg, cfg = build_from_run(run, algorithm=algorithm, settings=settings)
-        _, base_alg, _ = build_from_run(run)
+        where = os.path.join(state_dir, "run.json")
+        problem, alg, cfg = build_from_run(run, algorithm=algorithm, settings=settings, allowed=allowed, where=where)
+        _, base_alg, _ = build_from_run(run, allowed=allowed, where=where)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
     workers = sorted(result.durations, key=lambda w: (len(w), w))
@@ -911,14 +977,17 @@ def chaos(duration, workers, kills, seed, state_dir) -> None:
 @click.option("--remote-cmd", default="latecomer", show_default=True,
               help="The latecomer command on the hosts, e.g. ~/venv/bin/latecomer.")
 @click.option("--worker-args", default="", help="Extra `latecomer work` options for every worker, e.g. '--credit 2'.")
+@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", callback=_allow_patterns,
+              help="Passed to every worker: the problem of your own it may load (module:callable or a pattern; "
+                   "repeatable). Built-in problems need none.")
 @click.option("--log-dir", default="/tmp", show_default=True, help="Directory on the hosts for the worker logs.")
 @click.option("--grace", type=float, default=10.0, show_default=True, callback=_positive,
               help="With --stop: seconds between SIGTERM and SIGKILL.")
 @click.option("--ssh-timeout", type=float, default=30.0, show_default=True, callback=_positive,
               help="Seconds to wait for each ssh command.")
 @click.option("--dry-run", is_flag=True, help="Print the ssh commands instead of running them.")
-def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args, log_dir, grace, ssh_timeout,
-           dry_run) -> None:
+def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args, allow_problem, log_dir, grace,
+           ssh_timeout, dry_run) -> None:
     """Start workers on the hosts of a hosts file over ssh (or stop them again with --stop)."""
     import shlex
 
@@ -946,6 +1015,7 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
             extra = tuple(shlex.split(worker_args))
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--worker-args") from None
+        extra += tuple(a for p in allow_problem for a in ("--allow-problem", p))
         hosts = lm.read_hosts(hosts_file)
         if dry_run:
             for w in lm.plan(hosts, log_dir):

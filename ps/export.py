@@ -9,7 +9,10 @@ A run directory is either
   ``final_x.npy`` holds the final iterate.
 
 The problem is rebuilt from its spec and options (a user's ``module:callable`` needs the
-module importable: run from its folder). For a :class:`problems.torch_problem.TorchProblem`
+module importable: run from its folder). The directory is data: a problem or algorithm of the
+user's own that it names is loaded only if the caller allows it (``--allow-problem``,
+``--allow-algorithm``, ``allow_problem=``; problems/trust.py), so a tampered ``run.json`` naming
+``os:system`` runs nothing. For a :class:`problems.torch_problem.TorchProblem`
 the state dict is keyed by the model's parameter *and* buffer names, with BatchNorm statistics
 re-estimated exactly as ``evaluate`` does, so ``model.load_state_dict(torch.load(FILE))`` works
 on a fresh module and scores what the server's evaluation scored. Any other problem exports its
@@ -29,6 +32,8 @@ from typing import Any
 
 import click
 import numpy as np
+
+from problems.trust import BUILTINS_ONLY, Allowed, check_run
 
 FORMATS = ("torch", "safetensors", "npy")
 
@@ -58,15 +63,17 @@ def _checkpoint_path(run_dir: str, checkpoint: str) -> str:
     return checkpoint
 
 
-def locate(run_dir: str, checkpoint: str | int | None = None) -> RunPoint:
+def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowed = BUILTINS_ONLY) -> RunPoint:
     """The problem and the iterate a run directory holds (see the module docstring).
 
     Args:
         run_dir: a ``--state`` or ``--out`` directory.
         checkpoint: with a ``--state`` directory, a checkpoint's LSN or path (default: the newest).
+        allowed: the user callables trusted where the directory names them (default: none).
 
     Raises:
-        ValueError: not a run directory, no such checkpoint, a corrupt file.
+        ValueError: not a run directory, no such checkpoint, a corrupt file, a user callable
+            ``allowed`` does not trust (``UntrustedError``).
     """
     from ps.persist import latest_checkpoint, read_checkpoint, read_run
 
@@ -75,6 +82,8 @@ def locate(run_dir: str, checkpoint: str | int | None = None) -> RunPoint:
     run = read_run(run_dir)
     final = os.path.join(run_dir, "final_x.npy")
     if run is not None:
+        # the problem here; the algorithm where a checkpoint restores it (build_from_run)
+        check_run(run, allowed, os.path.join(run_dir, "run.json"), check_algorithm=False)
         if checkpoint is not None:
             path = _checkpoint_path(run_dir, str(checkpoint))
             try:
@@ -87,7 +96,7 @@ def locate(run_dir: str, checkpoint: str | int | None = None) -> RunPoint:
             from ps.core import ServerCore
             from ps.replay import build_from_run
 
-            _, alg, cfg = build_from_run(run)
+            _, alg, cfg = build_from_run(run, allowed=allowed, where=os.path.join(run_dir, "run.json"))
             core = ServerCore.restore(alg, ck[1], cfg)
             name = os.path.basename(path) if checkpoint is not None else f"ckpt-{ck[0]:012d}.bin"
             return RunPoint(run["problem"], dict(run["problem_options"]), np.array(core.params(), copy=True),
@@ -106,6 +115,7 @@ def locate(run_dir: str, checkpoint: str | int | None = None) -> RunPoint:
                          "--state directory instead")
     with open(problem_json, encoding="utf-8") as f:
         desc = json.load(f)
+    check_run(desc, allowed, problem_json, check_algorithm=False)
     return RunPoint(desc["problem"], dict(desc.get("problem_options", {})), _load_final(final),
                     _summary_version(run_dir), "final_x.npy")
 
@@ -125,16 +135,18 @@ def _summary_version(run_dir: str) -> int | None:
         return None
 
 
-def run_state_dict(run_dir: str, checkpoint: str | int | None = None) -> tuple[dict[str, Any], Any, RunPoint]:
+def run_state_dict(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowed = BUILTINS_ONLY
+                   ) -> tuple[dict[str, Any], Any, RunPoint]:
     """(state dict, problem, where from) of a run directory. A TorchProblem gives torch tensors
     keyed like its model's ``state_dict()``; any other problem numpy arrays by layout name.
+    ``allowed``: as for :func:`locate`.
 
     Raises:
         ValueError: see :func:`locate`, and a problem that cannot be rebuilt here.
     """
     from problems import load_problem
 
-    point = locate(run_dir, checkpoint)
+    point = locate(run_dir, checkpoint, allowed=allowed)
     problem = load_problem(point.problem, point.problem_options, device="cpu")
     if point.x.shape != (problem.dim,):
         raise ValueError(f"the iterate in {run_dir} has shape {point.x.shape}, the problem {point.problem!r} "
@@ -147,12 +159,27 @@ def run_state_dict(run_dir: str, checkpoint: str | int | None = None) -> tuple[d
     return flat_state(problem, point.x), problem, point
 
 
-def state_dict(run_dir: str, *, checkpoint: str | int | None = None) -> dict[str, Any]:
-    """The state dict of a trained run (``--state`` or ``--out`` directory), see :func:`run_state_dict`."""
-    return run_state_dict(run_dir, checkpoint)[0]
+def _patterns(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
-def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = None, strict: bool = True) -> Any:
+def state_dict(run_dir: str, *, checkpoint: str | int | None = None, allow_problem: str | tuple[str, ...] = (),
+               allow_algorithm: str | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The state dict of a trained run (``--state`` or ``--out`` directory), see :func:`run_state_dict`.
+
+    ``allow_problem``, ``allow_algorithm``: patterns (``"mymodel:make"``, ``"mymodel:*"``,
+    problems/trust.py) of the problem and algorithm of your own the directory may name; the
+    built-ins need none.
+
+    Raises:
+        ValueError: see :func:`run_state_dict`; a user callable the patterns do not allow.
+    """
+    allowed = Allowed.from_flags(_patterns(allow_problem), _patterns(allow_algorithm))
+    return run_state_dict(run_dir, checkpoint, allowed=allowed)[0]
+
+
+def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = None, strict: bool = True,
+                    allow_problem: str | tuple[str, ...] = (), allow_algorithm: str | tuple[str, ...] = ()) -> Any:
     """Load a trained run into ``model`` (an ``nn.Module``) and return the module.
 
     Args:
@@ -160,14 +187,20 @@ def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = 
         run_dir: the run's ``--state`` or ``--out`` directory.
         checkpoint: a checkpoint's LSN or path (``--state`` directories only).
         strict: passed to ``nn.Module.load_state_dict``.
+        allow_problem, allow_algorithm: as for :func:`state_dict`. The module that defines
+            ``model``'s class is allowed too (you imported it), so a run of ``mymodel:make``
+            loads into a ``mymodel.Net`` without more.
 
     Raises:
         ValueError: see :func:`run_state_dict`; keys or shapes that do not fit the module.
     """
     import torch
 
+    own = getattr(type(model), "__module__", "") or ""
+    mine = (own,) if own and own != "__main__" and own.split(".")[0].isidentifier() else ()
     sd = {k: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v))
-          for k, v in state_dict(run_dir, checkpoint=checkpoint).items()}
+          for k, v in state_dict(run_dir, checkpoint=checkpoint, allow_problem=_patterns(allow_problem) + mine,
+                                 allow_algorithm=allow_algorithm).items()}
     try:
         model.load_state_dict(sd, strict=strict)
     except RuntimeError as e:
@@ -211,15 +244,22 @@ def write(sd: dict[str, Any], path: str, fmt: str) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The file to write.")
 @click.option("--checkpoint", default=None, metavar="LSN|PATH",
               help="With a --state directory: this checkpoint instead of the newest.")
-def export(run_dir, fmt, output, checkpoint) -> None:
+@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN",
+              help="Trust this problem of your own (module:callable or a pattern such as 'mymodel:*') where the "
+                   "directory names it (repeatable).")
+@click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN",
+              help="Trust this algorithm of your own (module:Class or a pattern) where run.json names it.")
+def export(run_dir, fmt, output, checkpoint, allow_problem, allow_algorithm) -> None:
     """Export a run's trained model (a --state or --out directory) as a state dict.
 
     For a TorchProblem the keys are the model's parameter and buffer names (BatchNorm statistics
     re-estimated as evaluate does), so model.load_state_dict(torch.load(FILE)) works on a fresh
-    module; other problems export their layout's blocks by name.
+    module; other problems export their layout's blocks by name. A problem or algorithm of your
+    own that the directory names needs --allow-problem/--allow-algorithm.
     """
     try:
-        sd, problem, point = run_state_dict(run_dir, checkpoint)
+        sd, problem, point = run_state_dict(run_dir, checkpoint,
+                                            allowed=Allowed.from_flags(allow_problem, allow_algorithm))
         write(sd, output, fmt)
     except ValueError as e:
         raise click.ClickException(str(e)) from None

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from problems.trust import BUILTINS_ONLY, Allowed, check_run
 from ps.core import CoreConfig, ServerCore
 from ps.persist import apply_record, read_journal, read_run, run_wire_dtype
 
@@ -38,10 +39,23 @@ class ReplayResult:
         return hashlib.sha256(np.ascontiguousarray(self.final_x).tobytes()).hexdigest()
 
 
-def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, settings: dict | None = None):
-    """(problem, algorithm, core config) of a recorded run, optionally with another algorithm."""
+def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, settings: dict | None = None,
+                   allowed: Allowed = BUILTINS_ONLY, where: str = "run.json"):
+    """(problem, algorithm, core config) of a recorded run, optionally with another algorithm
+    (``algorithm``, named by the caller, so trusted).
+
+    A problem or algorithm of the user's own (``module:callable``) that ``run`` names is loaded
+    only if ``allowed`` trusts it (problems/trust.py; the default trusts only the built-ins): a
+    run.json is data, and naming ``os:system`` in it must not run anything.
+
+    Raises:
+        ValueError: an unloadable problem or algorithm; ``UntrustedError`` (a ValueError) for an
+            untrusted one, naming the flag to add.
+    """
     import algorithms
     from problems import load_problem
+
+    check_run(run, allowed, where, check_algorithm=algorithm is None)
 
     problem = load_problem(run["problem"], run["problem_options"])
     alg = algorithms.build(algorithm or run["algorithm"], settings if algorithm else run["settings"])
@@ -52,12 +66,20 @@ def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, setting
     return problem, alg, cfg
 
 
-def replay_run(state_dir: str) -> ReplayResult:
-    """Replay the journal of ``state_dir`` from the start. Raises ValueError if there is no run."""
+def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult:
+    """Replay the journal of ``state_dir`` from the start (or from the oldest kept checkpoint, once
+    the journal's head was removed: ``ReplayResult.from_checkpoint``).
+
+    ``allowed``: the user callables trusted where run.json names them (default: built-ins only).
+
+    Raises:
+        ValueError: no run, or one that cannot be rebuilt (``UntrustedError``: a user callable
+            ``allowed`` does not trust).
+    """
     run = read_run(state_dir)
     if run is None:
         raise ValueError(f"{state_dir} holds no run (no run.json)")
-    problem, alg, cfg = build_from_run(run)
+    problem, alg, cfg = build_from_run(run, allowed=allowed, where=os.path.join(state_dir, "run.json"))
     if "torch" in sys.modules:  # a torch problem, built-in or the user's (a TorchProblem): the workers'
         sys.modules["torch"].set_num_threads(1)  # default of one thread gives the same bits
     core = ServerCore(alg, problem.init_params(cfg.seed), cfg)

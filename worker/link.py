@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from algorithms._pool import POOL
+from problems.trust import Allowed, worker_refusal
 from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode, error_text
 from protocol.errors import RemoteProtocolError
@@ -70,6 +71,9 @@ class WorkerConfig:
         shm: "auto" asks a server on this host for the shared-memory path; "off" never does.
         problem_overrides: ``(key, value)`` pairs laid over the options of the server's problem
             (``--problem-opt``); only options its factory declares worker-local are accepted.
+        allow_problems: patterns of the user problems (``module:callable``) this worker loads
+            when a server names them (``--allow-problem``; problems/trust.py); the built-ins
+            need none. Any other problem a welcome names is refused before anything is imported.
     """
 
     server: str
@@ -87,6 +91,7 @@ class WorkerConfig:
     server_key: str | None = None  # CurveZMQ: the server's server.key file
     shm: str = "auto"  # same-host path: "auto" (use it when the server offers it) or "off"
     problem_overrides: tuple[tuple[str, str], ...] = ()  # worker-local problem options (problems.loader)
+    allow_problems: tuple[str, ...] = ()  # user problems this worker trusts (problems.trust patterns)
 
 
 class Worker:
@@ -110,6 +115,7 @@ class Worker:
             from problems import load_problem as _lp
             load_problem = _lp
         self._load_problem = load_problem
+        self.allowed = Allowed.from_flags(config.allow_problems)  # ValueError: a bad pattern
         self.problem_key: tuple | None = None
         self.loaded = False  # the compute thread has loaded the current problem
         self.compute: ComputeThread | None = None
@@ -302,6 +308,14 @@ class Worker:
 
     def _on_welcome(self, w: Welcome) -> None:
         key = (w.problem, tuple(sorted(w.problem_options.items())))
+        refusal = worker_refusal(w.problem, self.allowed)
+        if refusal is not None:  # never import what a server names unless our command line allows it
+            if self.compute is not None:
+                self.compute.close()
+                self.compute = None
+            self.problem_key, self.loaded, self.welcomed = key, False, True  # welcomed: bye on the way out
+            self._load_failed(refusal)
+            return
         if key != self.problem_key:
             if self.compute is not None:
                 self.compute.close()

@@ -3,8 +3,8 @@
 From this folder (see the README's "Your own model")::
 
     latecomer serve --problem mymodel:make --algorithm asgd --set lr=0.05 --max-steps 2000 --state state
-    latecomer work --server tcp://127.0.0.1:5555        # two or three of these, in other terminals
-    latecomer export state -o model.pt
+    latecomer work --server tcp://127.0.0.1:5555 --allow-problem mymodel:make   # two or three, in other terminals
+    latecomer export state -o model.pt --allow-problem mymodel:make
 
 and then, in plain PyTorch: ``net = Net(); net.load_state_dict(torch.load("model.pt")); net.eval()``.
 """

@@ -121,7 +121,8 @@ def test_own_model_trains_like_plain_pytorch_exports_and_replays(procs, tmp_path
                    stderr=server_log)
     endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=90).group(1)
     workers = {f"w{i}": start(procs, user, "work", "--server", endpoint, "--worker-id", f"w{i}",
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in (1, 2, 3)}
+                              "--allow-problem", "mymodel:make", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+               for i in (1, 2, 3)}
     events = str(user / "state" / "events.jsonl")
     wait_events(events, lambda ev: applied(ev) >= STEPS // 4, timeout=90)
     workers["w3"].send_signal(signal.SIGKILL)
@@ -145,7 +146,7 @@ def test_own_model_trains_like_plain_pytorch_exports_and_replays(procs, tmp_path
           f"(training {trained_s:.1f} s, lost {c['lost']})")
     assert baseline > 0.9 and abs(last["accuracy"] - baseline) <= TOLERANCE
 
-    r = run(user, "export", "state", "-o", "model.pt")
+    r = run(user, "export", "state", "-o", "model.pt", "--allow-problem", "mymodel:make")
     assert r.returncode == 0, r.stderr
     assert f"at step {STEPS}" in r.stdout
     import torch
@@ -154,7 +155,7 @@ def test_own_model_trains_like_plain_pytorch_exports_and_replays(procs, tmp_path
     net.load_state_dict(torch.load(user / "model.pt"))
     assert accuracy_of(net, module.digits()[1]) == last["accuracy"]
 
-    r = run(user, "replay", "state")
+    r = run(user, "replay", "state", "--allow-problem", "mymodel:*")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bit-identical to the recorded final iterate: yes" in r.stdout
 

@@ -111,16 +111,25 @@ def test_serve_with_two_workers_trains_resumes_and_replays_bit_for_bit(procs, fo
     assert lr[1] == pytest.approx(0.1 / 20) and lr[20] == pytest.approx(0.1)  # warmup: (k+1)/W at k = 0, 19
     assert lr[300] == pytest.approx(0.1 * (0.1 + 0.9 * (1 + np.cos(np.pi * 279 / 280)) / 2))  # cosine, k = 299
 
-    # resume the same state directory (no --algorithm: the recorded spec is rebuilt) up to 400
-    serve_and_work(procs, folder, state, steps=400)
+    # resume the same state directory: run.json names code of the user's own, which runs only if the command
+    # line names it too (one line otherwise); with --allow-algorithm the recorded spec is rebuilt, up to 400
+    r = latecomer(folder, "serve", "--bind", "tcp://127.0.0.1:0", "--state", str(state), "--max-steps", "400")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"Error: {state}/run.json names the algorithm my_algorithm:MomentumSGD, code of your own: it runs only if "
+        "the command line names it too: add --allow-algorithm my_algorithm:MomentumSGD (or --algorithm "
+        "my_algorithm:MomentumSGD)"], r.stderr
+    serve_and_work(procs, folder, state, "--allow-algorithm", "my_algorithm:*", steps=400)
     assert json.loads((state / "run.json").read_text()) == run
     summary = json.loads((state / "summary.json").read_text())
     assert summary["version"] == 400 and summary["counters"]["applied"] == 400
     assert final_loss(np.load(state / "final_x.npy")) <= 0.05 * first
 
     r = latecomer(folder, "replay", str(state))
+    assert r.returncode == 1 and "add --allow-algorithm my_algorithm:MomentumSGD" in r.stderr, r.stderr
+    allow = ("--allow-algorithm", "my_algorithm:MomentumSGD")
+    r = latecomer(folder, "replay", str(state), *allow)
     assert r.returncode == 0 and "bit-identical to the recorded final iterate: yes" in r.stdout, \
         r.stdout + r.stderr[-2000:]
-    r = latecomer(tmp_path, "replay", str(state))  # not the module's folder: one line saying what to do
+    r = latecomer(tmp_path, "replay", str(state), *allow)  # not the module's folder: one line saying what to do
     assert r.returncode == 1 and "Traceback" not in r.stderr and "run from the folder that holds my_algorithm.py" \
         in " ".join(r.stderr.split())

@@ -56,14 +56,14 @@ def test_worker_local_override_and_refusal_with_the_console_script(procs, tmp_pa
                    "--max-steps", "40", "--eval-every", "10", "--out", "out")
     endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
     refused = start(procs, project, "work", "--server", endpoint, "--problem-opt", "scale=3",
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                    "--allow-problem", "toymod:make", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert wait_exit(refused, timeout=60) == 3
     err = refused.stderr.read().decode().strip().splitlines()
     assert len(err) == 1 and "scale: not a worker-local option, the server sets it (worker-local: data_dir)" \
         in err[0], err
     assert "ValueError" not in err[0] and err[0].count("toymod") == 1, f"the line says it once: {err[0]}"
     worker = start(procs, project, "work", "--server", endpoint, "--problem-opt", f"data_dir={local_dir}",
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                   "--allow-problem", "toymod:*", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert wait_exit(server, timeout=60) == 0
     assert wait_exit(worker, timeout=30) == 0
     assert [p.read_text() for p in local_dir.iterdir()] == [str(local_dir)]  # the worker's own value

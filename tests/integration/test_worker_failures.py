@@ -109,7 +109,8 @@ def identity_holds(c: dict, outstanding: int) -> bool:
 
 def test_worker_without_the_problem_module_says_why_and_the_server_logs_it(procs, tmp_path, failmod):
     server, endpoint, events = serve(procs, tmp_path, "failmod:make_env", failmod, "--max-time", "120")
-    worker = procs.start("work", "--server", endpoint, "--worker-id", "w3")  # no PYTHONPATH: no failmod
+    # allowed, but no PYTHONPATH: no failmod here
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w3", "--allow-problem", "failmod:*")
     assert wait_exit(worker, timeout=60) == 3
     err = worker.stderr.read().decode()
     lines = [line for line in err.splitlines() if "cannot load problem" in line]
@@ -134,12 +135,13 @@ def test_worker_whose_grad_always_raises_is_benched_after_k_failed_jobs(procs, t
     port = free_port()
     server, endpoint, events = serve(procs, tmp_path, "failmod:make_env", failmod, "--max-time", "120",
                                      "--metrics-port", str(port))
-    bad = procs.start("work", "--server", endpoint, "--worker-id", "bad", env={"PYTHONPATH": failmod,
-                                                                                 "FAILMOD_RAISE": "1"})
+    bad = procs.start("work", "--server", endpoint, "--worker-id", "bad", "--allow-problem", "failmod:*",
+                      env={"PYTHONPATH": failmod, "FAILMOD_RAISE": "1"})
     benched = wait_events(events, lambda ev: [e for e in ev if e["ev"] == "benched"], timeout=60)
     assert benched[0]["worker_id"] == "bad" and benched[0]["in_a_row"] == K
     # a healthy worker joins; it gets the jobs, the benched one gets none
-    good = procs.start("work", "--server", endpoint, "--worker-id", "good", env={"PYTHONPATH": failmod})
+    good = procs.start("work", "--server", endpoint, "--worker-id", "good", "--allow-problem", "failmod:*",
+                       env={"PYTHONPATH": failmod})
     wait_events(events, lambda ev: sum(e["ev"] == "applied" and e["worker_id"] == "good" for e in ev) >= 20,
                 timeout=60)
     st = status_json(endpoint)
@@ -179,7 +181,8 @@ def test_grad_that_raises_for_some_seeds_fails_those_jobs_and_training_completes
     # One worker: the jobs and their seeds follow from --seed 0; a quarter of the seeds fail, never
     # 5 jobs in a row within the first 120, so the worker is never benched.
     server, endpoint, events = serve(procs, tmp_path, "failmod:make_flaky", failmod, "--max-steps", "40")
-    worker = procs.start("work", "--server", endpoint, "--worker-id", "w1", env={"PYTHONPATH": failmod})
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w1", "--allow-problem", "failmod:*",
+                         env={"PYTHONPATH": failmod})
     assert wait_exit(server, timeout=90) == 0
     assert wait_exit(worker, timeout=15) == 0
     s = summary(tmp_path)
@@ -199,7 +202,8 @@ def test_grad_that_raises_for_some_seeds_fails_those_jobs_and_training_completes
 
 def test_gradient_of_the_wrong_size_names_the_layout(procs, tmp_path, failmod):
     server, endpoint, events = serve(procs, tmp_path, "failmod:make_wrong_size", failmod, "--max-time", "120")
-    worker = procs.start("work", "--server", endpoint, "--worker-id", "w1", env={"PYTHONPATH": failmod})
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w1", "--allow-problem", "failmod:*",
+                         env={"PYTHONPATH": failmod})
     want = "grad: expected 31 values (w (5, 6), b (1,)), got 5"
     failed = wait_events(events, lambda ev: [e for e in ev if e["ev"] == "failed"], timeout=60)
     assert failed[0]["message"] == want and failed[0]["worker_id"] == "w1"

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import algorithms
+from problems.trust import Allowed
 from ps.cli import main
 from ps.core import CoreConfig, ServerCore
 from ps.export import load_state_dict, locate, state_dict
@@ -92,7 +93,9 @@ def test_export_cli_torch_state_dict_loads_into_a_fresh_module(tmp_path, user_mo
     x = problem.init_params(0) * 1.5
     d = state_dir(tmp_path / "state", f"{user_module}:make", {4: x})
     out = tmp_path / "model.pt"
-    r = CliRunner().invoke(main, ["export", d, "-o", str(out)])
+    r = CliRunner().invoke(main, ["export", d, "-o", str(out)])  # run.json names code: the command line must too
+    assert r.exit_code == 1 and f"add --allow-problem {user_module}:make" in r.output and not out.exists(), r.output
+    r = CliRunner().invoke(main, ["export", d, "-o", str(out), "--allow-problem", f"{user_module}:make"])
     assert r.exit_code == 0, r.output
     assert f"of {user_module}:make" in r.output and "from ckpt-000000000004.bin (LSN 4)" in r.output
     sd = torch.load(out)
@@ -108,8 +111,11 @@ def test_export_cli_torch_state_dict_loads_into_a_fresh_module(tmp_path, user_mo
     with torch.no_grad():
         acc = float(np.mean((net(xs).argmax(1) == ys).numpy()))
     assert acc == problem.evaluate(x)["accuracy"]
-    fresh = load_state_dict(module.Net(), d)
+    fresh = load_state_dict(module.Net(), d)  # the module that defines the model's class is trusted
     assert all(torch.equal(fresh.state_dict()[k], sd[k]) for k in sd)
+    with pytest.raises(ValueError, match=f"add --allow-problem {user_module}:make"):
+        state_dict(d)
+    assert set(state_dict(d, allow_problem=f"{user_module}:*")) == set(sd)
 
 
 def test_out_dir_exports_final_x_with_problem_json(tmp_path, user_module):
@@ -124,9 +130,12 @@ def test_out_dir_exports_final_x_with_problem_json(tmp_path, user_module):
     write_outputs(str(out), daemon)
     assert json.loads((out / "problem.json").read_text()) == {"problem": f"{user_module}:make",
                                                               "problem_options": {}}
-    point = locate(str(out))
+    point = locate(str(out), allowed=Allowed(named_problems=frozenset({f"{user_module}:make"})))
     assert point.version == 17 and point.source == "final_x.npy" and point.x.tobytes() == x.tobytes()
     r = CliRunner().invoke(main, ["export", str(out), "--format", "npy", "-o", str(tmp_path / "m.npz")])
+    assert r.exit_code == 1 and "problem.json names the problem" in r.output, r.output
+    r = CliRunner().invoke(main, ["export", str(out), "--format", "npy", "-o", str(tmp_path / "m.npz"),
+                                  "--allow-problem", user_module])
     assert r.exit_code == 0, r.output
     assert "at step 17 from final_x.npy" in r.output
     with np.load(tmp_path / "m.npz") as z:
@@ -174,5 +183,5 @@ def test_load_state_dict_into_the_wrong_module_is_a_one_line_error(tmp_path, use
     x = load_problem(f"{user_module}:make").init_params(0)
     d = state_dir(tmp_path / "state", f"{user_module}:make", {2: x})
     with pytest.raises(ValueError) as info:
-        load_state_dict(torch.nn.Linear(2, 2), d)
+        load_state_dict(torch.nn.Linear(2, 2), d, allow_problem=f"{user_module}:*")
     assert "does not fit this module" in str(info.value) and "\n" not in str(info.value)
