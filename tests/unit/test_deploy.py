@@ -315,6 +315,32 @@ def test_sbatch_cpu_keys_and_too_few_nodes(slurm_shims, tmp_path):
     assert r.returncode == 2 and "at least 2 nodes" in r.stderr
 
 
+@pytest.mark.slow
+def test_sbatch_passes_a_problem_of_your_own_to_the_workers(slurm_shims, tmp_path):
+    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="cpu",
+                   LATECOMER_SERVE_ARGS="--problem mymodel:make --algorithm asgd --max-steps 10")
+    assert r.returncode == 0, r.stdout + r.stderr
+    serve_line, work_line = dry_run_commands(r.stdout)
+    assert parse(serve_line[serve_line.index("latecomer") + 1:], tmp_path)[1]["problem"] == "mymodel:make"
+    _, wp = parse(work_line[work_line.index("latecomer") + 1:], tmp_path)
+    assert wp["allow_problem"] == ("mymodel:make",), "a worker loads no code the server names unless allowed"
+    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="cpu", LATECOMER_SERVE_ARGS="--problem=digits")
+    _, work_line = dry_run_commands(r.stdout)
+    assert parse(work_line[work_line.index("latecomer") + 1:], tmp_path)[1]["allow_problem"] == ()
+
+
+def test_compose_and_k8s_workers_take_the_allow_list_from_the_environment():
+    (doc,) = load_yaml("compose", "docker-compose.yml")
+    for name in ("worker", "worker-gpu"):
+        assert doc["services"][name]["environment"]["LATECOMER_ALLOW_PROBLEM"] == "${LATECOMER_ALLOW_PROBLEM:-}"
+    for base in ("k8s", "k8s/overlays/gpu"):
+        for w in by_kind(k8s_resources(base), "Deployment").values():
+            (c,) = w["spec"]["template"]["spec"]["containers"]
+            assert {e["name"] for e in c["env"]} >= {"LATECOMER_ALLOW_PROBLEM"}, w["metadata"]["name"]
+    assert main.commands["work"].params[[p.name for p in main.commands["work"].params].index("allow_problem")
+                                        ].envvar == "LATECOMER_ALLOW_PROBLEM"
+
+
 # --------------------------------------------------------------------------- systemd
 
 def read_unit(path: str) -> list[tuple[str, str, str]]:
