@@ -151,6 +151,15 @@ class Algorithm:
         """Job ids among ``outstanding`` (objects with job_id, created_at, kind) to stop now."""
         return []
 
+    def on_issued(self, state: Any, job_id: int, spec: JobSpec) -> Any:
+        """Told that ``spec`` (from ``make_job``) was handed out as job ``job_id``. Returns the state.
+
+        The core calls it once per job, in hand-out order, when the job gets its id (with clock
+        rounds that can be after later ``make_job`` calls: their specs wait in a queue). An
+        algorithm that must place the ids ``on_lost`` names (A11, A12) learns them here; the
+        default does nothing."""
+        return state
+
     def on_lost(self, state: Any, job_ids: Sequence[int]) -> Any:
         """Told that these outstanding jobs were written off (worker dead). Returns the state."""
         return state

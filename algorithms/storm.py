@@ -24,9 +24,13 @@ are accumulated with the weight of the round they will enter, so R_k is simply "
 received since round k−1". A held ``apply`` returns ``updated=False``.
 
 Job ids. ``make_job`` cannot know the id the driver gives a job, yet ``on_lost`` names jobs by id
-only. The algorithm learns ids from the ``outstanding`` list of each ``cancel`` call; an id it
-has not seen yet is matched to the oldest job issued since (in the demand-driven driver that is
-exactly one job). ``cancel`` therefore updates the state's id table in place.
+only. The core tells the algorithm each job's id when it hands the job out (``on_issued``), so a
+write-off always names a known job; that matters with clock rounds (``round_period_s``), where
+the specs of several rounds can wait in the core's queue and several handed-out jobs are new
+between two ``cancel`` calls. For a driver that never calls ``on_issued`` the ids are also
+learned from the ``outstanding`` list of each ``cancel`` call, and an id not seen yet is matched
+to the oldest job made since (exact only when at most one such job is out, as in a demand-driven
+driver). ``on_issued`` and ``cancel`` therefore update the state's id table in place.
 """
 
 from __future__ import annotations
@@ -280,11 +284,27 @@ class _DelayedVR(Algorithm):
             state.job_tags = [t for _, t in keep_pairs]
         return out
 
+    def on_issued(self, state: DelayedVRState, job_id: int, spec: JobSpec) -> DelayedVRState:
+        """Record the driver's id of a job made by ``make_job`` (its tag read off the spec)."""
+        if spec.kind == JobKind.GRAD_PAIR:
+            tag: int | None = spec.created_at
+        else:
+            anchor = spec.iterate_ids[0] if spec.iterate_ids else _NONE
+            j = self._part_index(spec.shard)
+            tag = None if j is None else self._part_tag(anchor, j)
+        if tag is None or job_id in state.job_ids:
+            return state
+        if tag in state.unseen:
+            state.unseen.remove(tag)
+        state.job_ids.append(job_id)
+        state.job_tags.append(tag)
+        return state
+
     def on_lost(self, state: DelayedVRState, job_ids: Sequence[int]) -> DelayedVRState:
         """Written-off jobs: pair jobs stay in M_k with their decaying weight; parts are reissued."""
         for jid in job_ids:
             tag = self._pop_tag(state, jid)
-            if tag is None:
+            if tag is None:  # a driver that does not call on_issued: the oldest job made since
                 tag = state.unseen.pop(0) if state.unseen else None
             if tag is None:
                 continue

@@ -64,7 +64,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from algorithms._pool import POOL, step_into
-from algorithms.base import Algorithm, Result, check_hyper
+from algorithms.base import Algorithm, JobSpec, Result, check_hyper
 from protocol.messages import JobKind
 
 __all__ = ["WrapperSettings", "WRAPPER_KEYS", "LRSchedule", "WeightDecay", "ClipGradNorm", "Wrapper", "chain",
@@ -222,6 +222,9 @@ class Wrapper(Algorithm):
 
     def cancel(self, state: Any, outstanding: Sequence[Any]) -> list[int]:
         return self.inner.cancel(state, outstanding)
+
+    def on_issued(self, state: Any, job_id: int, spec: JobSpec) -> Any:
+        return self.inner.on_issued(state, job_id, spec)
 
     def on_lost(self, state: Any, job_ids: Sequence[int]) -> Any:
         return self.inner.on_lost(state, job_ids)

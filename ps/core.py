@@ -735,6 +735,7 @@ class ServerCore:
                             batch_size=spec.batch_size or self.cfg.batch_size, shard=spec.shard,
                             deadline=spec.deadline, issued_at=now)
         self.ledger[jid] = entry
+        self.state = self.alg.on_issued(self.state, jid, spec)  # the algorithm learns the job's id
         w.outstanding.add(jid)
         self.counters.issued += 1
         self.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),

@@ -1,13 +1,16 @@
-"""A11 (delayed-feedback STORM VR) in the simulator with replies lost at random."""
+"""A11 (delayed-feedback STORM VR) in the simulator with replies lost at random; A11/A12 write-offs
+under clock-driven rounds."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import algorithms
 from problems import load_problem
+from protocol.messages import Job, JobKind
 from ps.core import CoreConfig
-from ps.sim import DelayModel, simulate
+from ps.sim import Crash, DelayModel, Simulator, simulate
 
 
 def run_storm(**settings):
@@ -56,3 +59,66 @@ def test_storm_vr_clock_driven_rounds_run_without_replies():
     assert abs(rounds - 200 / 0.8) <= 3, "one round per period, replies or not"
     assert tr.counters["applied"] > 0.8 * rounds
     assert tr.points[-1]["loss"] < 0.05 * tr.points[0]["loss"]
+
+
+class _CrashAfterHandOut(Simulator):
+    """Every ``every``-th GRAD_PAIR hand-out, the worker that just got the job crashes at once and
+    rejoins 1 ms later (a new incarnation: the core writes its job off). After every event the
+    algorithm's ``pending`` must be exactly the pair jobs the core still holds (ledger or queue),
+    less those it expired (age > τ_lost) or a snapshot covers, and (A12) the snapshot parts it
+    waits for exactly the current anchor's FULL_GRAD jobs the core holds."""
+
+    every = 5
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handed = 0
+        self.mismatches: list[tuple[float, int, list[int]]] = []
+
+    def _deliver(self, cmds):
+        super()._deliver(cmds)
+        for c in cmds:
+            m = getattr(c, "msg", None)
+            if isinstance(m, Job) and m.kind == JobKind.GRAD_PAIR:
+                self.handed += 1
+                if self.handed % self.every == 0:
+                    self._push(self.now, "crash", Crash(self.by_id[c.worker_id].index, self.now, 1e-3))
+
+    def _collect(self):
+        super()._collect()
+        core, st = self.core, self.core.state
+        tau = getattr(core.alg, "tau_lost", None)
+        held = [(e.kind, e.created_at, e.iterate_ids, e.shard) for e in core.ledger.values()]
+        held += [(s.kind, s.created_at, s.iterate_ids, s.shard) for s in core.pending_specs]
+        pairs = {s for kind, s, _, _ in held if kind == JobKind.GRAD_PAIR
+                 and s > st.covered and (tau is None or st.version - s <= tau)}
+        if set(st.pending) != pairs:
+            self.mismatches.append((self.now, st.version, sorted(set(st.pending) ^ pairs)))
+        if st.snap_anchor >= 0 and core.alg.name == "snapshot-vr":
+            parts = sorted(core.alg._part_index(shard) for kind, _, ids, shard in held
+                           if kind == JobKind.FULL_GRAD and ids == (st.snap_anchor,))
+            if sorted(st.snap_wait) != parts:
+                self.mismatches.append((self.now, st.version, [-1 - j for j in sorted(set(st.snap_wait) ^ set(parts))]))
+
+
+@pytest.mark.parametrize("name", ["storm-vr", "snapshot-vr"])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_write_off_under_round_period_names_the_job_written_off(name, seed):
+    """Issue 15 item 1: with clock rounds (``round_period_s``) several handed-out jobs can be unknown
+    to the algorithm between two ``cancel`` calls; a crash and immediate rejoin right after a
+    hand-out must write off that job, not the oldest unknown one (which cancelled a live job at
+    age 2-4 while the dead one kept counting as in flight)."""
+    if name == "storm-vr":
+        problem = load_problem("quadratic", {"d": 16})
+        alg = algorithms.build(name, {"lr": 0.1, "a": 0.1, "B_init": 4, "tau_lost": 8})
+    else:
+        problem = load_problem("logreg", {"n": 400, "p": 10})
+        alg = algorithms.build(name, {"lr": 0.5, "m": 10, "D": 6, "num_samples": 400, "shards": 4, "batch": 50})
+    cfg = CoreConfig(min_workers=4, liveness_timeout_s=5.0, seed=seed, round_period_s=0.8)
+    sim = _CrashAfterHandOut(alg, problem, DelayModel.named("sqrt", 4), cfg, seed=seed)
+    tr = sim.run(max_time=60)
+    assert tr.counters["lost"] >= 8 and tr.counters["updates"] >= 40
+    assert sim.mismatches == [], f"{len(sim.mismatches)} events with the algorithm's jobs off the core's: " \
+                                 f"{sim.mismatches[:3]}"
+    assert tr.counters["issued"] == sum(tr.counters[k] for k in ("applied", "dropped", "lost", "failed",
+                                                                  "cancelled", "rejected")) + len(sim.core.ledger)

@@ -170,6 +170,30 @@ def test_storm_vr_init_job_written_off_is_reissued():
     np.testing.assert_allclose(d.state.x, [0.5], rtol=RTOL)
 
 
+@pytest.mark.parametrize("told", [True, False])
+def test_storm_vr_write_off_of_one_of_two_queued_jobs(told):
+    """Clock rounds (issue 15 item 1): jobs 1 and 2 were made in two rounds with no cancel() in
+    between and handed out later (ids 11, 12); job 2's worker dies. Told the ids at hand-out
+    (``on_issued``, as the core does), the algorithm writes off job 2; a driver that does not tell
+    gets the old guess, the oldest job made since (job 1), which is wrong here."""
+    alg = DelayedStormVR(lr=0.5, a=0.5, B_init=1, tau_lost=100)
+    state, _ = alg.init(np.array([1.0]), seed=0)
+    state, init = alg.make_job(state, "")
+    state = alg.on_issued(state, 10, init)
+    r0 = Result(job_id=10, worker_id="w0", created_at=0, kind=init.kind, iterate_ids=init.iterate_ids,
+                grads=(np.array([1.0]),))
+    state, _ = alg.apply(state, [r0])  # round 0
+    state, job1 = alg.make_job(state, "")
+    state, _ = alg.apply(state, [])  # round 1 with no reply (a clock round)
+    state, job2 = alg.make_job(state, "")
+    assert (job1.created_at, job2.created_at) == (1, 2)
+    if told:
+        state = alg.on_issued(state, 11, job1)
+        state = alg.on_issued(state, 12, job2)
+    state = alg.on_lost(state, [12])
+    assert (state.pending, state.gone) == (([1], [2]) if told else ([2], [1]))
+
+
 def _closed_form(alg, d, v0, issued, xi, k):
     """v_k = (1−a)^k v_0 + Σ_{s≤k} (1−a)^{k−s} q_s, q_s from the job's own points."""
     c = 1.0 - alg.a
