@@ -22,6 +22,7 @@ from protocol.messages import JobKind
 
 __all__ = [
     "Algorithm", "JobSpec", "Outcome", "Result", "publish", "check_hyper", "state_arrays_equal",
+    "jobs_created_at_most",
 ]
 
 
@@ -79,6 +80,16 @@ def publish(x: np.ndarray) -> np.ndarray:
     y = np.array(x, copy=True)
     y.setflags(write=False)
     return y
+
+
+def jobs_created_at_most(outstanding: Sequence[Any], created_at: int) -> list[int]:
+    """Ids of the jobs among ``outstanding`` created at version ``created_at`` or before, in
+    their order. The core passes an index (``ps.core.Outstanding``) that answers this at the
+    cost of what it returns; any other sequence is scanned."""
+    indexed = getattr(outstanding, "created_at_most", None)
+    if indexed is not None:
+        return indexed(created_at)
+    return [j.job_id for j in outstanding if j.created_at <= created_at]
 
 
 def check_hyper(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
@@ -148,7 +159,13 @@ class Algorithm:
         return self
 
     def cancel(self, state: Any, outstanding: Sequence[Any]) -> list[int]:
-        """Job ids among ``outstanding`` (objects with job_id, created_at, kind) to stop now."""
+        """Job ids among ``outstanding`` (objects with job_id, created_at, kind, iterate_ids) to stop now.
+
+        The core calls it after every apply with a read-only view of its outstanding jobs in
+        job-id order (``ps.core.Outstanding``), valid during the call. Iterating it costs its
+        length, which job hoarders can make large; its indexed queries (``created_at_most``,
+        ``count_like``, ``oldest_created_at``; see :func:`jobs_created_at_most`) cost what they
+        return. Tests may pass a plain list."""
         return []
 
     def on_issued(self, state: Any, job_id: int, spec: JobSpec) -> Any:

@@ -103,6 +103,10 @@ class _Rennala(Algorithm):
     def cancel(self, state: Any, outstanding: Sequence[Any]) -> list[int]:
         if not self.restart:
             return []
+        kind, ids = self._current(state)
+        count_like = getattr(outstanding, "count_like", None)  # the core's index: no scan when all are current
+        if count_like is not None and count_like(state.version, kind, ids) == len(outstanding):
+            return []
         return [j.job_id for j in outstanding
                 if not self._is_current(state, j.created_at, j.kind, j.iterate_ids)]
 

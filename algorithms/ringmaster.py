@@ -21,14 +21,15 @@ import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms._pool import add_scaled, step_into
-from algorithms.base import Algorithm, Outcome, Result, check_hyper
+from algorithms.base import Algorithm, Outcome, Result, check_hyper, jobs_created_at_most
 from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
 from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
 
 
 def _stale_jobs(version: int, outstanding: Sequence[Any], threshold: int) -> list[int]:
-    """Ids of outstanding jobs whose age version − created_at reached ``threshold``."""
-    return [j.job_id for j in outstanding if version - j.created_at >= threshold]
+    """Ids of outstanding jobs whose age version − created_at reached ``threshold``, i.e.
+    created_at <= version − threshold (the core's index answers that without a scan)."""
+    return jobs_created_at_most(outstanding, version - threshold)
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,25 @@ Accounting invariant, checked by the tests at every step::
 where ``outstanding`` counts jobs issued and not yet settled (including results received
 and buffered for the next round of a round-based algorithm), ``failed`` the jobs a worker
 could not compute (``err COMPUTE_FAILED``) and ``lost`` those written off without an answer.
+
+Cost per message. Nothing the core does for one message scans the worker table or the job
+ledger: free workers (ready, not benched, credit left) are an index kept in step with every
+change, liveness deadlines a heap with lazy refresh, the iterate store's sweep looks only at
+iterates whose last reference just went, and ``Algorithm.cancel`` gets an indexed view of the
+outstanding jobs (:class:`Outstanding`). What remains proportional is proportional to what
+the message itself carries or settles (a heartbeat's busy list, a worker's own jobs when it is
+written off), so 10,000 connected workers or 40,000 hoarded jobs cost a reply no more than 10.
+A worker holds at most ``CoreConfig.max_credit`` jobs, whatever credit it asks for.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -44,6 +55,7 @@ from protocol.messages import (
 )
 
 MAX_CLOSED_REMEMBERED = 65536  # settled job ids remembered to tell "late" from "unknown"
+MAX_CREDIT = 64  # jobs one worker may hold at once, whatever credit it asks for (`latecomer work --credit` <= 64)
 
 
 # --------------------------------------------------------------------------- commands
@@ -107,6 +119,130 @@ class LedgerEntry:
     received: bool = False  # result buffered for the next round (round mode)
 
 
+class Outstanding(Sequence):
+    """The outstanding jobs that have no buffered result yet, in job-id order: what
+    ``Algorithm.cancel`` receives (ledger entries: ``job_id``, ``created_at``, ``kind``,
+    ``iterate_ids``, ``shard``, ...). A read-only view the core keeps in step with its ledger;
+    valid during the call it is passed to.
+
+    Iterating it (or indexing it) costs its length. The queries cost what they return
+    (amortized), however many jobs are outstanding: :meth:`created_at_most`,
+    :meth:`count_like`, :meth:`oldest_created_at`, :attr:`created_at_sum`. Built-in algorithms
+    use them (``algorithms.base.jobs_created_at_most``); an algorithm that iterates instead still
+    works, at a cost per update that grows with the jobs outstanding.
+    """
+
+    __slots__ = ("_ledger", "_received", "_groups", "_heap", "_in_heap", "_classes", "_created_sum", "_list")
+
+    def __init__(self, ledger: dict[int, LedgerEntry]) -> None:
+        self._ledger = ledger  # the core's ledger (received entries included)
+        self._received = 0  # ledger entries whose result is buffered (round mode): not in this view
+        self._groups: dict[int, dict[int, None]] = {}  # created_at -> job ids (ordered set)
+        self._heap: list[int] = []  # created_at values of groups, a min-heap; emptied groups linger (lazy)
+        self._in_heap: set[int] = set()
+        self._classes: dict[tuple, int] = {}  # (created_at, kind, iterate_ids) -> how many
+        self._created_sum = 0
+        self._list: list[LedgerEntry] | None = None  # for indexing, built once per change
+        for e in ledger.values():
+            if e.received:
+                self._received += 1
+            else:
+                self._add(e)
+
+    # ---- the Sequence
+    def __len__(self) -> int:
+        return len(self._ledger) - self._received
+
+    def __iter__(self) -> Iterator[LedgerEntry]:
+        if not self._received:
+            return iter(self._ledger.values())
+        return (e for e in self._ledger.values() if not e.received)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if self._list is None:
+            self._list = list(self)
+        return self._list[i]
+
+    # ---- indexed queries
+    def created_at_most(self, created_at: int) -> list[int]:
+        """Ids of the jobs created at version ``created_at`` or before, ascending."""
+        self._prune()
+        h, groups, out, todo = self._heap, self._groups, [], [0]
+        n = len(h)
+        while todo:  # the heap's nodes <= created_at form a subtree at its root
+            i = todo.pop()
+            if i < n and h[i] <= created_at:
+                g = groups.get(h[i])
+                if g:
+                    out.extend(g)
+                todo += (2 * i + 1, 2 * i + 2)
+        out.sort()
+        return out
+
+    def count_like(self, created_at: int, kind: Any, iterate_ids: Sequence[int]) -> int:
+        """How many jobs have exactly this ``created_at``, kind and iterate ids."""
+        return self._classes.get((created_at, kind, tuple(iterate_ids)), 0)
+
+    def oldest_created_at(self) -> int | None:
+        """The smallest ``created_at`` among the jobs (None if there are none)."""
+        self._prune()
+        return self._heap[0] if self._heap else None
+
+    @property
+    def created_at_sum(self) -> int:
+        """The sum of the jobs' ``created_at`` (their mean age is version - sum / len)."""
+        return self._created_sum
+
+    # ---- kept in step by the core (never by an algorithm)
+    def _add(self, e: LedgerEntry) -> None:
+        self._list = None
+        c = e.created_at
+        g = self._groups.get(c)
+        if g is None:
+            g = self._groups[c] = {}
+            if c not in self._in_heap:
+                heapq.heappush(self._heap, c)
+                self._in_heap.add(c)
+        g[e.job_id] = None
+        key = (c, e.kind, tuple(e.iterate_ids))
+        self._classes[key] = self._classes.get(key, 0) + 1
+        self._created_sum += c
+
+    def _drop(self, e: LedgerEntry) -> None:
+        self._list = None
+        c = e.created_at
+        g = self._groups[c]
+        del g[e.job_id]
+        if not g:
+            del self._groups[c]
+            if len(self._heap) > 2 * len(self._groups) + 32:  # mostly emptied groups: rebuild (amortized O(1))
+                self._heap = list(self._groups)
+                heapq.heapify(self._heap)
+                self._in_heap = set(self._groups)
+        key = (c, e.kind, tuple(e.iterate_ids))
+        left = self._classes[key] - 1
+        if left:
+            self._classes[key] = left
+        else:
+            del self._classes[key]
+        self._created_sum -= c
+
+    def _mark_received(self, e: LedgerEntry) -> None:
+        self._drop(e)
+        self._received += 1
+
+    def _settled(self, e: LedgerEntry) -> None:
+        if e.received:
+            self._received -= 1
+        else:
+            self._drop(e)
+
+    def _prune(self) -> None:
+        h = self._heap
+        while h and h[0] not in self._groups:
+            self._in_heap.discard(heapq.heappop(h))
+
+
 @dataclass(slots=True)
 class Counters:
     issued: int = 0
@@ -149,6 +285,9 @@ class CoreConfig:
             with no accepted reply between (0: never).
         quarantine_s: how long a quarantined worker id is refused.
         max_workers: refuse new workers beyond this many (bounds the worker table).
+        max_credit: a worker holds at most this many jobs at once, whatever credit it asks for
+            (bounds the ledger at max_workers * max_credit entries; a hoarder that never answers
+            holds no more).
         round_period_s: round-mode algorithms: None = demand-driven rounds (a round whenever a
             worker is ready for a job); a number = a round every period on the driver's clock.
         seed: seeds the job sample seeds.
@@ -165,6 +304,7 @@ class CoreConfig:
     max_failed_jobs: int = 5
     quarantine_s: float = 300.0
     max_workers: int = 4096
+    max_credit: int = MAX_CREDIT
     round_period_s: float | None = None
     seed: int = 0
     run_id: int = 0
@@ -215,6 +355,80 @@ class ServerCore:
         # The problem's layout as error texts name it ("w (5, 6), b (1,)"); set by the driver, which
         # holds the problem (worker.compute.describe_layout). Not state: only words in messages.
         self.layout_text = ""
+        self._build_indexes()
+
+    def _build_indexes(self) -> None:
+        """Derived state (never in a snapshot), rebuilt from the tables: what makes each message
+        cost O(1) or O(log n) in the number of workers and jobs.
+
+        ``_seq``: each worker's place in join order (the order of ``workers``); ``_free``: workers
+        that can take a job now (ready, not benched, credit left); ``_eligible``: ready and not
+        benched (``min_workers``); ``_alive``: a min-heap of (last_seen as pushed, seq, id), one
+        entry per worker brought up to date lazily when it reaches the top (``_alive_top``);
+        ``jobs``: the outstanding jobs indexed (:class:`Outstanding`); ``_unref``: iterate ids
+        whose reference count fell to 0 (what ``_sweep_store`` looks at)."""
+        self._seq: dict[str, int] = {}
+        self._next_seq = 0
+        self._free: set[str] = set()
+        self._eligible: set[str] = set()
+        self._alive: list[tuple[float, int, str]] = []
+        for w in self.workers.values():
+            self._enter(w)
+        self.jobs = Outstanding(self.ledger)
+        self._unref: set[int] = {i for i, n in self.refs.items() if n <= 0}
+
+    def _enter(self, w: WorkerInfo) -> None:
+        """Index a worker just put at the end of ``workers``."""
+        self._seq[w.worker_id] = self._next_seq
+        self._next_seq += 1
+        heapq.heappush(self._alive, (w.last_seen, self._seq[w.worker_id], w.worker_id))
+        self._reindex(w)
+
+    def _reindex(self, w: WorkerInfo) -> None:
+        """Bring ``w``'s membership of the free and eligible sets up to date (after any change to
+        its readiness, bench, credit or jobs)."""
+        wid = w.worker_id
+        if self.workers.get(wid) is not w:
+            self._free.discard(wid)
+            self._eligible.discard(wid)
+            return
+        if w.ready and not w.benched:
+            self._eligible.add(wid)
+            if len(w.outstanding) < w.credit:
+                self._free.add(wid)
+                return
+        else:
+            self._eligible.discard(wid)
+        self._free.discard(wid)
+
+    def _seen(self, w: WorkerInfo, now: float) -> None:
+        """``w`` was heard from at ``now``. Its liveness entry is refreshed lazily, except when the
+        driver's clock went back (an entry must never be later than the worker's last_seen)."""
+        if now < w.last_seen:
+            heapq.heappush(self._alive, (now, self._seq[w.worker_id], w.worker_id))
+        w.last_seen = now
+
+    def _alive_top(self) -> WorkerInfo | None:
+        """The worker heard from longest ago (None if none), its heap entry made exact.
+
+        Entries are (last_seen when pushed, seq, id); a worker's actual last_seen is never
+        earlier, so the top, once exact, is the minimum. Stale tops are dropped (worker gone) or
+        pushed down to their actual time: each refresh stands for a message the worker sent, so
+        the cost is O(log n) per message, amortized."""
+        h = self._alive
+        while h:
+            t, seq, wid = h[0]
+            w = self.workers.get(wid)
+            if w is None or self._seq.get(wid) != seq or t > w.last_seen:
+                heapq.heappop(h)  # gone, a former incarnation, or a duplicate left by a clock step back
+            elif t < w.last_seen:
+                heapq.heapreplace(h, (w.last_seen, seq, wid))
+            else:
+                return w
+        return None
+
+    def _grant(self, credit: int) -> int:
+        return min(credit, self.cfg.max_credit)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -300,6 +514,7 @@ class ServerCore:
         self.quarantine = dict(snap.get("quarantine", {}))
         self.events = []
         self.layout_text = ""
+        self._build_indexes()
         return self
 
     def rebase_clock(self, now: float) -> None:
@@ -308,6 +523,8 @@ class ServerCore:
         for w in self.workers.values():
             w.last_seen = now
             w.reconnecting = True
+        self._alive = [(now, self._seq[wid], wid) for wid in self.workers]
+        heapq.heapify(self._alive)
         self.quarantine = {wid: now + self.cfg.quarantine_s for wid in self.quarantine}
         if self.cfg.round_period_s:
             self.next_round_at = now + self.cfg.round_period_s
@@ -338,19 +555,20 @@ class ServerCore:
             else:
                 self.counters.invalid += 1
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
-        w.last_seen = now
+        self._seen(w, now)
         if isinstance(msg, Reply):
             return self.on_reply(w, msg, now, refusal)
         if isinstance(msg, Heartbeat):
             return self.on_heartbeat(w, msg, now)
         if isinstance(msg, Ready):
             if msg.credit:
-                w.credit = msg.credit
+                w.credit = self._grant(msg.credit)
             w.holds = set(msg.holds)
             if not w.ready:
                 w.ready = True
                 self.round_blocked = False
                 self.events.append({"ev": "ready", "worker_id": worker_id, "credit": w.credit})
+            self._reindex(w)
             return self._dispatch(now)
         if isinstance(msg, Bye):
             return self.remove_worker(worker_id, now, reason="bye")
@@ -382,14 +600,16 @@ class ServerCore:
         same_run = hello.run_id == self.cfg.run_id  # else its cache and jobs belong to another run
         holds = set(hello.holds) if same_run else set()
         if old is None:
-            self.workers[worker_id] = WorkerInfo(
-                worker_id=worker_id, boot=hello.boot, credit=hello.credit, device=hello.device,
+            w = self.workers[worker_id] = WorkerInfo(
+                worker_id=worker_id, boot=hello.boot, credit=self._grant(hello.credit), device=hello.device,
                 host_id=hello.host_id, joined_at=now, last_seen=now, holds=holds, key=key)
+            self._enter(w)
             self.counters.workers_joined += 1
             self.round_blocked = False
             self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device, "key": key, "t": now})
         else:  # same incarnation saying hello again (after a reconnect or a server restart)
-            old.credit, old.last_seen, old.holds = hello.credit, now, holds
+            old.credit, old.holds = self._grant(hello.credit), holds
+            self._seen(old, now)
             if old.benched:  # a hello brings a benched worker back (a new incarnation is a new join anyway)
                 self._unbench(old, "hello", now)
             busy = set(hello.busy)
@@ -401,6 +621,7 @@ class ServerCore:
             else:  # it worked for another run: on our welcome it drops everything it holds
                 self._write_off(old, sorted(old.outstanding), "other_run", now)
             old.reconnecting = False
+            self._reindex(old)
         out.append(Send(worker_id, Welcome(
             server_boot=self.server_boot, run_id=self.cfg.run_id, version=PROTOCOL_VERSION, problem=self.cfg.problem,
             problem_options=dict(self.cfg.problem_options),
@@ -448,12 +669,14 @@ class ServerCore:
         if reply.holds:
             w.holds = set(reply.holds)
         w.outstanding.discard(entry.job_id)
+        self._reindex(w)
         grads = tuple(g if g.dtype == self.dtype else g.astype(self.dtype) for g in reply.grads)
         result = Result(job_id=entry.job_id, worker_id=w.worker_id, created_at=entry.created_at, kind=entry.kind,
                         iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, loss=reply.loss,
                         count=reply.count, shard=entry.shard)
         if self.alg.mode == "round":
             entry.received = True
+            self.jobs._mark_received(entry)
             self.buffer.append(result)
             self.round_blocked = False
             return self._dispatch(now)
@@ -464,7 +687,8 @@ class ServerCore:
         was lost in transit (messages on one connection arrive in order, so its reply would have
         come before this heartbeat). Write it off."""
         if hb.credit:
-            w.credit = hb.credit
+            w.credit = self._grant(hb.credit)
+            self._reindex(w)
         busy = set(hb.busy)
         self._write_off(w, sorted(j for j in w.outstanding if j <= hb.seen and j not in busy), "vanished", now)
         return self._dispatch(now)
@@ -531,6 +755,7 @@ class ServerCore:
         if not k or w.benched or w.failed_in_a_row < k:
             return []
         w.benched = True
+        self._reindex(w)
         self.counters.benched += 1
         self.events.append({"ev": "benched", "worker_id": w.worker_id, "in_a_row": w.failed_in_a_row,
                             "message": message, "t": now})
@@ -540,6 +765,7 @@ class ServerCore:
     def _unbench(self, w: WorkerInfo, why: str, now: float) -> None:
         w.benched = False
         w.failed_in_a_row = 0
+        self._reindex(w)
         self.round_blocked = False
         self.events.append({"ev": "unbenched", "worker_id": w.worker_id, "reason": why, "t": now})
 
@@ -556,7 +782,11 @@ class ServerCore:
         """Expire silent workers and run clock-driven rounds. Call at ``next_deadline()``."""
         out: list[Command] = []
         timeout = self.cfg.liveness_timeout_s
-        for wid in [wid for wid, w in self.workers.items() if now - w.last_seen > timeout]:
+        expired: dict[str, int] = {}
+        while (w := self._alive_top()) is not None and now - w.last_seen > timeout:
+            heapq.heappop(self._alive)  # the rest were heard from later: not expired (subtraction is monotone)
+            expired[w.worker_id] = self._seq[w.worker_id]
+        for wid in sorted(expired, key=expired.__getitem__):  # in join order, as the table holds them
             out += self.remove_worker(wid, now, reason="timeout")
         if self.alg.mode == "round" and self.cfg.round_period_s and now >= self.next_round_at:
             while now >= self.next_round_at:
@@ -567,8 +797,9 @@ class ServerCore:
     def next_deadline(self) -> float:
         """The earliest time at which ``on_tick`` has something to do (inf if none)."""
         t = self.next_round_at
-        if self.workers:
-            t = min(t, min(w.last_seen for w in self.workers.values()) + self.cfg.liveness_timeout_s)
+        w = self._alive_top()
+        if w is not None:
+            t = min(t, w.last_seen + self.cfg.liveness_timeout_s)
         return t
 
     def remove_worker(self, worker_id: str, now: float, *, reason: str) -> list[Command]:
@@ -576,6 +807,8 @@ class ServerCore:
         w = self.workers.pop(worker_id, None)
         if w is None:
             return []
+        self._reindex(w)  # out of the free and eligible sets
+        del self._seq[worker_id]  # its liveness entry is dropped when it reaches the top
         if reason not in ("bye", "restarted"):  # it did not leave of its own accord
             self.counters.workers_lost += 1
         lost = sorted(w.outstanding)
@@ -617,11 +850,15 @@ class ServerCore:
     def _settle(self, entry: LedgerEntry, how: str) -> None:
         """Remove a job from the ledger (and its worker's set); release iterate references."""
         del self.ledger[entry.job_id]
+        self.jobs._settled(entry)
         w = self.workers.get(entry.worker_id)
         if w is not None:
             w.outstanding.discard(entry.job_id)
+            self._reindex(w)
         for iid in entry.iterate_ids:
             self.refs[iid] -= 1
+            if self.refs[iid] <= 0:
+                self._unref.add(iid)
         self.closed[entry.job_id] = how
         if len(self.closed) > MAX_CLOSED_REMEMBERED:
             self.closed.popitem(last=False)
@@ -660,8 +897,7 @@ class ServerCore:
         return out
 
     def _cancel(self, now: float) -> list[Command]:
-        pending = [e for e in self.ledger.values() if not e.received]
-        ids = self.alg.cancel(self.state, pending)
+        ids = self.alg.cancel(self.state, self.jobs)
         if not ids:
             return []
         by_worker: dict[str, list[int]] = {}
@@ -688,20 +924,30 @@ class ServerCore:
             self.pending_specs.append(spec)
         return out
 
-    def _free_workers(self) -> Iterable[WorkerInfo]:
-        return [w for w in self.workers.values() if w.ready and not w.benched and len(w.outstanding) < w.credit]
-
     def _dispatch(self, now: float) -> list[Command]:
-        """Give jobs to every worker with free credit, in join order."""
+        """Give jobs to every worker with free credit, in join order (the free workers are an
+        index: a pass costs the workers served, not the workers connected)."""
         if not self.issuing:
             return []
         if not self.started:
-            if sum(w.ready and not w.benched for w in self.workers.values()) < self.cfg.min_workers:
+            if len(self._eligible) < self.cfg.min_workers:
                 return []
             self.started = True
         out: list[Command] = []
-        clock_rounds = self.alg.mode == "round" and bool(self.cfg.round_period_s)
-        for w in self._free_workers():
+        round_mode = self.alg.mode == "round"
+        clock_rounds = round_mode and bool(self.cfg.round_period_s)
+
+        def idle() -> bool:
+            # Nothing queued and no round to run: no worker gets a job in this pass (neither
+            # condition changes within it), so stop rather than look at every free worker.
+            return not self.pending_specs and (clock_rounds or (round_mode and self.round_blocked))
+
+        if not self._free or idle():
+            return out
+        for wid in sorted(self._free, key=self._seq.__getitem__):
+            if idle():
+                break
+            w = self.workers[wid]
             while len(w.outstanding) < w.credit and w.worker_id in self.workers:
                 if self.pending_specs:
                     spec = self.pending_specs.popleft()
@@ -735,8 +981,10 @@ class ServerCore:
                             batch_size=spec.batch_size or self.cfg.batch_size, shard=spec.shard,
                             deadline=spec.deadline, issued_at=now)
         self.ledger[jid] = entry
+        self.jobs._add(entry)
         self.state = self.alg.on_issued(self.state, jid, spec)  # the algorithm learns the job's id
         w.outstanding.add(jid)
+        self._reindex(w)
         self.counters.issued += 1
         self.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
                             "created_at": spec.created_at, "seed": entry.seed, "t": now})
@@ -751,7 +999,15 @@ class ServerCore:
                    points=tuple(self.store[i] for i in missing))
 
     def _sweep_store(self) -> None:
+        """Forget iterates no job references and the algorithm does not need. Only those whose
+        count fell to 0 are looked at (``_unref``), not the whole store."""
+        if not self._unref:
+            return
         live = self.alg.live_iterate_ids(self.state)
-        for iid in [i for i, n in self.refs.items() if n <= 0 and i not in live]:
-            del self.refs[iid]
-            self.store.pop(iid, None)
+        for iid in list(self._unref):
+            if self.refs.get(iid, 1) > 0:  # referenced again (or gone): no longer a candidate
+                self._unref.discard(iid)
+            elif iid not in live:
+                del self.refs[iid]
+                self.store.pop(iid, None)
+                self._unref.discard(iid)

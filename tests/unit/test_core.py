@@ -279,6 +279,12 @@ class CoreMachine(RuleBasedStateMachine):
         assert self.core.accounted()
 
     @invariant()
+    def indexes_agree_with_a_scan(self):
+        from tests.unit.test_core_indexes import check_indexes
+
+        check_indexes(self.core)
+
+    @invariant()
     def version_never_decreases(self):
         assert self.core.version >= self.last_version
         self.last_version = self.core.version
