@@ -50,21 +50,45 @@ def skipped(backend: str, d: int, workers: int, why: str) -> Row:
     return Row(backend, d, workers, skipped=why)
 
 
-def server_cpu(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
-def peak_rss(pid: int) -> float:
-    """Peak resident set of the process so far (VmHWM); current RSS where /proc lacks it."""
+def _tree(pid: int) -> list[psutil.Process]:
+    """The process and its descendants (``latecomer serve`` is a supervisor and the daemon)."""
+    p = psutil.Process(pid)
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return [p]
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of the process and its descendants so far."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _peak_rss_one(p: psutil.Process) -> float:
+    try:
+        with open(f"/proc/{p.pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return float(line.split()[1]) * 1024
     except OSError:
         pass
-    return float(psutil.Process(pid).memory_info().rss)
+    try:
+        return float(p.memory_info().rss)
+    except psutil.Error:
+        return 0.0
+
+
+def peak_rss(pid: int) -> float:
+    """Peak resident set so far (VmHWM; current RSS where /proc lacks it) of the process and its
+    descendants, summed."""
+    return sum(_peak_rss_one(p) for p in _tree(pid))
 
 
 def sleep_until(t: float) -> None:

@@ -86,8 +86,9 @@ def profile(dim, shm, credit, seconds, top) -> None:
                 time.sleep(0.2)
             time.sleep(1.0)  # past the inline switch-over and the first allocations
             files = {name: os.path.join(tmp, f"{name}.txt") for name in ("server", "worker")}
+            # --subprocesses: `serve` is the front and the daemon (ps/supervise.py)
             spies = [subprocess.Popen([spy, "record", "-p", str(p.pid), "-d", str(int(seconds)), "-r", "250",
-                                       "-f", "raw", "-o", files[name]], stdout=subprocess.DEVNULL,
+                                       "--subprocesses", "-f", "raw", "-o", files[name]], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)
                      for name, p in (("server", server), ("worker", worker))]
             n0, c0, w0, t0 = _applied(endpoint), server_cpu(server.pid), server_cpu(worker.pid), time.monotonic()

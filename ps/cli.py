@@ -24,6 +24,7 @@ from problems.loader import BUILTIN_PROBLEMS
 from problems.trust import ENV_ALLOW_PROBLEM
 from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
 from ps.paths import check_output_file, output_dir, output_file, usage_check
+from ps.supervise import ServeCommand
 
 try:
     import tomllib
@@ -229,7 +230,7 @@ def list_algorithms(names) -> None:
 
 # --------------------------------------------------------------------------- serve
 
-@main.command()
+@main.command(cls=ServeCommand)  # --supervise, --max-unfinished-bytes (ps/supervise.py)
 @click.option("--bind", default=f"tcp://127.0.0.1:{DEFAULT_PORT}", show_default=True, callback=bind_endpoint,
               help="ZeroMQ endpoint to bind: tcp://HOST:PORT (HOST * for every interface, [::1] for IPv6; "
                    "port 0: any free port) or ipc://PATH.")
@@ -303,6 +304,10 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     spec.max_steps = max_steps
     if heartbeat_interval >= liveness_timeout:
         raise click.BadParameter("must be smaller than --liveness-timeout", param_hint="--heartbeat-interval")
+    from ps import supervise
+    if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/supervise.py)
+        raise SystemExit(supervise.supervise(bind, state_dir))
+    bind = supervise.daemon_bind(bind)
     daemon = _make_daemon(spec, bind, batch_size=batch_size, max_steps=max_steps, max_time=max_time,
                           target_loss=target_loss, eval_every=eval_every, liveness_timeout=liveness_timeout,
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
@@ -319,8 +324,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
             daemon.close()
             raise click.ClickException(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {e}") from None
         logging.getLogger("latecomer.server").info("metrics on http://%s:%d/metrics", metrics_addr, metrics_port)
-    click.echo(f"latecomer: listening on {daemon.endpoint}", nl=True)
-    sys.stdout.flush()
+    supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
 
     def progress(d, ev):
         if ev is not None:

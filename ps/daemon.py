@@ -133,8 +133,15 @@ class Daemon:
         if not core.layout_text and layout:
             core.layout_text = describe_layout(layout)  # BAD_SHAPE texts name the blocks
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_array_bytes, MAX_HEADER_BYTES) + 4096)
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # No ZMTP heartbeats: libzmq 4.3.5 aborts when the heartbeat timer fires on a connection
+        # that was reset while its receive pipe was full (SECURITY.md, "the libzmq abort"); the
+        # protocol's own heartbeats and the liveness timeout tell a silent worker, and TCP
+        # keepalive closes a connection whose peer vanished (about 25 s).
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
+        self.sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        self.sock.setsockopt(zmq.BACKLOG, 1024)  # the front connects once per client: bursts of them
         self.security = None
         if keys_dir is not None:
             from ps.security import ServerSecurity

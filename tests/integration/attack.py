@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 import psutil
 
-from tests.integration.util import wait_exit, wait_line
+from tests.integration.util import daemon_pid, wait_exit, wait_line
 
 Attack = Callable[[str, Callable[[], bool]], dict]
 
@@ -110,6 +110,10 @@ class Victim:
     # ---- figures
     def rss(self) -> int:
         return psutil.Process(self.server.pid).memory_info().rss
+
+    def daemon_pid(self) -> int:
+        """The pid of the process that owns the server's socket (``serve``'s child when supervised)."""
+        return daemon_pid(self.server)
 
     def alive(self) -> bool:
         return self.server.poll() is None

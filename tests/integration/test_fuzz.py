@@ -14,7 +14,6 @@ import time
 
 import msgpack
 import numpy as np
-import psutil
 import pytest
 import zmq
 
@@ -34,7 +33,7 @@ from protocol.messages import (
     StatusRequest,
 )
 from ps.replay import replay_run
-from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+from tests.integration.util import read_events, tree_rss, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +94,7 @@ def mutate(frames: list[bytes], rng: random.Random) -> list[bytes]:
 
 
 def rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
+    return tree_rss(pid)  # serve and its daemon (ps/supervise.py)
 
 
 def test_fuzz_daemon_with_100k_bad_messages_while_workers_train(procs, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+from tests.integration.util import daemon_pid, read_events, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,8 @@ def test_same_host_path_with_a_killed_writer_a_nan_writer_and_a_tcp_worker(procs
     procs.start("work", "--server", endpoint, "--worker-id", "near", "--delay", "0.005")
     procs.start("work", "--server", endpoint, "--worker-id", "far", "--shm", "off", "--delay", "0.005")
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 30, timeout=90)
-    assert len(shm_files(server.pid)) >= 2  # probe + slots
+    daemon = daemon_pid(server)  # the shared memory is named after the process that owns the socket
+    assert len(shm_files(daemon)) >= 2  # probe + slots
 
     env = dict(os.environ, PYTHONPATH=REPO)
     half = subprocess.Popen([sys.executable, "-c", HOSTILE, endpoint, "half"], stdout=subprocess.PIPE,
@@ -95,7 +96,7 @@ def test_same_host_path_with_a_killed_writer_a_nan_writer_and_a_tcp_worker(procs
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev[n:]) >= 20, timeout=60)
     server.send_signal(signal.SIGTERM)
     assert wait_exit(server, timeout=30) == 0
-    assert shm_files(server.pid) == []  # nothing outlives the server
+    assert shm_files(daemon) == []  # nothing outlives the server
 
     with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
         summary = json.load(f)

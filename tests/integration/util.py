@@ -63,3 +63,26 @@ def wait_events(path: str, cond: Callable[[list[dict]], Any], timeout: float, *,
 
 def wait_exit(p: subprocess.Popen, timeout: float) -> int:
     return p.wait(timeout=timeout)
+
+
+def daemon_pid(p: subprocess.Popen) -> int:
+    """The pid of the process that owns a ``latecomer serve``'s socket: its child when supervised
+    (ps/supervise.py, the default), the process itself with ``--no-supervise``."""
+    import psutil
+
+    children = psutil.Process(p.pid).children()
+    return children[0].pid if children else p.pid
+
+
+def tree_rss(pid: int) -> int:
+    """RSS of a process and its descendants (a supervised server is two processes)."""
+    import psutil
+
+    top = psutil.Process(pid)
+    total = top.memory_info().rss
+    for child in top.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total

@@ -1,0 +1,563 @@
+"""The front: a ZMTP-aware relay between the network and the daemon process.
+
+``latecomer serve`` binds the public endpoint here, in the supervisor process (ps/supervise.py),
+and relays every connection byte for byte to the daemon, which binds a private Unix socket
+(mode 0700 directory) and never sees the network. The relay exists for two bounds libzmq
+cannot give (SECURITY.md, "Limits and rates"):
+
+* **Unfinished messages.** libzmq caps each frame (``ZMQ_MAXMSGSIZE``) and counts its
+  high-water marks in whole messages, so a peer that sends one multipart message with frames
+  flagged MORE forever makes the daemon's I/O thread hold every frame (a partial message is
+  never visible to the application). The front reads the ZMTP 3 frame headers on the way in
+  (flags byte, 1- or 8-byte size; rfc.zeromq.org/spec/23) and cuts a connection whose
+  unfinished message would pass ``max_message_bytes`` or ``max_frames``, counting each frame
+  when its header arrives (libzmq allocates a frame whole when it reads the header). All
+  connections' unfinished messages together are bounded by ``max_pending_bytes``. Under CURVE
+  the MORE flag travels inside the encrypted box: the front then bounds each frame and the
+  handshake, and only allow-listed keys can send frames at all.
+* **No connection error while the daemon's input is stopped.** libzmq 4.3.5 aborts
+  (``Assertion failed: !_io_error (stream_engine_base.cpp:310)``) when a connection whose
+  receive pipe is full (input stopped) sees a reset or hang-up (``in_event`` marks the engine
+  ``_io_error``) and the engine then writes: its heartbeat timer fires, or it answers a PING
+  that was queued behind the full pipe. No socket option avoids it for a peer that sends
+  PINGs itself. The daemon's sockets are the front's, which never resets or hangs them up:
+  when a client goes, the front half-closes the daemon side (``shutdown(SHUT_WR)``: the daemon
+  reads an EOF once its input runs again) and reads and discards until the daemon closes
+  (at most ``DRAIN_S``), so nothing reaches the daemon's engine while its input is stopped.
+
+Everything else (the greeting's version and security mechanism, CURVE, the protocol) is the
+daemon's: the front forwards the daemon's bytes untouched and parses only what it must.
+Per connection the front holds at most ``CHUNK`` bytes in each direction (it reads a side
+only when what it read before has been written to the other side).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger("latecomer.front")
+
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+RESERVED = 0xF8
+GREETING_BYTES = 64
+CHUNK = 256 * 1024  # bytes read at once, and the most held per connection and direction
+DRAIN_S = 10.0  # after a client went: how long to wait for the daemon to close its end
+MAX_COMMAND_BYTES = 64 * 1024  # a NULL-mechanism command (READY with metadata, PING, ...)
+CURVE_OVERHEAD = 64  # a CURVE MESSAGE box around a frame: command name, nonce, MAC, flags
+CUT_LOG_INTERVAL_S = 1.0  # one log line per this interval for cut connections (the rest counted)
+
+
+class Cut(Exception):
+    """A client broke a bound; the text says which (one line)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the front enforces on the bytes a client sends the daemon.
+
+    Args:
+        mechanism: the daemon's security mechanism, ``b"NULL"`` or ``b"CURVE"``; a greeting
+            naming another is cut.
+        max_frame_bytes: the daemon's ``ZMQ_MAXMSGSIZE`` (libzmq cuts a larger frame itself).
+        max_message_bytes: the most one connection's unfinished message may declare.
+        max_frames: the most frames one message may have.
+        max_pending_bytes: the most all connections' unfinished messages may declare together.
+    """
+
+    mechanism: bytes
+    max_frame_bytes: int
+    max_message_bytes: int
+    max_frames: int
+    max_pending_bytes: int
+
+    @property
+    def max_command_bytes(self) -> int:
+        if self.mechanism == b"CURVE":  # every frame travels in a MESSAGE command
+            return self.max_frame_bytes + CURVE_OVERHEAD
+        return MAX_COMMAND_BYTES
+
+
+class InboundParser:
+    """Follows one client's byte stream to the daemon: the 64-byte ZMTP 3 greeting, then frame
+    headers (bodies are skipped, never copied). ``feed`` raises :class:`Cut` at the first byte
+    that breaks a bound; ``unfinished`` is what the current message has declared so far."""
+
+    __slots__ = ("limits", "greeting", "header", "header_need", "skip", "unfinished", "frames")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.greeting = bytearray()
+        self.header = bytearray()  # a frame header split across reads
+        self.header_need = 0  # its bytes still to come (0: at a frame boundary)
+        self.skip = 0  # body bytes of the current frame still to pass
+        self.unfinished = 0  # bytes declared by the frames of the message in progress
+        self.frames = 0  # its frames so far
+
+    def feed(self, data: memoryview | bytes) -> None:
+        i, n = 0, len(data)
+        if len(self.greeting) < GREETING_BYTES:
+            i = min(n, GREETING_BYTES - len(self.greeting))
+            start = len(self.greeting)
+            self.greeting += data[:i]
+            self._check_greeting(start)
+        while i < n:
+            if self.skip:
+                k = min(self.skip, n - i)
+                self.skip -= k
+                i += k
+            elif self.header_need:  # the rest of a split header
+                k = min(self.header_need, n - i)
+                self.header += data[i:i + k]
+                self.header_need -= k
+                i += k
+                if not self.header_need:
+                    self._frame(self.header[0], int.from_bytes(self.header[1:], "big"))
+            else:
+                flags = data[i]
+                need = 9 if flags & LONG else 2
+                if n - i >= need:  # the whole header is here (the common case)
+                    size = int.from_bytes(data[i + 1:i + 9], "big") if need == 9 else data[i + 1]
+                    i += need
+                    self._frame(flags, size)
+                else:
+                    self.header = bytearray(data[i:n])
+                    self.header_need = need - (n - i)
+                    i = n
+
+    def _check_greeting(self, start: int) -> None:
+        g = self.greeting
+        if start == 0 and g and g[0] != 0xFF:
+            raise Cut("not a ZMTP 3 greeting (ZMTP 1.0 or not ZeroMQ)")
+        if start <= 9 < len(g) and not g[9] & 0x01:
+            raise Cut("not a ZMTP 3 greeting (ZMTP 1.0)")
+        if start <= 10 < len(g) and g[10] < 3:
+            raise Cut(f"ZMTP {g[10]}.x peers are not served (ZMTP 3 or later)")
+        if start < 32 <= len(g):
+            mech = bytes(g[12:32]).rstrip(b"\x00")
+            if mech != self.limits.mechanism:
+                shown = mech.decode("ascii", "replace")[:20]
+                raise Cut(f"security mechanism {shown!r}: this server speaks {self.limits.mechanism.decode()}")
+
+    def _frame(self, flags: int, size: int) -> None:
+        lim = self.limits
+        if flags & RESERVED:
+            raise Cut(f"frame flags {flags:#04x} have reserved bits set")
+        if flags & COMMAND:
+            if flags & MORE:
+                raise Cut("a command frame with MORE set")
+            if size > lim.max_command_bytes:
+                raise Cut(f"a {size}-byte command frame (at most {lim.max_command_bytes})")
+        elif lim.mechanism == b"CURVE":
+            # libzmq sends CURVE MESSAGE boxes as frames; MORE is inside the box.
+            if size > lim.max_command_bytes:
+                raise Cut(f"a {size}-byte frame (at most {lim.max_command_bytes})")
+        else:
+            if size > lim.max_frame_bytes:
+                raise Cut(f"a {size}-byte frame (at most {lim.max_frame_bytes})")
+            self.frames += 1
+            self.unfinished += size
+            if self.frames > lim.max_frames:
+                raise Cut(f"a message of more than {lim.max_frames} frames")
+            if self.unfinished > lim.max_message_bytes:
+                raise Cut(f"a message of more than {lim.max_message_bytes} bytes")
+            if not flags & MORE:  # the last frame: the message is complete once its body passes;
+                self.unfinished = self.frames = 0  # libzmq holds it then as a whole message (HWM)
+        self.skip = size
+
+
+_SOFT_ERRORS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+_IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
+
+
+class _Pair:
+    """One client connection and the front's connection to the daemon for it."""
+
+    __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask")
+
+    def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser) -> None:
+        self.c: socket.socket | None = c
+        self.d: socket.socket | None = d
+        self.cfd, self.dfd = c.fileno(), d.fileno()
+        self.parser = parser
+        self.up = b""  # read from the client, not yet written to the daemon
+        self.down = b""  # read from the daemon, not yet written to the client
+        self.closing_since: float | None = None  # the client went; draining the daemon side
+        self.pending = 0  # this pair's share of Front.pending
+        self.cmask = self.dmask = select.EPOLLIN  # what each side is registered for
+
+
+class Front:
+    """The relay's event loop (epoll, level-triggered, one thread).
+
+    Args:
+        listener: the bound, listening public socket (TCP or Unix).
+        limits: what a client may send (see :class:`Limits`).
+        clock: monotonic clock.
+    """
+
+    def __init__(self, listener: socket.socket, limits: Limits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.listener = listener
+        listener.setblocking(False)
+        self.limits = limits
+        self.clock = clock
+        self.ep = select.epoll()
+        self.backend: str | None = None  # the daemon's Unix socket path while it is up
+        self.pairs: dict[int, _Pair] = {}  # fd (either side) -> its pair
+        self.watched: dict[int, Callable[[], None]] = {}  # other fds (signals, the child) -> callback
+        self.accepting = False
+        self.pending = 0  # bytes declared by all connections' unfinished messages
+        self.accepted = self.cut = 0
+        self.last_cut_log = -1e9
+        self.cuts_unlogged = 0
+        self.accept_paused_until = 0.0
+        self.draining: set[_Pair] = set()
+        self.view = memoryview(bytearray(CHUNK))  # every read lands here; only an unsent rest is copied
+
+    # ---------------------------------------------------------------- set-up
+    def watch(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``fd`` is readable (the supervisor's own fds)."""
+        self.watched[fd] = callback
+        self.ep.register(fd, select.EPOLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        if self.watched.pop(fd, None) is not None:
+            self.ep.unregister(fd)
+
+    def set_backend(self, path: str | None, limits: Limits | None = None) -> None:
+        """The daemon is up at ``path`` (accept clients) or down (None: every connection is
+        closed, new ones wait in the listen backlog)."""
+        if limits is not None:
+            self.limits = limits
+        if path is None:
+            for p in set(self.pairs.values()):
+                self._close_pair(p)
+            self.draining.clear()
+        self.backend = path
+        self._set_accepting(path is not None)
+
+    def _set_accepting(self, on: bool) -> None:
+        if on and not self.accepting:
+            self.ep.register(self.listener.fileno(), select.EPOLLIN)
+        elif not on and self.accepting:
+            self.ep.unregister(self.listener.fileno())
+        self.accepting = on
+
+    # ---------------------------------------------------------------- the loop
+    def run_once(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for events and handle them."""
+        now = self.clock()
+        if self.draining:
+            timeout = min(timeout, 0.5)
+        if not self.accepting and self.backend is not None and now >= self.accept_paused_until:
+            self._set_accepting(True)
+        try:
+            events = self.ep.poll(timeout)
+        except InterruptedError:
+            return
+        lfd = self.listener.fileno()
+        for fd, ev in events:
+            if fd == lfd:
+                if self.accepting:
+                    self._accept()
+                continue
+            cb = self.watched.get(fd)
+            if cb is not None:
+                cb()
+                continue
+            p = self.pairs.get(fd)
+            if p is None:
+                continue
+            # A hang-up or error while a side is not read (what was read from it waits for the
+            # other side) ends that side at once; with reading on, the read finds the end.
+            if fd == p.cfd and p.c is not None:
+                if ev & _OUT:
+                    self._write_client(p)
+                if p.c is not None:
+                    if ev & _IN:
+                        self._read_client(p)
+                    elif ev & _GONE:
+                        self._client_gone(p)
+            elif fd == p.dfd and p.d is not None:
+                if ev & _OUT:
+                    self._write_daemon(p)
+                if p.d is not None:
+                    if ev & _IN:
+                        self._read_daemon(p)
+                    elif ev & _GONE:
+                        self._daemon_gone(p)
+        if self.draining:
+            now = self.clock()
+            for p in [p for p in self.draining if now - p.closing_since > DRAIN_S]:
+                self._close_pair(p)  # the daemon did not close in time: close (it has read our EOF or will)
+
+    def close(self) -> None:
+        self.set_backend(None)
+        self.ep.close()
+
+    # ---------------------------------------------------------------- connections
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                c, _addr = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("cannot accept more connections (%s): pausing accepts for 1 s", os.strerror(e.errno))
+                    self._set_accepting(False)
+                    self.accept_paused_until = self.clock() + 1.0
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                raise
+            try:
+                d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError as e:
+                c.close()
+                log.warning("cannot open a connection to the daemon (%s)", e)
+                return
+            d.setblocking(False)
+            try:
+                d.connect(self.backend)
+            except OSError as e:  # the daemon's backlog is full or it is going: the client retries
+                c.close()
+                d.close()
+                log.debug("connection to the daemon refused: %s", e)
+                continue
+            c.setblocking(False)
+            if c.family in (socket.AF_INET, socket.AF_INET6):
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keepalive(c)
+            p = _Pair(c, d, InboundParser(self.limits))
+            self.pairs[p.cfd] = p
+            self.pairs[p.dfd] = p
+            self.ep.register(p.cfd, select.EPOLLIN)
+            self.ep.register(p.dfd, select.EPOLLIN)
+            self.accepted += 1
+
+    def _mask(self, p: _Pair) -> None:
+        """Read a side only when what was read from it has gone to the other side."""
+        if p.c is not None:
+            m = (0 if p.up else select.EPOLLIN) | (select.EPOLLOUT if p.down else 0)
+            if m != p.cmask:
+                self.ep.modify(p.cfd, m)
+                p.cmask = m
+        if p.d is not None:
+            m = (0 if p.down and p.c is not None else select.EPOLLIN) | (select.EPOLLOUT if p.up else 0)
+            if m != p.dmask:
+                self.ep.modify(p.dfd, m)
+                p.dmask = m
+
+    def _read_client(self, p: _Pair) -> None:
+        parser = p.parser
+        try:
+            n = p.c.recv_into(self.view, CHUNK)
+        except OSError as e:
+            if e.errno in _SOFT_ERRORS:
+                return
+            n = 0
+        if not n:
+            self._client_gone(p)
+            return
+        data = self.view[:n]
+        before = parser.unfinished
+        try:
+            parser.feed(data)
+        except Cut as e:
+            self._cut(p, str(e))
+            return
+        delta = parser.unfinished - before
+        if delta:
+            self.pending += delta
+            p.pending += delta
+            if delta > 0 and self.pending > self.limits.max_pending_bytes:
+                self._cut(p, f"all connections' unfinished messages passed {self.limits.max_pending_bytes} bytes")
+                return
+        p.up = data
+        self._write_daemon(p)
+
+    def _write_daemon(self, p: _Pair) -> None:
+        if p.up:
+            try:
+                n = p.d.send(p.up)
+            except OSError as e:
+                if e.errno in _SOFT_ERRORS:
+                    n = 0
+                else:
+                    self._daemon_gone(p)
+                    return
+            p.up = bytes(p.up[n:]) if n < len(p.up) else b""  # the rest leaves the shared buffer
+        self._mask(p)
+
+    def _read_daemon(self, p: _Pair) -> None:
+        try:
+            n = p.d.recv_into(self.view, CHUNK)
+        except OSError as e:
+            if e.errno in _SOFT_ERRORS:
+                return
+            n = 0
+        if not n:
+            self._daemon_gone(p)
+            return
+        if p.c is None:  # draining after the client went: discard
+            return
+        p.down = self.view[:n]
+        self._write_client(p)
+
+    def _write_client(self, p: _Pair) -> None:
+        if p.down:
+            try:
+                n = p.c.send(p.down)
+            except OSError as e:
+                if e.errno in _SOFT_ERRORS:
+                    n = 0
+                else:
+                    self._client_gone(p)
+                    return
+            p.down = bytes(p.down[n:]) if n < len(p.down) else b""
+        self._mask(p)
+
+    def _cut(self, p: _Pair, why: str) -> None:
+        self.cut += 1
+        now = self.clock()
+        if now - self.last_cut_log >= CUT_LOG_INTERVAL_S:
+            more = f" ({self.cuts_unlogged} more cut since the last line)" if self.cuts_unlogged else ""
+            log.warning("cut a connection: %s%s", why, more)
+            self.last_cut_log, self.cuts_unlogged = now, 0
+        else:
+            self.cuts_unlogged += 1
+        if p.c is not None:
+            try:  # the client gets a reset: it broke a bound, nothing it sent is kept
+                p.c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self._client_gone(p)
+
+    def _release(self, p: _Pair) -> None:
+        if p.pending:
+            self.pending -= p.pending
+            p.pending = 0
+
+    def _client_gone(self, p: _Pair) -> None:
+        """Close the client; half-close the daemon side and drain it until the daemon closes
+        (what the client sent and the daemon has not read is dropped with the connection)."""
+        self._release(p)
+        if p.c is not None:
+            self.pairs.pop(p.cfd, None)
+            self.ep.unregister(p.cfd)
+            p.c.close()
+            p.c = None
+        p.up = p.down = b""
+        if p.d is None:
+            return
+        try:
+            p.d.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close_pair(p)
+            return
+        p.closing_since = self.clock()
+        self.draining.add(p)
+        self._mask(p)
+
+    def _daemon_gone(self, p: _Pair) -> None:
+        """The daemon closed its end (libzmq dropped the connection, or it is stopping): the
+        client gets what is already read, then an orderly close."""
+        if p.c is not None and p.down:
+            try:
+                p.c.send(p.down)
+            except OSError:
+                pass
+        self._close_pair(p)
+
+    def _close_pair(self, p: _Pair) -> None:
+        self._release(p)
+        self.draining.discard(p)
+        for attr in ("c", "d"):
+            s = getattr(p, attr)
+            if s is not None:
+                self.pairs.pop(s.fileno(), None)
+                try:
+                    self.ep.unregister(s.fileno())
+                except (OSError, ValueError):
+                    pass
+                s.close()
+                setattr(p, attr, None)
+
+
+def _keepalive(s: socket.socket) -> None:
+    """TCP keepalive: a peer that vanished without a FIN or RST is detected in about 25 s."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            s.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def listen(endpoint: str) -> socket.socket:
+    """Bind and listen on a ``tcp://HOST:PORT`` (port 0: any; ``*``: every interface; IPv6 in
+    brackets) or ``ipc://PATH`` endpoint, as libzmq would. Raises OSError."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if path == "*":  # any path, as libzmq picks one
+            import tempfile
+
+            path = os.path.join(tempfile.mkdtemp(prefix="latecomer-"), "socket")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if os.path.exists(path) and not os.path.isdir(path):
+                os.unlink(path)  # libzmq does the same with a stale socket file
+            s.bind(path)
+            s.listen(socket.SOMAXCONN)
+        except OSError:
+            s.close()
+            raise
+        return s
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    host = host.strip("[]")
+    port_n = 0 if port in ("0", "*") else int(port)
+    if host == "*":
+        family, addr = socket.AF_INET6, ("::", port_n)
+    else:  # a host name binds its IPv4 address, as libzmq does without ZMQ_IPV6
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        info = socket.getaddrinfo(host, port_n, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addr = info[0][4]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if host == "*":
+            try:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 and IPv6
+            except OSError:
+                s.close()
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                addr = ("0.0.0.0", port_n)
+        s.bind(addr)
+        s.listen(socket.SOMAXCONN)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def endpoint_of(s: socket.socket, requested: str) -> str:
+    """The endpoint a bound socket listens on, written as libzmq's LAST_ENDPOINT would."""
+    if s.family == socket.AF_UNIX:
+        return f"ipc://{s.getsockname()}"
+    host, port = s.getsockname()[:2]
+    if s.family == socket.AF_INET6:
+        if host == "::" and requested.startswith("tcp://*"):
+            return f"tcp://0.0.0.0:{port}"
+        if host.startswith("::ffff:"):
+            return f"tcp://{host[7:]}:{port}"
+        return f"tcp://[{host}]:{port}"
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,203 @@
+"""The front (ps/front.py): its ZMTP frame-header parser and the relay's bounds and closing rules,
+against a plain Unix socket standing in for the daemon."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ps.front import Cut, Front, InboundParser, Limits, endpoint_of, listen
+from tests.integration.zmtp_raw import COMMAND, LONG, MORE, command, frame_header, greeting, ready
+
+LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100_000, max_frames=17,
+                max_pending_bytes=150_000)
+
+
+def wire(messages: list[list[bytes]]) -> bytes:
+    out = greeting() + ready()
+    for m in messages:
+        out += b"".join(frame_header(len(f), MORE if i < len(m) - 1 else 0) + f for i, f in enumerate(m))
+    return out
+
+
+sizes = st.lists(st.lists(st.sampled_from([0, 1, 254, 255, 256, 4000, 25_000]), min_size=1, max_size=4),
+                 max_size=20)  # at most 100,000 bytes a message: legal under LIMITS
+
+
+@given(sizes, st.lists(st.integers(1, 70_000), max_size=30))
+def test_the_parser_follows_any_split_of_a_legal_stream(messages, cuts):
+    data = wire([[bytes(n) for n in m] for m in messages])
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    p = InboundParser(LIMITS)
+    for a, b in zip(points, points[1:], strict=False):
+        p.feed(memoryview(data)[a:b])
+    assert (p.skip, p.header_need, p.unfinished, p.frames) == (0, 0, 0, 0)
+
+
+def test_a_message_in_progress_is_what_it_declared():
+    p = InboundParser(LIMITS)
+    p.feed(greeting() + ready() + frame_header(1000, MORE) + bytes(10))  # the header declares it all
+    assert p.unfinished == 1000 and p.frames == 1
+    p.feed(bytes(990) + frame_header(5) + b"12345")
+    assert p.unfinished == 0 and p.frames == 0
+
+
+@pytest.mark.parametrize("data,why", [
+    (b"\x00" * 64, "not a ZMTP 3 greeting"),
+    (b"\xff" + bytes(8) + b"\x7e", "not a ZMTP 3 greeting (ZMTP 1.0)"),
+    (b"\xff" + bytes(8) + b"\x7f\x01\x00", "ZMTP 1.x peers are not served"),
+    (greeting(b"PLAIN"), "security mechanism 'PLAIN': this server speaks NULL"),
+    (greeting() + bytes([0x08, 1, 0]), "reserved bits"),
+    (greeting() + bytes([COMMAND | MORE, 1, 0]), "a command frame with MORE set"),
+    (greeting() + bytes([COMMAND | LONG]) + (70_000).to_bytes(8, "big"), "a 70000-byte command frame"),
+    (greeting() + bytes([LONG]) + (70_001).to_bytes(8, "big"), "a 70001-byte frame (at most 70000)"),
+    (greeting() + (frame_header(0, MORE)) * 17 + frame_header(0), "a message of more than 17 frames"),
+    (greeting() + (frame_header(60_000, MORE) + bytes(60_000)) * 2, "a message of more than 100000 bytes"),
+])
+def test_the_parser_cuts_what_breaks_a_bound(data, why):
+    p = InboundParser(LIMITS)
+    with pytest.raises(Cut, match=why.replace("(", r"\(").replace(")", r"\)")):
+        for i in range(0, len(data), 7):
+            p.feed(data[i:i + 7])
+
+
+def test_under_curve_frames_are_bounded_one_by_one():
+    limits = Limits(b"CURVE", 70_000, 100_000, 17, 150_000)
+    p = InboundParser(limits)
+    p.feed(greeting(b"CURVE") + (frame_header(60_000) + bytes(60_000)) * 3)  # MORE is inside the box
+    assert p.unfinished == 0
+    with pytest.raises(Cut, match="a 70065-byte frame"):
+        p.feed(frame_header(70_065))
+
+
+# --------------------------------------------------------------------------- the relay
+
+class Relay:
+    """A Front between a TCP listener and a Unix socket we hold the other end of (the daemon)."""
+
+    def __init__(self, tmp_path) -> None:
+        self.backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.path = str(tmp_path / "d.sock")
+        self.backend.bind(self.path)
+        self.backend.listen(16)
+        self.backend.settimeout(5)
+        self.listener = listen("tcp://127.0.0.1:0")
+        self.endpoint = endpoint_of(self.listener, "tcp://127.0.0.1:0")
+        self.front = Front(self.listener, LIMITS)
+        self.front.set_backend(self.path)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self.front.run_once(0.02)
+
+    def client(self) -> tuple[socket.socket, socket.socket]:
+        """A client connection and the daemon's end of it."""
+        host, port = self.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        c = socket.create_connection((host, int(port)), timeout=5)
+        d, _ = self.backend.accept()
+        d.settimeout(5)
+        return c, d
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.front.close()
+        self.listener.close()
+        self.backend.close()
+
+
+@pytest.fixture
+def relay(tmp_path):
+    r = Relay(tmp_path)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def wait_until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)  # polling interval of a bounded wait
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, f"closed after {len(buf)} of {n} bytes"
+        buf += chunk
+    return buf
+
+
+def test_bytes_pass_both_ways_untouched(relay):
+    c, d = relay.client()
+    up = wire([[b"a" * 300, b"b" * 60_000], [b"c"]])
+    c.sendall(up)
+    assert recv_exactly(d, len(up)) == up
+    down = os.urandom(300_000)
+    d.sendall(down)
+    assert recv_exactly(c, len(down)) == down
+
+
+def test_a_client_reset_reaches_the_daemon_as_an_orderly_end(relay):
+    """What aborts libzmq is a reset or hang-up while its input is stopped: the daemon's end sees
+    an EOF instead, and the front keeps reading it until the daemon closes."""
+    c, d = relay.client()
+    c.sendall(greeting() + ready() + command(b"PING", b"\x00\x00"))
+    recv_exactly(d, 64)
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    c.close()  # RST
+    rest = b""
+    while True:
+        chunk = d.recv(65536)  # never ConnectionResetError
+        if not chunk:
+            break
+        rest += chunk
+    d.sendall(b"x" * 100_000)  # the daemon still writes (its answers): the front reads them away
+    d.close()
+    wait_until(lambda: not relay.front.pairs)
+
+
+def test_a_cut_client_gets_a_reset_and_the_daemon_an_eof(relay):
+    c, d = relay.client()
+    c.sendall(greeting() + ready())
+    recv_exactly(d, 64 + len(ready()))
+    for _ in range(2):
+        c.sendall(frame_header(60_000, MORE) + bytes(60_000))
+    with pytest.raises(ConnectionResetError):
+        while c.recv(65536):
+            pass
+    while d.recv(65536):  # EOF, no reset
+        pass
+    d.close()
+    assert relay.front.cut == 1
+
+
+def test_all_unfinished_messages_together_are_bounded(relay):
+    (c1, d1), (c2, d2) = relay.client(), relay.client()
+    for c, d in ((c1, d1), (c2, d2)):
+        c.sendall(greeting() + ready() + frame_header(50_000, MORE) + bytes(10))
+        recv_exactly(d, 64 + len(ready()) + 9 + 10)
+    # 2 x 50,000 declared; a third connection's 60,000 passes 150,000
+    c3, d3 = relay.client()
+    c3.sendall(greeting() + ready() + frame_header(60_000, MORE))
+    with pytest.raises(ConnectionResetError):
+        while c3.recv(65536):
+            pass
+    assert relay.front.cut == 1
+    c1.sendall(bytes(49_990) + frame_header(1) + b"z")  # finishing a message frees its share
+    recv_exactly(d1, 49_990 + 3)
+    assert relay.front.pending == 50_000
+    for s in (c1, c2, d1, d2, d3):
+        s.close()
