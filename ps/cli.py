@@ -192,6 +192,18 @@ class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """A damaged, unexpected or busy state directory (``ps.persist.StateError``, raised by any
+        command that reads one) is one line, never a traceback."""
+        try:
+            return super().invoke(ctx)
+        except ValueError as e:
+            from ps.persist import StateError
+
+            if isinstance(e, StateError):
+                raise click.ClickException(str(e)) from None
+            raise
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.LAZY:
             import importlib
@@ -265,6 +277,10 @@ def list_algorithms(names) -> None:
 @click.option("--log-payloads/--no-log-payloads", default=False, show_default=True,
               help="With --state: journal every gradient (replay without recomputing; costs 4 bytes per "
                    "parameter per reply on disk).")
+@click.option("--max-journal-bytes", type=click.IntRange(min=0), default=1 << 30, show_default=True,
+              help="With --state: bound on the journal on disk (0: none). A checkpoint is forced when the "
+                   "current segment reaches a quarter of it; past it, segments the kept checkpoints cover are "
+                   "removed (replay then starts from the oldest kept checkpoint).")
 @click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="CurveZMQ keys directory (`latecomer keys init`): encrypt, and accept only allow-listed workers.")
 @click.option("--insecure", is_flag=True, default=False,
@@ -285,7 +301,8 @@ def list_algorithms(names) -> None:
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, keys_dir, insecure, metrics_port,
+          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, keys_dir, insecure,
+          metrics_port,
           metrics_addr, shm, wire_dtype, allow_problem, allow_algorithm, log_format, log_level) -> None:
     """Run the server daemon in the foreground.
 
@@ -312,7 +329,8 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           target_loss=target_loss, eval_every=eval_every, liveness_timeout=liveness_timeout,
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                           seed=seed, events=events,
-                          state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads)
+                          state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads,
+                                             max_journal_bytes)
                           if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
                           allowed=_allowed(allow_problem, allow_algorithm).naming(problem=spec.problem,
                                                                                  algorithm=spec.algorithm))
@@ -323,7 +341,8 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
         except OSError as e:
             daemon.close()
             raise click.ClickException(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {e}") from None
-        logging.getLogger("latecomer.server").info("metrics on http://%s:%d/metrics", metrics_addr, metrics_port)
+        logging.getLogger("latecomer.server").info("metrics on http://%s:%d/metrics", metrics_addr,
+                                                   daemon.metrics.port)  # the bound port (port 0: the OS's choice)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
 
     def progress(d, ev):
@@ -340,13 +359,13 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
         from ps.daemon import write_outputs
         for d in (out, state_dir):
             if d:
-                write_outputs(d, daemon)
+                try:
+                    write_outputs(d, daemon)
+                except OSError as e:  # e.g. a full disk: the journal and checkpoints still hold the run
+                    logging.getLogger("latecomer.server").error("cannot write summary.json and final_x.npy in %s: "
+                                                                "%s", d, e.strerror or e)
         if daemon.persist is not None:
-            daemon.persist.close()
-            try:  # a clean exit: `latecomer stop` watches for this file to go
-                os.remove(os.path.join(state_dir, "server.pid"))
-            except OSError:
-                pass
+            daemon.persist.close()  # server.pid goes with the lock (a clean exit)
         daemon.close()
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
 
@@ -360,6 +379,7 @@ class StateOptions:
     checkpoint_interval_s: float = 30.0
     fsync: str = "batch"
     log_payloads: bool = False
+    max_journal_bytes: int = 1 << 30  # ps.persist.DEFAULT_MAX_JOURNAL_BYTES
 
 
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
@@ -404,8 +424,12 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
 
 def _core_config(run: dict[str, Any]):
     from ps.core import CoreConfig
+    from ps.persist import StateError
 
-    return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    try:
+        return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None
 
 
 def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
@@ -417,11 +441,12 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtyp
     saying what to add."""
     from problems.trust import Allowed, UntrustedError, check_run
     from ps.core import ServerCore
-    from ps.persist import Journal, Persistence, read_run, recover, write_run
+    from ps.persist import Journal, Persistence, StateLock, read_run, recover, write_run
 
     d = state.state_dir
     os.makedirs(d, exist_ok=True)
-    run = read_run(d)
+    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/persist.py)
+    run = read_run(d, complete=True)
     log = logging.getLogger("latecomer.server")
     if run is None:
         problem, alg = spec.build()
@@ -465,10 +490,9 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtyp
         core.issuing = True
         core.rebase_clock(now)
         log.info("resumed %s at step %d (%d journal records replayed)", d, core.version, n)
-    with open(os.path.join(d, "server.pid"), "w", encoding="utf-8") as f:
-        f.write(f"{os.getpid()}\n")
     persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
-                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads)
+                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads,
+                              max_journal_bytes=state.max_journal_bytes, lock=lock)
     persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
     return core, problem, persistence, spec
 
@@ -860,6 +884,9 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     recorded = recorded_final_x(state_dir)
+    if result.from_checkpoint:
+        click.echo(f"the journal before LSN {result.start_lsn} was removed (serve --max-journal-bytes): replaying "
+                   f"from {result.from_checkpoint}")
     click.echo(f"replayed {result.records} journal records: step {result.version}, "
                f"applied {result.counters['applied']}, lost {result.counters['lost']}, "
                f"final iterate sha256 {result.sha256[:16]}")
@@ -918,33 +945,36 @@ def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed
 @click.option("--timeout", type=float, default=60.0, show_default=True, callback=_positive,
               help="Seconds to wait for the server to exit.")
 def stop(state_dir, timeout) -> None:
-    """Ask a running server to drain: checkpoint, say bye to the workers, exit."""
+    """Ask a running server to drain: checkpoint, say bye to the workers, exit.
+
+    Only a verified server is signalled: a live process must hold the lock on DIR/server.pid,
+    and the pid and start time the file holds must be that process's (ps/persist.py
+    ``locked_server``). A server.pid left by a crash, or one naming another process, is refused
+    with one line and nothing is signalled.
+    """
     import signal
 
-    pid_path = os.path.join(state_dir, "server.pid")
-    try:
-        with open(pid_path, encoding="utf-8") as f:
-            pid = int(f.read().strip())
-    except (OSError, ValueError):
-        raise click.ClickException(f"no server.pid in {state_dir}: is a server running with --state there?") \
-            from None
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        raise click.ClickException(f"no process {pid} (the server is not running)") from None
     import psutil
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    from ps.persist import StateError, locked_server, wait_unlocked
+
+    try:
+        proc, fd = locked_server(state_dir)
+    except StateError as e:
+        raise click.ClickException(str(e)) from None
+    try:
         try:
-            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE or not os.path.exists(pid_path)
+            proc.send_signal(signal.SIGTERM)  # psutil checks the pid was not reused meanwhile
         except psutil.NoSuchProcess:
-            gone = True
-        if gone:
-            click.echo(f"server {pid} stopped")
+            click.echo(f"server {proc.pid} stopped")
             return
-        time.sleep(0.1)
-    raise click.ClickException(f"server {pid} still running after {timeout:g} s")
+        except psutil.AccessDenied:
+            raise click.ClickException(f"not permitted to signal the server (pid {proc.pid})") from None
+        if not wait_unlocked(fd, proc, timeout):
+            raise click.ClickException(f"server {proc.pid} still running after {timeout:g} s")
+        click.echo(f"server {proc.pid} stopped")
+    finally:
+        os.close(fd)
 
 
 @main.command()

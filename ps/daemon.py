@@ -48,7 +48,7 @@ from protocol.messages import (
 from protocol.wire import to_wire
 from ps.core import Disconnect, Send, ServerCore
 from ps.endpoints import needs_ipv6
-from ps.persist import Persistence, reply_from_wire
+from ps.persist import EventLog, Persistence, reply_from_wire
 from worker.compute import describe_layout
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
@@ -163,7 +163,7 @@ class Daemon:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.owners: dict[bytes, str] = {}  # routing id -> worker id
-        self.events_file = open(events_path, "a", encoding="utf-8") if events_path else None
+        self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
         self.events_dirty = False
         self.stopping: str | None = None
         self.started_at = clock()
@@ -235,7 +235,7 @@ class Daemon:
         try:
             while self.stopping is None:
                 now = self.clock()
-                deadline = min(next_hb, core.next_deadline(), next_progress + 0.2)
+                deadline = min(next_hb, self._core_deadline(), next_progress + 0.2)
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
@@ -255,8 +255,7 @@ class Daemon:
                     self.reload_keys = False
                     if self.security is not None:
                         self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
-                if now >= core.next_deadline():
-                    self._journal("tick", now=now)
+                if now >= self._core_deadline() and self._journal("tick", now=now):
                     self._execute(core.on_tick(now))
                 if self.persist is not None:
                     self.persist.after_batch(core, now)
@@ -333,6 +332,8 @@ class Daemon:
         if self.events_file:
             self.events_file.close()
             self.events_file = None
+        if self.metrics is not None:
+            self.metrics.close()
         # A short linger lets the final Bye messages reach the workers; everything else the
         # server would have sent is re-derivable from the job ledger. Terminating the context
         # waits for that flush (an exiting process would otherwise drop it).
@@ -356,8 +357,8 @@ class Daemon:
 
     def _count(self, kind: str) -> None:
         """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
-        self._journal("count", kind=kind)
-        setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
+        if self._journal("count", kind=kind):
+            setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         now = self.clock()
         rid = frames[0].bytes
@@ -443,9 +444,9 @@ class Daemon:
                 wire = "f32" if self.wire_dtype != "f32" else None
             elif self.wire_dtype != "f32":
                 msg, refusal = reply_from_wire(msg, self.wire_dtype)  # the journal keeps the wire frames
-        if self.persist is not None:
-            self.persist.record_message(self.core, wid, msg, frames_in, now, key, wire=wire,
-                                        refused=refusal is not None)
+        if self.persist is not None and not self.persist.record_message(self.core, wid, msg, frames_in, now, key,
+                                                                        wire=wire, refused=refusal is not None):
+            return  # not journaled (the state directory cannot be written): not accepted, the core never sees it
         self._execute(self.core.handle(wid, msg, now, key, refusal))
         if isinstance(msg, Bye):
             self._forget(wid)
@@ -543,10 +544,16 @@ class Daemon:
                 return False
             raise
 
-    def _journal(self, op: str, **body: Any) -> None:
-        """Write-ahead: record a core input before the core sees it (see ps/persist.py)."""
-        if self.persist is not None:
-            self.persist.journal.append(op, **body)
+    def _journal(self, op: str, **body: Any) -> bool:
+        """Write-ahead: record a core input before the core sees it (see ps/persist.py). False:
+        it could not be recorded (paused, the disk is full), so the core must not see it."""
+        return self.persist is None or self.persist.append(op, **body)
+
+    def _core_deadline(self) -> float:
+        """When the core next needs a tick; never while paused (no input reaches the core then)."""
+        if self.persist is not None and self.persist.paused is not None:
+            return math.inf
+        return self.core.next_deadline()
 
     def _forget(self, wid: str) -> None:
         rid = self.routes.pop(wid, None)
@@ -572,8 +579,8 @@ class Daemon:
                     log.warning("worker %s: key %s revoked, disconnecting it", wid, key)
                     self._send(wid, Bye("revoked"))
                     now = self.clock()
-                    self._journal("remove", wid=wid, now=now, reason="revoked")
-                    self._execute(self.core.remove_worker(wid, now, reason="revoked"))
+                    if self._journal("remove", wid=wid, now=now, reason="revoked"):
+                        self._execute(self.core.remove_worker(wid, now, reason="revoked"))
                 self._forget(wid)
 
     def _unreachable(self, wid: str) -> None:
@@ -582,8 +589,8 @@ class Daemon:
         timeout. Its route is kept, so a reply it still sends is recognised as late."""
         if wid in self.core.workers:
             now = self.clock()
-            self._journal("remove", wid=wid, now=now, reason="unreachable")
-            self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
+            if self._journal("remove", wid=wid, now=now, reason="unreachable"):
+                self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
 
     def _flush_events(self) -> None:
         events = self.core.drain_events()
@@ -616,6 +623,8 @@ class Daemon:
                      "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
                      "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": self.wire_dtype,
                      "shm_workers": len(self.shm_workers & core.workers.keys())})
+        if self.persist is not None:
+            info.update(self.persist.status())  # journal bytes; paused (disk full): why, for how long
         if self.recent_ages:
             ages = np.array(self.recent_ages)
             info.update({"age.mean": float(ages.mean()), "age.p50": float(np.median(ages)),
@@ -647,7 +656,8 @@ class Daemon:
                               "workers": len(core.workers), "outstanding": core.outstanding,
                               "benched": sum(w.benched for w in core.workers.values()),
                               "step_rate": self.step_rate(self.clock()), "age_counts": dict(self.age_counts),
-                              "figures": figures})
+                              "figures": figures,
+                              "paused": int(self.persist is not None and self.persist.paused is not None)})
 
     def step_rate(self, now: float) -> float:
         """Updates per second over the last ~10 s."""

@@ -3,7 +3,9 @@
 ``replay_run`` feeds the whole journal of a state directory through a fresh ServerCore, the
 way the daemon fed it (including server restarts), recomputing journaled-without-payload
 gradients from their seeds with the problem's oracle. On a deterministic (CPU) oracle the
-final iterate equals the recorded one bit for bit.
+final iterate equals the recorded one bit for bit. Once ``serve --max-journal-bytes`` has
+removed the journal's head, replay starts from the oldest kept checkpoint that covers where
+the journal starts (the run before it is no longer on disk to check).
 
 ``recorded_durations`` extracts, per worker, the sequence of job durations of the recorded run
 (issue to reply); ``TraceDelays`` plays them back in the simulator, so another algorithm can be
@@ -22,7 +24,15 @@ import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
 from ps.core import CoreConfig, ServerCore
-from ps.persist import apply_record, read_journal, read_run, run_wire_dtype
+from ps.persist import (
+    StateError,
+    apply_checked,
+    first_journal_lsn,
+    read_journal,
+    read_run,
+    restore_checkpoint,
+    run_wire_dtype,
+)
 
 
 @dataclass
@@ -33,6 +43,8 @@ class ReplayResult:
     counters: dict[str, int]
     durations: dict[str, list[float]] = field(default_factory=dict)  # worker -> job durations (s)
     applied: list[tuple[int, int, str]] = field(default_factory=list)  # (job_id, created_at, worker)
+    start_lsn: int = 0  # the first record replayed (> 0: from a checkpoint, the journal's head removed)
+    from_checkpoint: str = ""  # the checkpoint file replay started from ("": the start of the run)
 
     @property
     def sha256(self) -> str:
@@ -62,7 +74,10 @@ def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, setting
     bind = getattr(alg, "bind", None)
     if bind is not None:
         alg = bind(problem.layout)
-    cfg = CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    try:
+        cfg = CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None
     return problem, alg, cfg
 
 
@@ -76,20 +91,32 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult
         ValueError: no run, or one that cannot be rebuilt (``UntrustedError``: a user callable
             ``allowed`` does not trust).
     """
-    run = read_run(state_dir)
+    run = read_run(state_dir, complete=True)
     if run is None:
         raise ValueError(f"{state_dir} holds no run (no run.json)")
     problem, alg, cfg = build_from_run(run, allowed=allowed, where=os.path.join(state_dir, "run.json"))
     if "torch" in sys.modules:  # a torch problem, built-in or the user's (a TorchProblem): the workers'
         sys.modules["torch"].set_num_threads(1)  # default of one thread gives the same bits
-    core = ServerCore(alg, problem.init_params(cfg.seed), cfg)
+    # From the start of the run; once the journal's head was removed (serve --max-journal-bytes),
+    # from the oldest kept checkpoint that covers where the journal starts.
+    first, start, source = first_journal_lsn(state_dir) or 0, 0, ""
+    if first:
+        found = restore_checkpoint(lambda snap: ServerCore.restore(alg, snap, cfg), state_dir, newest_first=False,
+                                   min_lsn=first - 1)
+        if found is None:
+            raise StateError(f"{state_dir}: the journal starts at LSN {first} (its head was removed) and no "
+                             f"checkpoint kept covers it: nothing to replay from")
+        core, lsn, source = found
+        start = lsn + 1
+    else:
+        core = ServerCore(alg, problem.init_params(cfg.seed), cfg)
     issued_at: dict[int, tuple[str, float]] = {}
     durations: dict[str, list[float]] = {}
     applied: list[tuple[int, int, str]] = []
     n = 0
     wire_dtype = run_wire_dtype(run)
-    for rec in read_journal(state_dir):
-        apply_record(core, rec, problem, wire_dtype)
+    for rec in read_journal(state_dir, from_lsn=start):
+        apply_checked(core, rec, problem, wire_dtype)
         n += 1
         for ev in core.drain_events():
             kind = ev["ev"]
@@ -101,7 +128,8 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult
                 if kind == "applied":
                     applied.append((ev["job_id"], ev["created_at"], ev["worker_id"]))
     return ReplayResult(records=n, version=core.version, final_x=np.array(core.params(), copy=True),
-                        counters=core.counters.as_dict(), durations=durations, applied=applied)
+                        counters=core.counters.as_dict(), durations=durations, applied=applied, start_lsn=start,
+                        from_checkpoint=os.path.basename(source))
 
 
 def recorded_final_x(state_dir: str) -> np.ndarray | None:

@@ -62,6 +62,8 @@ def render_status(st: Status) -> str:
              f"lost {c.get('lost')}, failed {c.get('failed', 0)}, cancelled {c.get('cancelled')}, "
              f"rejected {c.get('rejected')}, late {c.get('late')}, outstanding {i.get('outstanding')}"
              + (f" (oldest age {i['outstanding.max_age']})" if "outstanding.max_age" in i else "")]
+    if "paused" in i:  # the server cannot write its state directory (disk full): it accepts nothing
+        lines.append(f"PAUSED for {i.get('paused_s', 0):.0f} s, no jobs issued: {i['paused']}")
     if "age.p50" in i:
         lines.append(f"ages of applied replies: mean {i['age.mean']:.2f}, median {i['age.p50']:.0f}, "
                      f"p90 {i['age.p90']:.0f}, max {i['age.max']}")

@@ -210,3 +210,328 @@ def test_recovery_of_a_reduced_precision_run_is_bit_exact(tmp_path, wire, payloa
     if not payloads:  # recomputed as f32, the replay would drift: the wire dtype matters
         plain, _, _ = recover(factory, restore, d, problem, wire_dtype="f32")
         assert not np.array_equal(plain.params(), live)
+
+
+# --------------------------------------------------------------------------- hostile input (issue 13, 8 and 11)
+
+def _drive(pers, core, problem, steps, *, after_batch=False, now0=0.0):
+    """Two workers replying in turn, fed through ``pers`` as the daemon feeds them. Returns now."""
+    from collections import deque
+
+    from protocol.codec import encode
+    from protocol.messages import Hello, Job, Ready, Reply
+    from ps.core import Send
+    from worker.compute import run_job
+
+    todo: deque = deque()
+    now = now0
+
+    def feed(wid, msg):
+        if pers.record_message(core, wid, msg, encode(msg), now):
+            todo.extend((c.worker_id, c.msg) for c in core.handle(wid, msg, now)
+                        if isinstance(c, Send) and isinstance(c.msg, Job))
+        if after_batch:
+            pers.after_batch(core, now)
+
+    if not core.workers:
+        for wid in ("w1", "w2"):
+            feed(wid, Hello(worker_id=wid, boot=1, credit=1, run_id=7))
+            feed(wid, Ready(credit=1))
+    else:
+        todo.extend((e.worker_id, core._job_message(e, core.workers[e.worker_id])) for e in core.ledger.values())
+    target = core.version + steps
+    while todo and core.version < target:
+        now += 1.0
+        wid, job = todo.popleft()
+        r = run_job(job, [core.store[i] for i in job.iterate_ids], problem)
+        feed(wid, Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
+                        compute_s=0.0, holds=()))
+    return now
+
+
+def test_messages_are_journaled_as_decoded_not_with_their_padding(tmp_path):
+    import msgpack
+
+    from protocol.codec import decode, encode
+    from protocol.messages import Heartbeat, Hello
+    from ps.persist import Persistence, apply_record
+
+    factory, _, problem = _core()
+    core = factory()
+    d = str(tmp_path)
+    pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0)
+    hello = Hello(worker_id="w1", boot=1, credit=1)
+    pers.record_message(core, "w1", hello, encode(hello), 0.0)
+    core.handle("w1", hello, 0.0)
+    hb = Heartbeat(boot=1, credit=1, busy=(3, 4), seen=4)
+    header = msgpack.unpackb(encode(hb)[0])
+    header.update({f"pad{i}": "x" * 4000 for i in range(15)})
+    header["arrays"] = []
+    frames = [msgpack.packb(header, use_bin_type=True)]
+    assert len(frames[0]) > 60_000 and decode(frames) == hb
+    assert pers.record_message(core, "w1", decode(frames), frames, 1.0)
+    pers.close()
+    recs = list(read_journal(d))
+    assert len(msgpack.packb(recs[-1].body, use_bin_type=True)) < 150, "the padding is not journaled"
+    assert decode(recs[-1].body["frames"]) == hb
+    fresh = factory()
+    for r in recs:
+        apply_record(fresh, r, problem)
+    assert fresh.workers["w1"].credit == 1
+
+
+def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch):
+    import errno
+
+    import ps.persist as persist
+
+    d = str(tmp_path)
+    j = Journal(d, next_lsn=0, fsync="never")
+    j.append("tick", now=0.0)
+    size = os.path.getsize(j.path)
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        if len(data) > 4:
+            return real_write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "write", half_then_full)
+    with pytest.raises(OSError, match="No space"):
+        j.append("tick", now=1.0, pad="x" * 100)
+    assert os.path.getsize(j.path) == size, "cut back to the record's start"
+    monkeypatch.setattr(persist.os, "write", real_write)
+    j.append("tick", now=2.0)
+    j.close()
+    assert [(r.lsn, r.body["now"]) for r in read_journal(d)] == [(0, 0.0), (1, 2.0)]
+
+
+def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeypatch, caplog):
+    import errno
+
+    import ps.persist as persist
+    from ps.persist import Persistence, recover
+
+    d = str(tmp_path)
+    factory, restore, problem = _core()
+    core = factory()
+    pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0)
+    now = _drive(pers, core, problem, 10)
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "write", full)
+    version = core.version
+    with caplog.at_level(logging.ERROR, logger="latecomer.persist"):
+        now = _drive(pers, core, problem, 5, after_batch=True, now0=now)
+    assert pers.paused and "No space left on device" in pers.paused and "issuing no jobs" in caplog.text
+    assert core.version == version, "nothing reached the core while paused"
+    assert pers.status()["paused"] == pers.paused and not pers.append("tick", now=now)
+    monkeypatch.setattr(persist.os, "write", real_write)
+    pers.next_probe = 0.0
+    pers.after_batch(core, now)  # the probe: space is back
+    assert pers.paused is None and any(r.op == "resume" for r in read_journal(d))
+    _drive(pers, core, problem, 10, now0=now + 10)
+    pers.close()
+    assert core.version >= version + 10
+    rec, _, _ = recover(factory, restore, d, problem)
+    assert np.array_equal(rec.params(), core.params()) and rec.counters.as_dict() == core.counters.as_dict()
+
+
+def test_the_journal_stays_within_its_bound_and_recovery_and_replay_still_work(tmp_path):
+    from ps.persist import Persistence, first_journal_lsn, recover
+
+    d = str(tmp_path)
+    factory, restore, problem = _core()
+    core = factory()
+    bound = 16 << 10
+    pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0,
+                       max_journal_bytes=bound)
+    sizes = []
+    now = 0.0
+    for _ in range(20):
+        now = _drive(pers, core, problem, 50, after_batch=True, now0=now)
+        sizes.append(pers.journal.total_bytes())
+    pers.close()
+    assert core.version >= 1000 and pers.segments_removed > 0 and first_journal_lsn(d) > 0
+    assert max(sizes) <= bound, sizes
+    assert sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.startswith("wal-")) <= bound
+    rec, _, _ = recover(factory, restore, d, problem)
+    assert np.array_equal(rec.params(), core.params())
+    # the newest checkpoint damaged: recovery falls back to an older one, the journal still covers it
+    newest = sorted(n for n in os.listdir(d) if n.startswith("ckpt-"))[-1]
+    raw = bytearray(open(os.path.join(d, newest), "rb").read())
+    raw[40] ^= 0xFF
+    open(os.path.join(d, newest), "wb").write(bytes(raw))
+    rec, _, _ = recover(factory, restore, d, problem)
+    assert np.array_equal(rec.params(), core.params())
+
+
+def _segment(d, number, records):
+    import zlib
+
+    import msgpack
+
+    from ps.persist import REC_HEADER
+
+    out = b""
+    for body in records:
+        data = msgpack.packb(body, use_bin_type=True)
+        out += REC_HEADER.pack(len(data), zlib.crc32(data)) + data
+    path = os.path.join(d, f"wal-{number:06d}.log")
+    with open(path, "wb") as f:
+        f.write(out)
+    return path, out
+
+
+def test_damaged_journals_are_errors_naming_file_and_offset(tmp_path, caplog):
+    from ps.persist import StateError, cut_torn_tail
+
+    d = str(tmp_path)
+    ticks = [{"lsn": i, "op": "tick", "now": float(i)} for i in range(4)]
+    path, data = _segment(d, 1, ticks)
+    # a CRC failure followed by more records: not a torn tail
+    raw = bytearray(data)
+    raw[12] ^= 0xFF
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(StateError, match=r"wal-000001.log: record at byte 0 fails its checksum"):
+        list(read_journal(d))
+    # a record without lsn, with a valid checksum
+    _segment(d, 1, ticks[:2] + [{"op": "tick", "now": 2.0}])
+    with pytest.raises(StateError, match=r"record at byte \d+ is not a journal record: no valid 'lsn'"):
+        list(read_journal(d))
+    for bad, why in (({"lsn": 2, "op": "tick"}, "'now'"), ({"lsn": 2, "op": "launch"}, "unknown op"),
+                     ({"lsn": 5, "op": "tick", "now": 1.0}, "LSN 5 after LSN 1"),
+                     ({"lsn": 2, "op": "msg", "wid": "w", "now": 1.0, "frames": ["x"]}, "byte strings")):
+        _segment(d, 1, ticks[:2] + [bad])
+        with pytest.raises(StateError, match=why):
+            list(read_journal(d))
+    # a torn tail ending an earlier segment: accepted only if the next incarnation's restart follows
+    path, data = _segment(d, 1, ticks)
+    open(path, "wb").write(data[:-3])
+    _segment(d, 2, [{"lsn": 3, "op": "tick", "now": 9.0}])
+    with pytest.raises(StateError, match="cut short or garbled, and the journal goes on"):
+        list(read_journal(d))
+    _segment(d, 2, [{"lsn": 3, "op": "restart", "now": 9.0}])
+    with caplog.at_level(logging.WARNING):
+        assert [r.lsn for r in read_journal(d)] == [0, 1, 2, 3]
+    assert "torn" in caplog.text
+    # the torn tail of the last segment is cut off when a server resumes
+    os.remove(os.path.join(d, "wal-000002.log"))
+    assert cut_torn_tail(d) is not None and [r.lsn for r in read_journal(d)] == [0, 1, 2]
+    assert cut_torn_tail(d) is None
+    open(os.path.join(d, "wal-abc.log"), "wb").close()
+    with pytest.raises(StateError, match="wal-abc.log: unexpected file"):
+        list(read_journal(d))
+
+
+def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
+    from ps.persist import recover
+
+    d = str(tmp_path)
+    path = write_checkpoint(d, 5, {"x": np.ones(3)})
+    os.rename(path, os.path.join(d, "ckpt-000000000007.bin"))
+    with pytest.raises(ValueError, match="holds LSN 5, its name says 7"):
+        read_checkpoint(os.path.join(d, "ckpt-000000000007.bin"))
+    os.remove(os.path.join(d, "ckpt-000000000007.bin"))
+    # a checkpoint whose snapshot verifies but does not restore is skipped for the previous one
+    factory, restore, problem = _core()
+    core = factory()
+    from ps.persist import Persistence
+
+    pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0)
+    now = _drive(pers, core, problem, 10)
+    pers.checkpoint(core)
+    now = _drive(pers, core, problem, 10, now0=now)
+    pers.journal.append("checkpoint", version=core.version)
+    write_checkpoint(d, pers.journal.next_lsn - 1, {"format": 1, "algorithm": "asgd"})  # no "dim", no "ledger"...
+    pers.close()
+    with caplog.at_level(logging.WARNING):
+        rec, _, _ = recover(factory, restore, d, problem)
+    assert "does not restore (KeyError" in caplog.text
+    assert np.array_equal(rec.params(), core.params())
+
+
+def test_run_json_that_does_not_read_is_one_line(tmp_path):
+    from ps.persist import StateError, read_run
+
+    d = str(tmp_path)
+    (tmp_path / "run.json").write_text("{nope")
+    with pytest.raises(StateError, match="run.json: cannot be read"):
+        read_run(d)
+    (tmp_path / "run.json").write_text("[1, 2]")
+    with pytest.raises(StateError, match="not a run description"):
+        read_run(d)
+    (tmp_path / "run.json").write_text('{"problem": 3}')
+    with pytest.raises(StateError, match="'problem' must be a str"):
+        read_run(d)
+    (tmp_path / "run.json").write_text('{"problem": "quadratic"}')
+    assert read_run(d)["problem"] == "quadratic"
+    with pytest.raises(StateError, match="no 'problem_options'"):
+        read_run(d, complete=True)
+    (tmp_path / "wal-000001.log").write_bytes(b"x")
+    with pytest.raises(StateError, match="no run description"):
+        Journal(d, next_lsn=0)
+
+
+# --------------------------------------------------------------------------- the lock (issue 13, 10)
+
+def test_the_state_lock_refuses_a_second_server_and_names_only_its_holder(tmp_path):
+    import psutil
+
+    from ps.persist import StateError, StateLock, locked_server
+
+    d = str(tmp_path)
+    with pytest.raises(StateError, match="no server.pid"):
+        locked_server(d)
+    lock = StateLock(d)
+    with pytest.raises(StateError, match=rf"in use by another server \(pid {os.getpid()}\)"):
+        StateLock(d)
+    proc, fd = locked_server(d)  # verified: this process holds it, with its start time
+    os.close(fd)
+    assert proc.pid == os.getpid() and proc.create_time() == psutil.Process().create_time()
+    pid_file = tmp_path / "server.pid"
+    for text, why in (("-1", "does not name a process"), ("garbage", "does not name a process"),
+                      (f"{os.getppid()} {psutil.Process(os.getppid()).create_time()!r}", "the lock is held by"),
+                      (f"{os.getpid()} 1.5", "another start time")):
+        os.pwrite(lock.fd, text.ljust(60).encode(), 0)
+        with pytest.raises(StateError, match=why):
+            locked_server(d)
+    lock.release()
+    assert not pid_file.exists()
+    pid_file.write_text(f"{os.getpid()} {psutil.Process().create_time()!r}\n")  # left by a crash: nobody holds it
+    with pytest.raises(StateError, match="no server is running .* nothing was signalled"):
+        locked_server(d)
+    StateLock(d).release()  # a new server takes a stale file over
+
+
+def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeypatch, caplog):
+    import errno
+
+    import ps.persist as persist
+    from ps.persist import EventLog
+
+    path = str(tmp_path / "events.jsonl")
+    ev = EventLog(path)
+    ev.write('{"ev": 1}\n')
+    ev.flush()
+    real_write = os.write
+    calls = []
+
+    def partial_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:3]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.os, "write", partial_then_full)
+    ev.write('{"ev": 2}\n{"ev": 3}\n')
+    with caplog.at_level(logging.WARNING, logger="latecomer.persist"):
+        ev.flush()
+        monkeypatch.setattr(persist.os, "write", real_write)
+        ev.write('{"ev": 4}\n')
+        ev.close()
+    assert open(path).read() == '{"ev": 1}\n{"ev": 4}\n' and ev.dropped == 2
+    assert "cannot write the event log" in caplog.text and "written again (2 events were dropped)" in caplog.text
