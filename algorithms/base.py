@@ -13,6 +13,7 @@ it is never written again (the driver sends it zero-copy and caches it by id). U
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Sequence
 
@@ -22,7 +23,7 @@ from protocol.messages import JobKind
 
 __all__ = [
     "Algorithm", "JobSpec", "Outcome", "Result", "publish", "check_hyper", "state_arrays_equal",
-    "jobs_created_at_most",
+    "jobs_created_at_most", "bind_layout",
 ]
 
 
@@ -92,6 +93,21 @@ def jobs_created_at_most(outstanding: Sequence[Any], created_at: int) -> list[in
     return [j.job_id for j in outstanding if j.created_at <= created_at]
 
 
+def bind_layout(alg: Any, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Any:
+    """``alg.bind(layout, lmo_mask=lmo_mask)``, or ``alg.bind(layout)`` when there is no mask or
+    ``alg.bind`` takes no ``lmo_mask`` (an algorithm written before the mask existed). What the
+    drivers (CLI, simulator, replay) call with ``problem.layout`` and ``problem.lmo_mask``."""
+    if lmo_mask is None:
+        return alg.bind(layout)
+    try:
+        params = inspect.signature(alg.bind).parameters.values()
+    except (TypeError, ValueError):
+        return alg.bind(layout)
+    if any(p.name == "lmo_mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return alg.bind(layout, lmo_mask=lmo_mask)
+    return alg.bind(layout)
+
+
 def check_hyper(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
                 lo_open: bool = False, hi_open: bool = False, integer: bool = False) -> None:
     """Raise ValueError with the bad value when a hyper-parameter is out of range.
@@ -150,11 +166,15 @@ class Algorithm:
         return state.version
 
     # ---- optional, with defaults
-    def bind(self, layout: tuple) -> Algorithm:
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
         """Specialize to the problem's parameter layout; the driver calls it once, before init.
 
-        ``layout`` is ``problem.layout`` (``((name, shape), ...)``). The default ignores it and
-        returns ``self``; layout-aware methods (Muon) return a copy that holds it.
+        ``layout`` is ``problem.layout`` (``((name, shape), ...)``); ``lmo_mask`` is the problem's
+        optional ``lmo_mask`` (one bool per block: True where an LMO/Muon step applies, False
+        for the momentum fallback), None when the problem has none. Drivers call it through
+        :func:`bind_layout`, which leaves the mask out for a ``bind`` written without it. The
+        default ignores both and returns ``self``; layout-aware methods (Muon) return a copy
+        that holds them.
         """
         return self
 

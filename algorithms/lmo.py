@@ -8,7 +8,13 @@ block by block.
 Newton–Schulz follows Keller Jordan's ``zeropower_via_newtonschulz5`` and the Ringmaster-LMO
 code exactly: transpose when rows > cols, ``X ← G / (‖G‖_F + 1e-7)``, then per step with
 coefficients (a, b, c): ``A = X Xᵀ``, ``X ← a X + (b A + c A²) X``; transpose back.
-The coefficient table is a parameter (:data:`CLASSIC_NS5`, :data:`POLAR_EXPRESS_NS5`).
+The coefficient table is a parameter (:data:`CLASSIC_NS5`, :data:`POLAR_EXPRESS_NS5`);
+:func:`ns_coefficients` gives the triples the Muon methods run for ``ns`` and ``ns_steps``.
+
+Which blocks get Newton–Schulz is a per-block flag (``lmo_mask``, from the problem through
+``bind``); without one, every block with ≥ 2 dimensions does. The official NanoChat code flags
+only the hidden matrices (embeddings, output head, biases and norm weights take the momentum
+fallback); its quadratic script passes no layout, so the whole vector is one 1×d matrix.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from typing import Sequence
 import numpy as np
 
 __all__ = [
-    "CLASSIC_NS5", "POLAR_EXPRESS_NS5", "NS_TABLES", "NS_EPS", "newton_schulz", "lmo_sign", "lmo_l2",
-    "lmo_spectral", "muon_direction", "check_layout", "layout_numel", "pa_schedule",
+    "CLASSIC_NS5", "POLAR_EXPRESS_NS5", "NS_TABLES", "NS_EPS", "newton_schulz", "ns_coefficients", "lmo_sign",
+    "lmo_l2", "lmo_spectral", "muon_direction", "check_layout", "check_lmo_mask", "default_lmo_mask",
+    "layout_numel", "pa_schedule", "coupled_threshold",
 ]
 
 Coefficients = Sequence[tuple[float, float, float]]
@@ -45,6 +52,26 @@ NS_TABLES: dict[str, tuple[tuple[float, float, float], ...]] = {
 
 #: Added to the Frobenius norm before the first Newton–Schulz step (as in the reference code).
 NS_EPS = 1e-7
+
+
+def ns_coefficients(name: str, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """The (a, b, c) triples, one per Newton–Schulz step, that ``ns=name, ns_steps=steps`` runs.
+
+    ``"polar-express"``: the first ``min(steps, 5)`` of the five per-step triples: like the
+    Ringmaster-LMO code (``POLAR_EXPRESS_COEFFS[:steps]``), more than 5 steps run only 5.
+    ``"classic"``: Keller Jordan's single quintic triple ``steps`` times (his
+    ``zeropower_via_newtonschulz5`` uses the same triple at every step, however many).
+
+    Raises:
+        ValueError: unknown name or ``steps`` < 0.
+    """
+    if name not in NS_TABLES:
+        raise ValueError(f"Invalid ns: {name!r} (choose one of {', '.join(NS_TABLES)})")
+    if steps < 0 or int(steps) != steps:
+        raise ValueError(f"Invalid steps: {steps!r}")
+    if name == "classic":
+        return CLASSIC_NS5[:1] * int(steps)
+    return NS_TABLES[name][: int(steps)]
 
 
 def newton_schulz(g: np.ndarray, coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5) -> np.ndarray:
@@ -129,26 +156,54 @@ def check_layout(layout: object) -> None:
             raise ValueError(f"Invalid layout entry: {entry!r} (expected (name, shape))")
 
 
-def muon_direction(u: np.ndarray, layout: Layout = (), *, coefficients: Coefficients = POLAR_EXPRESS_NS5,
-                   steps: int = 5) -> np.ndarray:
+def default_lmo_mask(layout: Layout) -> tuple[bool, ...]:
+    """The rule without a problem's ``lmo_mask``: Newton–Schulz on every block with ≥ 2 dims."""
+    return tuple(len(shape) >= 2 for _, shape in layout)
+
+
+def check_lmo_mask(layout: Layout, lmo_mask: object) -> tuple[bool, ...] | None:
+    """``lmo_mask`` as a tuple of bools aligned with ``layout`` (None stays None).
+
+    Raises:
+        ValueError: not a sequence of bools, one per layout block.
+    """
+    if lmo_mask is None:
+        return None
+    try:
+        mask = tuple(lmo_mask)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"Invalid lmo_mask: {lmo_mask!r} (expected one bool per layout block)") from None
+    if len(mask) != len(layout) or not all(isinstance(b, (bool, np.bool_)) for b in mask):
+        raise ValueError(f"Invalid lmo_mask: {lmo_mask!r} (expected {len(layout)} bools, one per layout block)")
+    return tuple(bool(b) for b in mask)
+
+
+def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[bool] | None = None,
+                   coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5) -> np.ndarray:
     """Muon's update O for the flat vector ``u``, block by block; the step is ``x − η O``.
 
-    - Block with ≥ 2 dims, viewed as (shape[0], rest): ``NS(u_blk) · √max(1, rows/cols)``.
-    - Block with ≤ 1 dim (bias, gain, scalar): ``u_blk`` itself (the reference code's
-      momentum-SGD fallback for non-matrix parameters).
-    - Empty layout: the whole vector is one 1×d matrix, whose polar factor is exactly
-      ``u / ‖u‖`` (normalized SGD); that exact value is used, not the NS approximation.
+    - Block with an LMO step (``lmo_mask`` True; without a mask, every block with ≥ 2 dims):
+      viewed as (shape[0], rest), or as a 1×n matrix when it has ≤ 1 dim,
+      ``NS(u_blk) · √max(1, rows/cols)``.
+    - Any other block (``lmo_mask`` False; without a mask, biases, gains, scalars):
+      ``u_blk`` itself (the reference code's momentum-SGD fallback).
+    - Empty layout (unbound): the whole vector is one 1×d matrix, whose polar factor is exactly
+      ``u / ‖u‖`` (normalized SGD); that exact value is used, not the NS approximation. To run
+      what the group's quadratic script runs (it passes no layout: NS on the 1×d matrix, about
+      0.859·u/‖u‖ with Polar Express, 0.696·u/‖u‖ classic), flag the vector block instead, as
+      the ``quadratic`` problem does (``lmo_mask = (True,)``).
 
     Args:
         u: flat 1-D direction (momentum or its Nesterov variant).
         layout: ``((name, shape), ...)`` covering ``u`` in order, or ``()``.
-        coefficients, steps: passed to :func:`newton_schulz`.
+        lmo_mask: one bool per layout block (see :func:`check_lmo_mask`), or None.
+        coefficients, steps: passed to :func:`newton_schulz` (see :func:`ns_coefficients`).
 
     Returns:
         A float64 array of ``u``'s shape.
 
     Raises:
-        ValueError: ``u`` is not 1-D or the layout does not cover it.
+        ValueError: ``u`` is not 1-D, the layout does not cover it or the mask does not fit.
     """
     u = np.asarray(u)
     if u.ndim != 1:
@@ -158,13 +213,16 @@ def muon_direction(u: np.ndarray, layout: Layout = (), *, coefficients: Coeffici
         return np.zeros(u.shape) if norm == 0.0 else np.asarray(u, dtype=np.float64) / norm
     if layout_numel(layout) != u.shape[0]:
         raise ValueError(f"layout of size {layout_numel(layout)} does not match vector of size {u.shape[0]}")
+    mask = check_lmo_mask(layout, lmo_mask)
+    if mask is None:
+        mask = default_lmo_mask(layout)
     out = np.empty(u.shape, dtype=np.float64)
     off = 0
-    for _, shape in layout:
+    for (_, shape), lmo in zip(layout, mask, strict=True):
         size = math.prod(shape)
         blk = u[off:off + size]
-        if len(shape) >= 2 and size > 0:
-            mat = blk.reshape(shape[0], size // shape[0])
+        if lmo and size > 0:
+            mat = blk.reshape(shape[0], size // shape[0]) if len(shape) >= 2 else blk.reshape(1, size)
             o = newton_schulz(mat, coefficients, steps)
             o *= math.sqrt(max(1.0, mat.shape[0] / mat.shape[1]))
             out[off:off + size] = o.reshape(-1)
@@ -189,3 +247,12 @@ def pa_schedule(k: int) -> tuple[float, int, float]:
     k = int(k)
     alpha = 1.0 if k == 0 else 1.0 / math.sqrt(k)
     return alpha, max(1, math.isqrt(k)), (k + 1) ** -0.75
+
+
+def coupled_threshold(alpha: float) -> int:
+    """The theorem's coupling of the delay threshold to the momentum weight: R = ⌊1/α⌋ (>= 1).
+
+    A relative 1e-9 guards the floor against 1/α landing just below an integer (α = 1/3)."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"Invalid alpha: {alpha!r}")
+    return max(1, math.floor(1.0 / alpha * (1.0 + 1e-9)))

@@ -28,7 +28,7 @@ import numpy as np
 from algorithms._common import frozen, grad_job
 from algorithms._pool import step_into
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper
-from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction
+from algorithms.lmo import NS_TABLES, check_layout, check_lmo_mask, layout_numel, muon_direction, ns_coefficients
 from protocol.messages import JobKind
 
 __all__ = ["RennalaSGD", "RennalaMVR", "RennalaMVRInexact", "RennalaMuon", "RennalaState", "RennalaMVRState",
@@ -456,10 +456,14 @@ class RennalaMuon(_PlainBatch, _Rennala):
         u = β m_{k+1} + (1 − β) ḡ   (Nesterov)   or   u = m_{k+1}
         x_{k+1} = x_k − lr · O(u)
 
-    O is :func:`algorithms.lmo.muon_direction` over the layout given to :meth:`bind`: per
-    block with ≥ 2 dims, Newton–Schulz NS(u_blk) · √max(1, rows/cols); vectors and scalars
-    step with u_blk itself. Without a layout (``()``) the whole vector is one 1×d matrix and
-    O = u/‖u‖ exactly (normalized SGD).
+    O is :func:`algorithms.lmo.muon_direction` over the layout and ``lmo_mask`` given to
+    :meth:`bind`: per block the mask flags (without a mask, every block with ≥ 2 dims),
+    Newton–Schulz NS(u_blk) · √max(1, rows/cols) (a flagged vector block as a 1×n matrix); the
+    other blocks step with u_blk itself (the momentum fallback). Without a layout (``()``) the
+    whole vector is one 1×d matrix and O = u/‖u‖ exactly (normalized SGD; the group's quadratic
+    script runs NS on it, ≈ 0.859·u/‖u‖: the ``quadratic`` problem's flagged vector block gets
+    that). Newton–Schulz runs :func:`algorithms.lmo.ns_coefficients` (Polar
+    Express: at most its 5 triples, as the public code).
 
     Choices: m is kept in the dtype of x (the public code keeps float64); ``restart`` is
     offered as in A8 (the public code restarts all workers, the default).
@@ -471,7 +475,7 @@ class RennalaMuon(_PlainBatch, _Rennala):
         nesterov: use the Nesterov direction (default True, as the public code).
         ns: Newton–Schulz coefficient table, ``"polar-express"`` (Ringmaster-LMO code, default)
             or ``"classic"`` (Keller Jordan's (3.4445, −4.7750, 2.0315) at every step).
-        ns_steps: Newton–Schulz iterations (integer ≥ 1, default 5).
+        ns_steps: Newton–Schulz iterations (integer ≥ 1, default 5; Polar Express runs at most 5).
         restart: cancel old-round jobs after an update (default) or drop them on arrival.
     """
 
@@ -484,8 +488,10 @@ class RennalaMuon(_PlainBatch, _Rennala):
     ns_steps: int = 5
     restart: bool = True
 
-    # Set by bind(), not a hyper-parameter: ((name, shape), ...) of the problem's blocks.
+    # Set by bind(), not hyper-parameters: ((name, shape), ...) of the problem's blocks and its
+    # per-block LMO flags (None: every block with >= 2 dims gets Newton–Schulz).
     layout: ClassVar[tuple] = ()
+    lmo_mask: ClassVar[tuple | None] = None
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
@@ -497,11 +503,14 @@ class RennalaMuon(_PlainBatch, _Rennala):
         check_hyper("ns_steps", self.ns_steps, lo=1, integer=True)
         _check_flag("restart", self.restart)
 
-    def bind(self, layout: tuple) -> RennalaMuon:
-        """A copy of this algorithm that steps each block of ``layout`` on its own."""
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> RennalaMuon:
+        """A copy of this algorithm that steps each block of ``layout`` on its own (Newton–Schulz
+        where ``lmo_mask`` says so, the momentum fallback elsewhere)."""
         check_layout(layout)
+        mask = check_lmo_mask(tuple(layout), lmo_mask)
         bound = copy.copy(self)
         object.__setattr__(bound, "layout", tuple(layout))
+        object.__setattr__(bound, "lmo_mask", mask)
         return bound
 
     def state_class(self) -> type:
@@ -520,7 +529,8 @@ class RennalaMuon(_PlainBatch, _Rennala):
         state.m *= beta
         state.m += one_minus * mean
         u = beta * state.m + one_minus * mean if self.nesterov else state.m
-        o = muon_direction(u, self.layout, coefficients=NS_TABLES[self.ns], steps=self.ns_steps)
+        coefficients = ns_coefficients(self.ns, self.ns_steps)
+        o = muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients, steps=len(coefficients))
         state.x = frozen(state.x - np.asarray(self.lr, dt) * o.astype(dt, copy=False))
         state.version += 1
         state.grad_sum[...] = 0

@@ -23,7 +23,16 @@ from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms._pool import add_scaled, step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper, jobs_created_at_most
 from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
-from algorithms.lmo import NS_TABLES, check_layout, layout_numel, muon_direction, pa_schedule
+from algorithms.lmo import (
+    NS_TABLES,
+    check_layout,
+    check_lmo_mask,
+    coupled_threshold,
+    layout_numel,
+    muon_direction,
+    ns_coefficients,
+    pa_schedule,
+)
 
 
 def _stale_jobs(version: int, outstanding: Sequence[Any], threshold: int) -> list[int]:
@@ -87,19 +96,25 @@ class _LMOMomentum(PerReplyAlgorithm):
     ns: str
     ns_steps: int
 
-    # Set by bind(), not a hyper-parameter (so the CLI never sees it): ((name, shape), ...).
+    # Set by bind(), not hyper-parameters (so the CLI never sees them): ((name, shape), ...) and
+    # the problem's per-block LMO flags (None: every block with >= 2 dims gets Newton–Schulz).
     layout: ClassVar[tuple] = ()
+    lmo_mask: ClassVar[tuple | None] = None
 
     def _check_common(self) -> None:
         check_choice("nesterov", self.nesterov, (True, False))
         check_choice("ns", self.ns, tuple(NS_TABLES))
         check_hyper("ns_steps", self.ns_steps, lo=1, integer=True)
 
-    def bind(self, layout: tuple) -> Algorithm:
-        """A copy of this algorithm that steps each block of ``layout`` on its own (Muon)."""
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
+        """A copy of this algorithm that steps each block of ``layout`` on its own (Muon): the
+        blocks ``lmo_mask`` flags (without a mask, those with >= 2 dims) get Newton–Schulz, the
+        others the momentum fallback."""
         check_layout(layout)
+        mask = check_lmo_mask(tuple(layout), lmo_mask)
         bound = copy.copy(self)
         object.__setattr__(bound, "layout", tuple(layout))
+        object.__setattr__(bound, "lmo_mask", mask)
         return bound
 
     def state_class(self) -> type:
@@ -124,7 +139,9 @@ class _LMOMomentum(PerReplyAlgorithm):
         if lmo == "l2":
             norm = float(np.linalg.norm(u))
             return np.zeros_like(u) if norm == 0.0 else u / norm
-        return muon_direction(u, self.layout, coefficients=NS_TABLES[self.ns], steps=self.ns_steps)
+        coefficients = ns_coefficients(self.ns, self.ns_steps)
+        return muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients,
+                              steps=len(coefficients))
 
     def _step(self, state: LMOMomentumState, g: np.ndarray, alpha: float, eta: float, lmo: str) -> None:
         """m ← α g + (1−α) m; u = (1−α) m + α g if Nesterov else m; x ← x − η D(u); k += 1."""
@@ -156,12 +173,22 @@ class RingmasterLMO(_LMOMomentum):
         δ ≥ R_k:  dropped (``stops=False``); with ``stops=True`` ``cancel`` stops every job
                   whose age reached R_k right after each update, so this never happens.
 
-    LMOs: ``"sign"`` lmo = −sign(u) (ℓ∞ ball); ``"l2"`` lmo = −u/‖u‖; ``"muon"`` per layout
-    block, matrices get −NS5(u)·√max(1, rows/cols) (spectral ball, approximately), vectors and
-    scalars get −u (the public code's momentum fallback), an empty layout gives −u/‖u‖.
+    Direction: ``nesterov=True`` (the default) is the public code's Nesterov blend u; the
+    paper's algorithm box steps on the momentum itself, u = m_{k+1}: ``nesterov=False``. Runs
+    that claim to reproduce the paper's algorithm (rather than its NanoChat code) set it.
+
+    LMOs: ``"sign"`` lmo = −sign(u) (ℓ∞ ball); ``"l2"`` lmo = −u/‖u‖ (both on the whole
+    vector; the mask below does not apply); ``"muon"`` per layout block: the blocks the
+    problem's ``lmo_mask`` flags (without a mask, every block with ≥ 2 dims) get
+    −NS5(u)·√max(1, rows/cols) (spectral ball, approximately; a flagged vector block is a 1×n
+    matrix: ≈ −0.859·u/‖u‖ with Polar Express, as the group's quadratic script), the others −u
+    (the public code's momentum fallback); an empty layout gives −u/‖u‖. Newton–Schulz runs
+    :func:`algorithms.lmo.ns_coefficients` (Polar Express: at most its 5 triples, as the public
+    code).
     Schedules: ``"fixed"``: α_0 = 1, α_k = ``alpha`` (k ≥ 1), R_k = ``R``, η_k = ``lr``;
-    ``"agnostic"`` (parameter-agnostic theorem): α_k = 1/√k, R_k = max(1, ⌊√k⌋),
-    η_k = lr/(k+1)^{3/4}; ``alpha`` and ``R`` are then ignored.
+    ``"coupled"``: the same with the theorem's coupling R_k = ⌊1/α_k⌋ (R_0 = 1, then
+    ⌊1/alpha⌋; ``R`` is ignored); ``"agnostic"`` (parameter-agnostic theorem): α_k = 1/√k,
+    R_k = max(1, ⌊√k⌋), η_k = lr/(k+1)^{3/4}; ``alpha`` and ``R`` are then ignored.
 
     Choices (§6, §10): m_0 = 0 and α_0 = 1 in both schedules (the theory's m_1 = g; the
     public code's fixed-β Muon starts its EMA from zero instead, which only rescales the
@@ -177,15 +204,18 @@ class RingmasterLMO(_LMOMomentum):
         alpha: α ∈ (0, 1], momentum weight of the new gradient (fixed schedule).
         R: delay threshold, integer >= 1 (fixed schedule).
         lmo: ``"muon"``, ``"sign"`` or ``"l2"``.
-        schedule: ``"fixed"`` or ``"agnostic"``.
+        schedule: ``"fixed"``, ``"coupled"`` or ``"agnostic"``.
         ns: Newton–Schulz table, ``"polar-express"`` (the paper's code) or ``"classic"``
             (Keller Jordan's (3.4445, −4.7750, 2.0315)); same names as ``rennala-muon``.
-        ns_steps: Newton–Schulz iterations (integer >= 1; beyond the table its last triple repeats).
-        nesterov: use the Nesterov direction u (default True, as the public code).
+        ns_steps: Newton–Schulz iterations (integer >= 1; Polar Express runs at most its 5
+            triples, as the public code; classic repeats its one triple).
+        nesterov: use the Nesterov direction u (default True, the public code's form); False is
+            the paper's algorithm box (step on m).
         stops: cancel jobs at age R_k (True) or drop them on arrival (False).
 
-    Not a hyper-parameter: ``layout`` (``((name, shape), ...)``), set by the driver with
-    ``alg.bind(problem.layout)`` before ``init``; unbound, the vector is one 1×d block.
+    Not hyper-parameters: ``layout`` (``((name, shape), ...)``) and ``lmo_mask`` (one bool per
+    block, or None), set by the driver with ``bind_layout(alg, problem.layout,
+    problem.lmo_mask)`` before ``init``; unbound, the vector is one 1×d block.
     """
 
     name = "ringmaster-lmo"
@@ -193,7 +223,7 @@ class RingmasterLMO(_LMOMomentum):
     alpha: float = 0.05
     R: int = 2
     lmo: Literal["muon", "sign", "l2"] = "muon"
-    schedule: Literal["fixed", "agnostic"] = "fixed"
+    schedule: Literal["fixed", "coupled", "agnostic"] = "fixed"
     ns: Literal["polar-express", "classic"] = "polar-express"
     ns_steps: int = 5
     nesterov: bool = True
@@ -204,7 +234,7 @@ class RingmasterLMO(_LMOMomentum):
         check_hyper("alpha", self.alpha, lo=0.0, hi=1.0, lo_open=True)
         check_hyper("R", self.R, lo=1, integer=True)
         check_choice("lmo", self.lmo, ("muon", "sign", "l2"))
-        check_choice("schedule", self.schedule, ("fixed", "agnostic"))
+        check_choice("schedule", self.schedule, ("fixed", "coupled", "agnostic"))
         check_choice("stops", self.stops, (True, False))
         self._check_common()
 
@@ -213,7 +243,10 @@ class RingmasterLMO(_LMOMomentum):
         if self.schedule == "agnostic":
             alpha, r, factor = pa_schedule(k)
             return alpha, r, self.lr * factor
-        return (1.0 if k == 0 else self.alpha), self.R, self.lr
+        alpha = 1.0 if k == 0 else self.alpha
+        if self.schedule == "coupled":
+            return alpha, coupled_threshold(alpha), self.lr
+        return alpha, self.R, self.lr
 
     def apply(self, state: LMOMomentumState, results: Sequence[Result]):
         applied, dropped, ages = [], [], []
@@ -250,10 +283,10 @@ class DelayAdaptiveMuon(_LMOMomentum):
         n_workers: n (>= 1); set it to the worker count.
         alpha: α ∈ (0, 1], momentum weight (0.05 ⇔ the code's β = 0.95).
         ns: ``"polar-express"`` or ``"classic"`` Newton–Schulz table.
-        ns_steps: Newton–Schulz iterations (integer >= 1).
-        nesterov: Nesterov direction (default True).
+        ns_steps: Newton–Schulz iterations (integer >= 1; Polar Express runs at most 5).
+        nesterov: Nesterov direction (default True, the public code's form).
 
-    ``layout`` is set by the driver through ``bind``, as for RingmasterLMO.
+    ``layout`` and ``lmo_mask`` are set by the driver through ``bind``, as for RingmasterLMO.
     """
 
     name = "delay-adaptive-muon"

@@ -64,7 +64,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from algorithms._pool import POOL, step_into
-from algorithms.base import Algorithm, JobSpec, Result, check_hyper
+from algorithms.base import Algorithm, JobSpec, Result, bind_layout, check_hyper
 from protocol.messages import JobKind
 
 __all__ = ["WrapperSettings", "WRAPPER_KEYS", "LRSchedule", "WeightDecay", "ClipGradNorm", "Wrapper", "chain",
@@ -200,9 +200,9 @@ class Wrapper(Algorithm):
         """The step size of the update at version k."""
         return _lr_at(self.inner, k)
 
-    def bind(self, layout: tuple) -> Algorithm:
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
         new = copy.copy(self)
-        object.__setattr__(new, "inner", self.inner.bind(layout))
+        object.__setattr__(new, "inner", bind_layout(self.inner, layout, lmo_mask))
         return new
 
     def init(self, x0: np.ndarray, *, seed: int):
@@ -305,8 +305,8 @@ class LRSchedule(Wrapper):
             alg = memo[lr] = _with_lr(self.inner, lr)
         return alg
 
-    def bind(self, layout: tuple) -> Algorithm:
-        return dataclasses.replace(self, inner=self.inner.bind(layout))
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
+        return dataclasses.replace(self, inner=bind_layout(self.inner, layout, lmo_mask))
 
     def apply(self, state: Any, results: Sequence[Result]):
         lr = self.lr_at(self.inner.version(state))

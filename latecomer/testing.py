@@ -39,11 +39,11 @@ import hashlib
 import math
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from algorithms.base import Algorithm
+from algorithms.base import Algorithm, bind_layout
 from algorithms.wrappers import Wrapper
 
 __all__ = ["check_algorithm", "check_convergence", "check_state_dict_round_trip", "check_checkpoint_round_trip",
@@ -123,8 +123,8 @@ class _Watch(Wrapper):
         self._record(spec)
         return state, spec
 
-    def bind(self, layout: tuple) -> Algorithm:
-        return _Watch(self.inner.bind(layout))
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
+        return _Watch(bind_layout(self.inner, layout, lmo_mask))
 
     def violations(self) -> list[str]:
         """What broke the iterate contract, in words (empty if nothing)."""

@@ -8,7 +8,9 @@ the rest the validation split (a fixed split).
 Model: token and position embeddings, ``layers`` pre-norm blocks (causal multi-head attention
 and a 4×-wide ReLU² MLP, as NanoChat), a final norm and an untied output matrix. Norms are
 parameter-free RMS norms and no matrix has a bias, so every block of the layout is a 2-D weight
-matrix and Muon steps each on its own. Parameters are one flat float32 vector; ``grad`` copies it
+matrix. ``lmo_mask`` follows the official NanoChat code (Muon only on the transformer's hidden
+matrices): the ``h*`` blocks get Newton–Schulz steps, the token and position embeddings and the
+output head the momentum fallback. Parameters are one flat float32 vector; ``grad`` copies it
 to the device once and takes the matrices as views.
 
 ``grad(x, seed, batch)`` draws ``batch`` windows of ``context + 1`` characters from the training
@@ -109,6 +111,8 @@ class CharLM(Problem):
                        (f"h{i}.mlp.fc", (4 * d, d)), (f"h{i}.mlp.proj", (d, 4 * d))]
         blocks.append(("lm_head", (v, d)))
         self.layout: Layout = tuple(blocks)
+        # NanoChat's rule: name.startswith("transformer.h") and ndim >= 2; embeddings and head: fallback
+        self.lmo_mask: tuple[bool, ...] = tuple(name.startswith("h") and len(shape) >= 2 for name, shape in blocks)
         self._train = torch.as_tensor(self.train_ids, device=self.device)
         self._val = torch.as_tensor(self.val_ids, device=self.device)
         rng = np.random.default_rng(12345)  # fixed evaluation windows, independent of any run seed

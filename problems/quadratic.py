@@ -39,6 +39,10 @@ class NesterovQuadratic(Problem):
     one N(0, 1) scalar added to every coordinate (``noise="scalar"``, as the group's code) or a
     N(0, I_d) vector (``"isotropic"``). The mean is drawn directly as N(0, 1/b), which has the
     same law and costs O(d) whatever ``b`` is. The reported loss is the noiseless f(x) − f*.
+
+    ``lmo_mask = (True,)``: the Muon methods orthogonalise the one vector block as a 1×d matrix
+    (≈ 0.859·u/‖u‖ under Polar Express), as the Ringmaster-LMO group's quadratic script does
+    (it passes no layout); without the flag a vector block would take the momentum fallback.
     """
 
     def __init__(self, d: int = 64, L: float = 1.0, sigma: float = 0.01, noise: str = "scalar",
@@ -55,6 +59,7 @@ class NesterovQuadratic(Problem):
             raise ValueError(f"quadratic: x0 must be one of {', '.join(X0_KINDS)}, got {x0!r}")
         self.d, self.L, self.sigma, self.noise, self.x0_kind = d, float(L), float(sigma), noise, x0
         self.layout: Layout = (("x", (d,)),)
+        self.lmo_mask: tuple[bool, ...] = (True,)  # Muon: the vector as one 1×d matrix (the group's script)
         self._scale = self.L / 4.0
         # A x* = b  <=>  tridiag(-1,2,-1) x* = -e1, whose solution is the first column of the
         # inverse, negated: (T^-1)_{i1} = (d + 1 - i) / (d + 1) for i = 1..d.

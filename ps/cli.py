@@ -77,8 +77,8 @@ class TrainingSpec:
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
         bind = getattr(alg, "bind", None)
-        if bind is not None:
-            alg = bind(problem.layout)
+        if bind is not None:  # the problem's lmo_mask, if any, says which blocks get LMO steps
+            alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))
         return problem, alg
 
 

@@ -73,7 +73,7 @@ def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, setting
     alg = algorithms.build(algorithm or run["algorithm"], settings if algorithm else run["settings"])
     bind = getattr(alg, "bind", None)
     if bind is not None:
-        alg = bind(problem.layout)
+        alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))
     try:
         cfg = CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
     except (KeyError, TypeError, ValueError) as e:

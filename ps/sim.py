@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 
-from algorithms.base import Algorithm
+from algorithms.base import Algorithm, bind_layout
 from problems.base import Problem
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
 from protocol.wire import check_wire, roundtrip
@@ -149,7 +149,7 @@ class Simulator:
     """Run a ServerCore with simulated workers.
 
     Args:
-        algorithm: the algorithm (bound to the problem's layout by the caller if needed).
+        algorithm: the algorithm; bound here to the problem's layout and ``lmo_mask`` (if any).
         problem: the problem (its ``grad`` is computed for real; only time is simulated).
         delays: per-worker computation-time model.
         config: core settings (liveness timeout in simulated seconds).
@@ -172,7 +172,7 @@ class Simulator:
         self.cfg = config or CoreConfig(min_workers=len(delays.tau))
         bind = getattr(algorithm, "bind", None)
         if bind is not None:
-            algorithm = bind(problem.layout)
+            algorithm = bind_layout(algorithm, problem.layout, getattr(problem, "lmo_mask", None))
         self.core = ServerCore(algorithm, problem.init_params(self.cfg.seed) if x0 is None else x0, self.cfg,
                                server_boot=1)
         self.rng = np.random.default_rng(seed)

@@ -327,6 +327,50 @@ def test_lmo_muon_uses_layout_blocks():
         RingmasterLMO().bind([("w", [2, 2])])
 
 
+def test_bind_layout_hands_the_mask_through_wrappers_and_spares_an_old_bind():
+    from algorithms import build
+    from algorithms.base import bind_layout
+    from algorithms.wrappers import unwrap
+
+    layout, mask = (("w", (2, 3)), ("b", (3,))), (False, False)
+    wrapped = bind_layout(build("rennala-muon", {"lr": 0.2, "warmup": 2, "clip_norm": 1.0}), layout, mask)
+    assert unwrap(wrapped).layout == layout and unwrap(wrapped).lmo_mask == mask
+    assert bind_layout(RingmasterLMO(), layout).lmo_mask is None  # no mask: every matrix gets NS
+    with pytest.raises(ValueError, match="lmo_mask"):
+        RingmasterLMO().bind(layout, (True,))
+
+    class OldBind(VanillaASGD):  # written before the mask existed: bind(layout) only
+        def bind(self, layout):
+            return self
+
+    old = OldBind(lr=0.1)
+    assert bind_layout(old, layout, mask) is old
+
+
+def test_lmo_coupled_schedule_sets_r_to_floor_one_over_alpha():
+    """Issue 15 item 5: the theorem's coupling R_k = ⌊1/α_k⌋ for a fixed α (R is ignored)."""
+    alg = RingmasterLMO(lr=0.3, alpha=0.25, R=7, schedule="coupled")
+    assert alg.schedule_at(0) == (1.0, 1, 0.3)
+    assert alg.schedule_at(5) == (0.25, 4, 0.3)
+    assert RingmasterLMO(alpha=0.05, schedule="coupled").schedule_at(3)[1] == 20
+    # with stops, a job is cancelled once its age reaches ⌊1/α⌋ = 2
+    rp = Replay(RingmasterLMO(lmo="sign", lr=0.1, alpha=0.5, R=100, schedule="coupled"), 1.0)
+    ev = rp.run([0, 2])
+    assert ev[0].cancelled == [] and ev[1].cancelled == [1], "job 1 (B, created at 0) reached age 2 at version 2"
+
+
+def test_lmo_box_form_steps_on_the_momentum():
+    """Issue 15 item 5: nesterov=False is the paper's algorithm box, x_{k+1} = x_k + η lmo(m_{k+1});
+    the default (Nesterov blend u = (1−α) m_{k+1} + α g) is the public code's form."""
+    assert RingmasterLMO().nesterov is True
+    alg = RingmasterLMO(lmo="l2", lr=0.1, alpha=0.5, R=5, nesterov=False)
+    rp = Replay(alg, [3.0, 4.0], noise={})
+    ev1, ev2 = rp.run([0, 2])
+    g = np.array([2.94, 3.92])
+    m = 0.5 * g + 0.5 * np.array([3.0, 4.0])
+    np.testing.assert_allclose(ev2.x, ev1.x - 0.1 * m / np.linalg.norm(m), rtol=RTOL)
+
+
 def test_lmo_agnostic_schedule_drives_steps_and_threshold():
     alg = RingmasterLMO(lmo="sign", schedule="agnostic", lr=1.0, nesterov=False, stops=False)
     for k in (0, 1, 4, 9):

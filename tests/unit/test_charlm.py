@@ -104,3 +104,45 @@ def test_evaluate_is_deterministic_and_rejects_a_wrong_shape(lm):
     assert lm.evaluate(x) == lm.evaluate(x.copy())
     with pytest.raises(ValueError, match="expected"):
         lm.grad(x[:-1], 0, 2)
+
+
+@pytest.mark.parametrize("name", ["ringmaster-lmo", "rennala-muon", "delay-adaptive-muon"])
+def test_muon_run_gives_embeddings_and_head_the_fallback_step(lm, name):
+    """Issue 15 item 2: as the official NanoChat code (Muon only on the hidden matrices), a
+    char-transformer run's token and position embeddings and output head take the momentum
+    fallback, the hidden matrices Newton–Schulz. The simulator binds the problem's lmo_mask."""
+    import algorithms
+    from algorithms.base import Result
+    from algorithms.lmo import POLAR_EXPRESS_NS5, newton_schulz
+    from protocol.messages import JobKind
+    from ps.core import CoreConfig
+    from ps.sim import DelayModel, Simulator
+
+    mask = dict(zip((n for n, _ in lm.layout), lm.lmo_mask, strict=True))
+    assert mask["wte"] is mask["wpe"] is mask["lm_head"] is False
+    assert all(mask[n] for n in mask if n.startswith("h")) and sum(mask.values()) == 4 * lm.layers
+    settings = {"lr": 0.1, "B": 1} if name == "rennala-muon" else {"lr": 0.1}
+    sim = Simulator(algorithms.build(name, settings), lm, DelayModel.named("uniform", 1, noise="none"),
+                    CoreConfig(min_workers=1, liveness_timeout_s=1e9, seed=0))
+    alg = sim.core.alg
+    assert alg.layout == lm.layout and alg.lmo_mask == lm.lmo_mask
+    x0 = lm.init_params(0)
+    state, _ = alg.init(x0, seed=0)
+    g = lm.grad(x0, 7, 4).grad
+    r = Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD, iterate_ids=(0,), grads=(g,))
+    state, out = alg.apply(state, [r])
+    assert state.version == 1
+    # First step: the momentum and its Nesterov blend are g itself (RingmasterLMO and
+    # Delay-adaptive Muon: α_0 = 1; Rennala Muon: m_1 = (1 − β) g, u = (1 − β²) g).
+    scale = (1 - 0.95 ** 2) if name == "rennala-muon" else 1.0
+    step = (np.asarray(x0, np.float64) - np.asarray(state.x, np.float64)) / 0.1
+    off = 0
+    for (block, shape), flagged in zip(lm.layout, lm.lmo_mask, strict=True):
+        size = shape[0] * shape[1]
+        u = scale * g[off:off + size].astype(np.float64)
+        if flagged:
+            want = newton_schulz(u.reshape(shape), POLAR_EXPRESS_NS5, 5) * math.sqrt(max(1.0, shape[0] / shape[1]))
+        else:  # fallback: the direction itself, no orthogonalisation
+            want = u.reshape(shape)
+        np.testing.assert_allclose(step[off:off + size], want.ravel(), rtol=2e-3, atol=2e-6, err_msg=block)
+        off += size

@@ -12,12 +12,15 @@ from algorithms.lmo import (
     NS_TABLES,
     POLAR_EXPRESS_NS5,
     check_layout,
+    check_lmo_mask,
+    coupled_threshold,
     layout_numel,
     lmo_l2,
     lmo_sign,
     lmo_spectral,
     muon_direction,
     newton_schulz,
+    ns_coefficients,
     pa_schedule,
 )
 
@@ -169,3 +172,88 @@ def test_pa_schedule_threshold_is_exact_for_squares():
     assert pa_schedule(10**12)[1] == 10**6
     with pytest.raises(ValueError):
         pa_schedule(-1)
+
+
+# ---- issue 15: per-block LMO mask, the quadratic's 1×d vector, the NS step count, R = ⌊1/α⌋
+
+
+def test_muon_direction_follows_the_lmo_mask():
+    rng = np.random.default_rng(2)
+    layout = (("wte", (4, 3)), ("h0", (3, 3)), ("b", (3,)), ("head", (4, 3)))
+    u = rng.standard_normal(layout_numel(layout))
+    default = muon_direction(u, layout)  # no mask: every matrix gets NS, the vector the fallback
+    masked = muon_direction(u, layout, lmo_mask=(False, True, False, False))
+    np.testing.assert_array_equal(masked[:12], u[:12])  # embedding: the fallback, u itself
+    np.testing.assert_array_equal(masked[12:21], default[12:21])  # hidden matrix: NS, as without a mask
+    np.testing.assert_array_equal(masked[21:24], u[21:24])
+    np.testing.assert_array_equal(masked[24:], u[24:])  # head: the fallback
+    assert not np.allclose(default[:12], u[:12]) and not np.allclose(default[24:], u[24:])
+    assert muon_direction(u, layout, lmo_mask=(True, True, False, True)).tobytes() == default.tobytes()
+    for bad in [(True,), (1, 0, 0, 0), "tttt", 3]:
+        with pytest.raises(ValueError, match="lmo_mask"):
+            muon_direction(u, layout, lmo_mask=bad)
+    assert check_lmo_mask(layout, None) is None
+    assert check_lmo_mask(layout, [np.True_, False, False, True]) == (True, False, False, True)
+
+
+def test_flagged_vector_block_is_a_1xd_matrix_as_the_groups_quadratic_script():
+    """The group's quadratic script passes no layout: NS on the 1×d matrix, 0.859·u/‖u‖ under
+    Polar Express (0.696 classic). A flagged vector block gets exactly that."""
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal(1729)
+    o = muon_direction(u, (("x", (1729,)),), lmo_mask=(True,))
+    np.testing.assert_array_equal(o, newton_schulz(u.reshape(1, -1), POLAR_EXPRESS_NS5, 5).ravel())
+    np.testing.assert_allclose(o, 0.859129 * u / np.linalg.norm(u), rtol=1e-5)
+    oc = muon_direction(u, (("x", (1729,)),), lmo_mask=(True,), coefficients=CLASSIC_NS5)
+    np.testing.assert_allclose(oc, 0.696436 * u / np.linalg.norm(u), rtol=1e-5)
+    # unflagged (or no mask): the momentum fallback, u itself; unbound: the exact u/‖u‖
+    np.testing.assert_array_equal(muon_direction(u, (("x", (1729,)),)), u)
+    np.testing.assert_allclose(muon_direction(u), u / np.linalg.norm(u), rtol=1e-12)
+    from problems import load_problem
+
+    q = load_problem("quadratic", {"d": 8})
+    assert q.layout == (("x", (8,)),) and q.lmo_mask == (True,)
+
+
+def test_newton_schulz_step_count_matches_the_official_code():
+    """Issue 15 item 4: Polar Express runs at most its 5 triples (POLAR_EXPRESS_COEFFS[:steps] in
+    the Ringmaster-LMO code); classic repeats Keller Jordan's one triple as often as asked."""
+    assert ns_coefficients("polar-express", 5) == POLAR_EXPRESS_NS5
+    assert ns_coefficients("polar-express", 8) == POLAR_EXPRESS_NS5  # 8 asked, 5 run
+    assert ns_coefficients("polar-express", 3) == POLAR_EXPRESS_NS5[:3]
+    assert ns_coefficients("classic", 8) == ((3.4445, -4.7750, 2.0315),) * 8
+    assert ns_coefficients("classic", 5) == CLASSIC_NS5
+    with pytest.raises(ValueError):
+        ns_coefficients("polar", 5)
+    from algorithms import build
+
+    rng = np.random.default_rng(4)
+    layout = (("w", (3, 5)),)
+    x0 = rng.standard_normal(15)
+    g = rng.standard_normal(15)
+
+    def first_step(**hyper):
+        from algorithms.base import Result
+        from protocol.messages import JobKind
+
+        alg = build("ringmaster-lmo", {"lr": 1.0, **hyper}).bind(layout)
+        state, _ = alg.init(x0, seed=0)
+        r = Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD, iterate_ids=(0,), grads=(g,))
+        state, _ = alg.apply(state, [r])
+        return x0 - state.x
+
+    five, eight = first_step(ns_steps=5), first_step(ns_steps=8)
+    assert five.tobytes() == eight.tobytes()
+    np.testing.assert_allclose(five, newton_schulz(g.reshape(3, 5), POLAR_EXPRESS_NS5, 5).ravel(), rtol=1e-12)
+    c8 = first_step(ns="classic", ns_steps=8)
+    np.testing.assert_allclose(c8, newton_schulz(g.reshape(3, 5), CLASSIC_NS5[:1] * 8, 8).ravel(), rtol=1e-12)
+    assert not np.allclose(c8, first_step(ns="classic", ns_steps=5))
+    np.testing.assert_allclose(first_step(ns_steps=3),
+                               newton_schulz(g.reshape(3, 5), POLAR_EXPRESS_NS5[:3], 3).ravel(), rtol=1e-12)
+
+
+def test_coupled_threshold_is_floor_of_one_over_alpha():
+    assert [coupled_threshold(a) for a in (1.0, 0.5, 0.3, 0.25, 0.1, 0.05, 1 / 3, 0.7)] == [1, 2, 3, 4, 10, 20, 3, 1]
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError):
+            coupled_threshold(bad)
