@@ -1,0 +1,444 @@
+"""The daemon's per-connection state, owned in one place and bounded.
+
+Every routing id that sends the server anything gets one :class:`Conn` record, created on its
+first message. The record holds all the transport state of that connection: the worker id a
+``hello`` bound it to and the CURVE key it said it with, what the worker said it can do (parts,
+same-host path), its unfinished ``part`` transfer, and its rate limits (error answers, ``status?``
+answers). Nothing else in the daemon is keyed by routing id or by worker id.
+
+A record is freed:
+
+* when its worker leaves (``bye``) or is quarantined or revoked (:meth:`Connections.forget`);
+* when its worker is written off (timeout, unreachable, restarted elsewhere): the record then
+  keeps its binding, so what the worker still sends is recognised (a late reply is counted as
+  late), but it counts as *idle* from then on (:meth:`Connections.release`);
+* when an idle record (no live worker: never joined, refused, or written off) has been silent
+  for ``idle_s``, or when there are more than ``max_idle`` idle records (the least recently heard
+  goes first).
+
+ZeroMQ's ROUTER does not say when a peer disconnects, so "the connection went" is seen through
+these timeouts. Records of live workers are bounded by the worker caps; idle records by
+``max_idle``; so the table never holds more than ``max_workers + max_idle`` records, whatever
+the number of connections ever made. Each record's own memory is bounded too: one unfinished
+transfer of at most ``transfer_bytes`` (dropped after ``transfer_timeout_s`` without a new part),
+one pending ``status?`` token. All unfinished transfers together hold at most
+``transfer_total_bytes``: a part that would pass it first evicts the transfers that were fed
+least recently. Every operation is O(1) amortised (dicts and ordered dicts, a heap only for
+the pending ``status?`` answers), so the cost of a message does not grow with the number of
+connections.
+
+Pure: no sockets; every method takes ``now`` (the daemon's monotonic clock), so the unit tests
+drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from protocol.chunks import Reassembler
+from protocol.errors import RemoteProtocolError
+from protocol.messages import Part
+
+DEFAULT_MAX_WORKERS = 10_000  # serve --max-workers
+DEFAULT_MAX_WORKERS_PER_KEY = 8  # serve --max-workers-per-key (CurveZMQ only)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The bounds of the connection table (SECURITY.md, "Limits and rates").
+
+    Attributes:
+        idle_s: an idle record (no live worker) silent this long is forgotten.
+        max_idle: at most this many idle records; beyond, the least recently heard is forgotten.
+        transfer_bytes: bytes one connection's unfinished transfer may hold (the daemon: two
+            float64 gradients).
+        transfer_total_bytes: bytes all unfinished transfers together may hold.
+        transfer_timeout_s: an unfinished transfer that got no part for this long is dropped.
+        status_rate, status_burst: ``status?`` answers per second per connection (token bucket).
+        status_global_rate, status_global_burst: ... for all connections together. A request
+            past either waits (one per connection; more are dropped) and is answered in turn.
+        error_interval_s: at most one error answer per connection in this interval.
+        error_global_rate, error_global_burst: error answers per second for all connections.
+    """
+
+    idle_s: float = 10.0
+    max_idle: int = 4096
+    transfer_bytes: int = 64 << 20
+    transfer_total_bytes: int = 256 << 20
+    transfer_timeout_s: float = 10.0
+    status_rate: float = 5.0
+    status_burst: float = 10.0
+    status_global_rate: float = 50.0
+    status_global_burst: float = 50.0
+    error_interval_s: float = 0.2
+    error_global_rate: float = 100.0
+    error_global_burst: float = 100.0
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` held; starts full."""
+
+    __slots__ = ("rate", "burst", "tokens", "at")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.at = rate, burst, burst, now
+
+    def _refill(self, now: float) -> None:
+        if now > self.at:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+
+    def take(self, now: float) -> bool:
+        """Take a token if there is one."""
+        self._refill(now)
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def ready_at(self, now: float) -> float:
+        """When the next token is there (``now`` if it is already)."""
+        self._refill(now)
+        return now if self.tokens >= 1.0 else now + (1.0 - self.tokens) / self.rate
+
+
+class Conn:
+    """One connection (routing id): everything the daemon knows about it."""
+
+    __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
+                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq")
+
+    def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
+        self.rid = rid
+        self.wid: str | None = None  # the worker a hello bound it to
+        self.key = ""  # fingerprint of the CURVE key of that hello
+        self.live = False  # its worker is in the core's worker table
+        self.last_heard = now
+        self.parts = False  # the worker takes large arrays in parts (§6.13)
+        self.shm_capable = False  # said hello from this host, asking for shared memory
+        self.shm_ready = False  # opened our shared memory (Ready.shm)
+        self.xfer: Reassembler | None = None  # its unfinished transfer, if any
+        self.xfer_at = 0.0  # when it last got a part
+        self.error_next = 0.0  # when it may get its next error answer
+        self.status_bucket = TokenBucket(limits.status_rate, limits.status_burst, now)
+        self.status_token: int | None = None  # a status? request waiting for its answer
+        self.status_seq = 0
+
+    @property
+    def xfer_bytes(self) -> int:
+        return self.xfer.size if self.xfer is not None else 0
+
+
+@dataclass
+class ConnectionCounters:
+    """What the table did (``status?`` shows them as ``conn.*``)."""
+
+    expired: int = 0  # idle records forgotten after idle_s
+    evicted: int = 0  # idle records forgotten because there were max_idle
+    transfers_dropped: int = 0  # unfinished transfers dropped: timed out, evicted, superseded, record gone
+    status_answered: int = 0
+    status_dropped: int = 0  # a request while one of the same connection was still waiting
+    errors_suppressed: int = 0  # error answers not sent (rate limits)
+
+
+class Connections:
+    """The table of :class:`Conn` records (see the module docstring)."""
+
+    def __init__(self, limits: ConnectionLimits | None = None, *, now: float = 0.0,
+                 alloc: Callable[[int], Any] | None = None) -> None:
+        self.limits = limits or ConnectionLimits()
+        self.by_rid: dict[bytes, Conn] = {}
+        self.by_wid: dict[str, Conn] = {}  # bound records (live workers and retained bindings)
+        self.idle: OrderedDict[bytes, None] = OrderedDict()  # records without a live worker, least recent first
+        self.key_live: dict[str, int] = {}  # CURVE key -> its live workers
+        self.xfers: OrderedDict[bytes, None] = OrderedDict()  # records holding a transfer, least recently fed first
+        self.xfer_total = 0
+        self.alloc = alloc or (lambda n: np.empty(n, np.uint8))
+        self.counters = ConnectionCounters()
+        lim = self.limits
+        self.status_global = TokenBucket(lim.status_global_rate, lim.status_global_burst, now)
+        self.error_global = TokenBucket(lim.error_global_rate, lim.error_global_burst, now)
+        self.status_heap: list[tuple[float, int, bytes]] = []  # (answer at, seq, rid) of waiting requests
+        self.seq = 0
+
+    # ------------------------------------------------------------------ records
+    def __len__(self) -> int:
+        return len(self.by_rid)
+
+    @property
+    def live(self) -> int:
+        return len(self.by_rid) - len(self.idle)
+
+    def get(self, rid: bytes, now: float) -> Conn:
+        """The record of ``rid``, created on its first message; marks it heard from now."""
+        c = self.by_rid.get(rid)
+        if c is None:
+            c = self.by_rid[rid] = Conn(rid, now, self.limits)
+            self.idle[rid] = None
+            self._trim()
+        elif not c.live:
+            self.idle.move_to_end(rid)
+        c.last_heard = now
+        return c
+
+    def bind(self, c: Conn, wid: str, key: str) -> None:
+        """A hello bound ``c`` to worker ``wid`` (with ``key``). Another record bound to the same
+        worker loses the binding (the worker reconnected under another routing id)."""
+        old = self.by_wid.get(wid)
+        if old is not None and old is not c:
+            self._unbind(old)
+        if c.wid is not None and c.wid != wid:
+            self._unbind(c)
+        if c.live and c.key != key:
+            self._set_live(c, False, c.last_heard)
+        c.wid, c.key = wid, key
+        self.by_wid[wid] = c
+        c.shm_ready = False
+
+    def set_live(self, c: Conn, live: bool, now: float) -> None:
+        """Whether ``c``'s worker is in the core's worker table (the daemon says so after each
+        hello; :meth:`release` after a write-off). A live record never expires."""
+        self._set_live(c, live, now)
+        self._trim()
+
+    def _set_live(self, c: Conn, live: bool, now: float) -> None:
+        if live == c.live or (live and c.wid is None) or self.by_rid.get(c.rid) is not c:
+            return
+        c.live = live
+        if live:
+            self.idle.pop(c.rid, None)
+            if c.key:
+                self.key_live[c.key] = self.key_live.get(c.key, 0) + 1
+        else:
+            self._key_gone(c.key)
+            c.last_heard = now  # idle from now on
+            self.idle[c.rid] = None
+            self.idle.move_to_end(c.rid)
+
+    def release(self, wid: str, now: float) -> None:
+        """``wid`` was written off (it is no longer in the core's table): its record keeps the
+        binding, so its late messages are recognised, but becomes idle; its transfer is dropped."""
+        c = self.by_wid.get(wid)
+        if c is not None:
+            self.drop_transfer(c)
+            self.set_live(c, False, now)
+
+    def forget(self, wid: str) -> None:
+        """``wid`` said bye or was quarantined or revoked: its record goes."""
+        c = self.by_wid.get(wid)
+        if c is not None:
+            self._drop(c)
+
+    def workers_of_key(self, key: str) -> int:
+        """Live workers that said hello with this CURVE key."""
+        return self.key_live.get(key, 0)
+
+    def bound(self) -> Iterator[Conn]:
+        """Every bound record (a copy: callers may change the table)."""
+        return iter(list(self.by_wid.values()))
+
+    def expire(self, now: float) -> None:
+        """Forget idle records silent for ``idle_s`` and drop transfers not fed for
+        ``transfer_timeout_s``. Amortised O(1): both lists are in order of last activity."""
+        lim = self.limits
+        while self.idle:
+            c = self.by_rid[next(iter(self.idle))]
+            if now - c.last_heard < lim.idle_s:
+                break
+            self._drop(c)
+            self.counters.expired += 1
+        while self.xfers:
+            c = self.by_rid[next(iter(self.xfers))]
+            if now - c.xfer_at < lim.transfer_timeout_s:
+                break
+            self.drop_transfer(c)
+
+    def next_deadline(self) -> float:
+        """When :meth:`expire` or :meth:`status_due` next has something to do (inf: never)."""
+        t = float("inf")
+        if self.idle:
+            t = self.by_rid[next(iter(self.idle))].last_heard + self.limits.idle_s
+        if self.xfers:
+            t = min(t, self.by_rid[next(iter(self.xfers))].xfer_at + self.limits.transfer_timeout_s)
+        if self.status_heap:
+            t = min(t, self.status_heap[0][0])
+        return t
+
+    def _trim(self) -> None:
+        """At most ``max_idle`` idle records: the least recently heard go."""
+        while len(self.idle) > self.limits.max_idle:
+            self._drop(self.by_rid[next(iter(self.idle))])
+            self.counters.evicted += 1
+
+    def _unbind(self, c: Conn) -> None:
+        if c.live:
+            self._set_live(c, False, c.last_heard)
+        if c.wid is not None and self.by_wid.get(c.wid) is c:
+            del self.by_wid[c.wid]
+        c.wid, c.key = None, ""
+        c.parts = c.shm_capable = c.shm_ready = False
+        self.drop_transfer(c)
+
+    def _drop(self, c: Conn) -> None:
+        self._unbind(c)
+        self.idle.pop(c.rid, None)
+        self.by_rid.pop(c.rid, None)
+
+    def _key_gone(self, key: str) -> None:
+        if key:
+            n = self.key_live.get(key, 0) - 1
+            if n > 0:
+                self.key_live[key] = n
+            else:
+                self.key_live.pop(key, None)
+
+    # ------------------------------------------------------------------ transfers (§6.13)
+    def add_part(self, c: Conn, part: Part, now: float) -> None:
+        """Keep a part of ``c``'s transfer. Raises RemoteProtocolError (the transfer is then
+        dropped) for a part out of order, past ``transfer_bytes``, or that cannot fit within
+        ``transfer_total_bytes`` even after evicting every other unfinished transfer."""
+        lim = self.limits
+        r = c.xfer
+        if r is None:
+            r = c.xfer = Reassembler(lim.transfer_bytes, alloc=self.alloc)
+        before, dropped = r.size, r.dropped
+        n = memoryview(part.data).nbytes
+        if part.xfer == r.xfer:  # the same transfer goes on: this part adds to what it holds
+            grow = n
+        else:  # a new one drops the unfinished one
+            grow = n - before
+        if (r.size if part.xfer == r.xfer else 0) + n > lim.transfer_total_bytes:  # could never fit
+            self.drop_transfer(c)
+            raise RemoteProtocolError(f"unfinished transfers would hold more than {lim.transfer_total_bytes} bytes")
+        while self.xfer_total + grow > lim.transfer_total_bytes and self.xfers:
+            victim = self.by_rid[next(iter(self.xfers))]
+            if victim is c:
+                self.xfers.move_to_end(c.rid)
+                if len(self.xfers) == 1:
+                    break
+                continue
+            self.drop_transfer(victim)
+        if self.xfer_total + grow > lim.transfer_total_bytes:
+            self.drop_transfer(c)
+            raise RemoteProtocolError(f"unfinished transfers would hold more than {lim.transfer_total_bytes} bytes")
+        try:
+            r.add(part)
+        finally:
+            self.xfer_total += r.size - before
+            self.counters.transfers_dropped += r.dropped - dropped
+            r.dropped = dropped
+            if r.size:
+                c.xfer_at = now
+                self.xfers[c.rid] = None
+                self.xfers.move_to_end(c.rid)
+            else:
+                self.xfers.pop(c.rid, None)
+
+    def take_transfer(self, c: Conn, xfer: int, nbytes: int) -> Any:
+        """The bytes of ``c``'s complete transfer ``xfer`` (the decoder's ``payload``)."""
+        r = c.xfer
+        if r is None or not r.size:
+            raise RemoteProtocolError(f"transfer {xfer}: no parts received")
+        size = r.size
+        try:
+            return r.take(xfer, nbytes)
+        finally:
+            self.xfer_total -= size
+            self.xfers.pop(c.rid, None)
+
+    def drop_transfer(self, c: Conn) -> None:
+        """Drop ``c``'s unfinished transfer (its memory goes back)."""
+        r = c.xfer
+        if r is not None:
+            if r.size:
+                self.xfer_total -= r.size
+                self.counters.transfers_dropped += 1
+            self.xfers.pop(c.rid, None)
+            c.xfer = None
+
+    # ------------------------------------------------------------------ rates
+    def may_answer_error(self, c: Conn, now: float) -> bool:
+        """Whether ``c`` may get an error answer now: at most one per ``error_interval_s`` per
+        connection, and ``error_global_rate`` per second in all. A refused one is counted."""
+        if c.error_next > now or not self.error_global.take(now):
+            self.counters.errors_suppressed += 1
+            return False
+        c.error_next = now + self.limits.error_interval_s
+        return True
+
+    def status_ask(self, c: Conn, token: int, now: float) -> bool:
+        """A ``status?`` from ``c``. True: answer it now. Otherwise it waits for its turn (see
+        :meth:`status_due`), or, if one of ``c``'s requests is already waiting, it is dropped."""
+        if c.status_token is not None:
+            self.counters.status_dropped += 1
+            return False
+        heap = self.status_heap
+        while heap and (heap[0][2] not in self.by_rid or self.by_rid[heap[0][2]].status_seq != heap[0][1]):
+            heapq.heappop(heap)  # its record went meanwhile
+        due = bool(heap) and heap[0][0] <= now  # those come first
+        if not due and c.status_bucket.ready_at(now) <= now and self.status_global.take(now):
+            c.status_bucket.take(now)
+            self.counters.status_answered += 1
+            return True
+        self.seq += 1
+        c.status_token, c.status_seq = token, self.seq
+        heapq.heappush(self.status_heap, (c.status_bucket.ready_at(now), self.seq, c.rid))
+        return False
+
+    def status_due(self, now: float) -> list[tuple[bytes, int]]:
+        """The waiting ``status?`` requests whose turn has come: (routing id, token), in the order
+        they became due, as far as the global rate allows."""
+        out: list[tuple[bytes, int]] = []
+        heap = self.status_heap
+        while heap and heap[0][0] <= now:
+            _, seq, rid = heap[0]
+            c = self.by_rid.get(rid)
+            if c is None or c.status_seq != seq or c.status_token is None:
+                heapq.heappop(heap)  # its record went meanwhile
+                continue
+            if not self.status_global.take(now):
+                break
+            heapq.heappop(heap)
+            c.status_bucket.take(now)
+            out.append((rid, c.status_token))
+            c.status_token = None
+            self.counters.status_answered += 1
+        return out
+
+    # ------------------------------------------------------------------ figures
+    def figures(self) -> dict[str, int]:
+        """For ``status?`` and summary.json."""
+        c = self.counters
+        return {"conn.records": len(self.by_rid), "conn.live": self.live, "conn.transfers": len(self.xfers),
+                "conn.transfer_bytes": self.xfer_total, "conn.expired": c.expired, "conn.evicted": c.evicted,
+                "conn.transfers_dropped": c.transfers_dropped, "conn.status_answered": c.status_answered,
+                "conn.status_dropped": c.status_dropped, "conn.errors_suppressed": c.errors_suppressed}
+
+
+class RateLimitedLog:
+    """At most one log line per ``interval_s`` per kind; the next line says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.next: dict[str, float] = {}
+        self.left_out: dict[str, int] = {}
+
+    def warning(self, kind: str, now: float, fmt: str, *args: Any) -> bool:
+        """Log ``fmt % args`` unless a line of this ``kind`` went out less than ``interval_s``
+        ago. Returns whether it was logged."""
+        if self.next.get(kind, -float("inf")) > now:
+            self.left_out[kind] = self.left_out.get(kind, 0) + 1
+            return False
+        n = self.left_out.pop(kind, 0)
+        if n:
+            fmt += f" ({n} more like it in the last {self.interval_s:g} s not logged)"
+        self.logger.warning(fmt, *args)
+        self.next[kind] = now + self.interval_s
+        return True
