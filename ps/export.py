@@ -97,8 +97,12 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
             from ps.replay import build_from_run
 
             _, alg, cfg = build_from_run(run, allowed=allowed, where=os.path.join(run_dir, "run.json"))
-            core = ServerCore.restore(alg, ck[1], cfg)
             name = os.path.basename(path) if checkpoint is not None else f"ckpt-{ck[0]:012d}.bin"
+            try:
+                core = ServerCore.restore(alg, ck[1], cfg)
+            except Exception as e:  # noqa: BLE001 - a checkpoint that verifies but does not restore: its content
+                raise ValueError(f"{name} does not restore ({type(e).__name__}: {e}): export another with "
+                                 f"--checkpoint LSN") from None
             return RunPoint(run["problem"], dict(run["problem_options"]), np.array(core.params(), copy=True),
                             core.version, f"{name} (LSN {ck[0]})")
         if not os.path.exists(final):

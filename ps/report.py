@@ -4,23 +4,55 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import math
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+log = logging.getLogger("latecomer.report")
+
+# The event fields the report reads, and their types: an event with one of another type is skipped.
+_EVENT_FIELDS: dict[str, tuple[type, ...]] = {"ev": (str,), "t": (int, float), "age": (int,), "worker_id": (str,),
+                                              "job_id": (int,), "created_at": (int,), "device": (str,),
+                                              "message": (str,), "problem": (str,)}
+_NEEDS = {"applied": ("worker_id", "age", "job_id"), "issued": ("worker_id", "job_id")}
+
+
+def _event_ok(e: Any) -> bool:
+    if type(e) is not dict or type(e.get("ev")) is not str:
+        return False
+    for k, types in _EVENT_FIELDS.items():
+        if k in e and (type(e[k]) not in types or (k == "t" and not math.isfinite(e[k]))):
+            return False
+    return all(k in e for k in _NEEDS.get(e["ev"], ()))
+
 
 def read_events(path: str) -> list[dict[str, Any]]:
-    """Events written by the daemon (JSON lines); a torn last line is ignored."""
+    """Events written by the daemon (JSON lines). A torn last line is ignored; a line that is not
+    an event (not JSON, not a map, a field of the wrong type) is skipped and counted in one
+    warning, and the lines after it are still read."""
     out = []
+    bad = 0
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
     except FileNotFoundError:
-        pass
+        return out
+    last = len(lines) - 1  # the text after the final newline: empty, or a torn line
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            e = None
+        if _event_ok(e):
+            out.append(e)
+        elif i != last:
+            bad += 1
+    if bad:
+        log.warning("%s: %d damaged lines skipped", path, bad)
     return out
 
 
@@ -101,13 +133,36 @@ def write_trace_csv(trace: Any, path: str) -> None:
 _SETTLED = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 
 
+def _summary_ok(doc: Any) -> bool:
+    """summary.json as the report reads it: counters and evaluations of numbers."""
+    if type(doc) is not dict:
+        return False
+    counters, evals = doc.get("counters", {}), doc.get("evaluations") or []
+    number = (int, float)
+    if type(counters) is not dict or type(evals) is not list:
+        return False
+    if any(type(v) not in number for v in counters.values()) or type(doc.get("elapsed_s", 0.0)) not in number:
+        return False
+    if any(type(e) is not dict or any(type(v) not in number for v in e.values()) for e in evals):
+        return False
+    return not evals or all({"t", "version"} <= e.keys() and e.keys() == evals[0].keys() for e in evals)
+
+
 def _read_summary(state_dir: str) -> dict[str, Any] | None:
+    """summary.json, or None if there is none; a damaged one is ignored with a warning."""
+    path = f"{state_dir}/summary.json"
     try:
-        with open(f"{state_dir}/summary.json", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, json.JSONDecodeError):
+    except FileNotFoundError:
         return None
-    return doc if isinstance(doc, dict) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        log.warning("%s cannot be read (%s): the report goes without it", path, e)
+        return None
+    if not _summary_ok(doc):
+        log.warning("%s is not a run summary (damaged?): the report goes without it", path)
+        return None
+    return doc
 
 
 def job_intervals(events: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float, str]]]:

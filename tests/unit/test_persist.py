@@ -535,3 +535,15 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
         ev.close()
     assert open(path).read() == '{"ev": 1}\n{"ev": 4}\n' and ev.dropped == 2
     assert "cannot write the event log" in caplog.text and "written again (2 events were dropped)" in caplog.text
+
+
+def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
+    from ps.export import locate
+    from ps.persist import write_run
+
+    d = str(tmp_path)
+    write_run(d, {"problem": "quadratic", "problem_options": {"d": 4}, "algorithm": "asgd", "settings": {"lr": 0.1},
+                  "core": {"problem": "quadratic", "problem_options": {"d": 4}, "seed": 0}})
+    write_checkpoint(d, 3, {"format": 1, "algorithm": "asgd"})  # verifies, but lacks everything else
+    with pytest.raises(ValueError, match=r"ckpt-000000000003.bin does not restore \(KeyError"):
+        locate(d)
