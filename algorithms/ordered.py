@@ -41,21 +41,32 @@ class OrderedMomentum(PerReplyAlgorithm):
     Choices where the spec is open (§10.1): m_0 = 0; the step uses m_{k+1} (the seed's
     formula); the n initial jobs all carry created_at = 0.
 
+    A reply of age δ thus moves x by η(1−β)^δ g in total (an on-time one by η g): the share it
+    missed in flight is lost. ``catch_up=True`` is an opt-in extension of ours, **not the
+    paper's method**: on arrival it also applies that missed share,
+
+        x_{k+1} = x_k − η m_{k+1} − η (1 − (1−β)^δ) g,
+
+    so every reply moves x by η g in total (batched: the sum over the results).
+
     Args:
         lr: η (> 0).
         beta: β ∈ (0, 1], the weight of a fresh gradient (β = 0.1 ≈ torch momentum 0.9 with
             dampening 0.9).
         batched: apply several results as one update (default False: one update per reply).
+        catch_up: also apply the missed share on arrival (default False; not the paper's method).
     """
 
     name = "ordered-momentum"
     lr: float = 0.1
     beta: float = 0.1
     batched: bool = False
+    catch_up: bool = False
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
         check_hyper("beta", self.beta, lo=0.0, hi=1.0, lo_open=True)
+        check_choice("catch_up", self.catch_up, (True, False))
 
     def state_class(self) -> type:
         return OrderedMomentumState
@@ -70,6 +81,18 @@ class OrderedMomentum(PerReplyAlgorithm):
     def _weight(self, age: int, dtype: np.dtype) -> np.ndarray:
         return np.asarray(self.beta * (1.0 - self.beta) ** age, dtype)
 
+    def _step(self, state: OrderedMomentumState, late: Sequence[tuple[int, np.ndarray]]) -> None:
+        """x ← x − η m (and, with catch-up, − η (1 − (1−β)^δ) g for each (δ, g) in ``late``)."""
+        if not self.catch_up:
+            state.x = step_into(state.x, self.lr, state.m)
+            return
+        d = np.array(state.m, copy=True)
+        for age, g in late:
+            missed = 1.0 - (1.0 - self.beta) ** age
+            if missed:
+                add_scaled(d, np.asarray(missed, d.dtype), g)
+        state.x = step_into(state.x, self.lr, d)
+
     def apply(self, state: OrderedMomentumState, results: Sequence[Result]):
         applied, ages = [], []
         dt = state.m.dtype
@@ -80,14 +103,14 @@ class OrderedMomentum(PerReplyAlgorithm):
                 add_scaled(state.m, self._weight(age, dt), r.grads[0])
                 applied.append(r.job_id)
                 ages.append(age)
-            state.x = step_into(state.x, self.lr, state.m)
+            self._step(state, [(a, r.grads[0]) for a, r in zip(ages, results, strict=True)])
             state.version += 1
         else:
             for r in results:
                 age = state.version - r.created_at
                 state.m *= np.asarray(1.0 - self.beta, dt)
                 add_scaled(state.m, self._weight(age, dt), r.grads[0])
-                state.x = step_into(state.x, self.lr, state.m)
+                self._step(state, [(age, r.grads[0])])
                 state.version += 1
                 applied.append(r.job_id)
                 ages.append(age)

@@ -45,6 +45,7 @@ class Run:
     metrics: list[dict[str, float]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     diverged: bool = False
+    applied: list[tuple[int, int, int]] = field(default_factory=list)  # (seed, created_at, age) if recorded
 
     @property
     def label(self) -> str:
@@ -62,12 +63,24 @@ def build(name: str, params: dict[str, Any], extra: dict[str, Any] | None = None
     return algorithms.build(name, {**(extra or {}), **params})
 
 
-def simulate_run(run: Run, *, metric: str, eval_interval: float, keep_metrics: bool = False) -> Run:
+def simulate_run(run: Run, *, metric: str, eval_interval: float, keep_metrics: bool = False,
+                 record_applied: bool = False) -> Run:
     """Run one grid point: evaluate every ``eval_interval`` simulated seconds up to the horizon;
-    stop early (and mark the run diverged) when ``metric`` turns non-finite or blows up."""
+    stop early (and mark the run diverged) when ``metric`` turns non-finite or blows up.
+    ``record_applied``: keep (job seed, created_at, age) of every applied reply in ``run.applied``."""
     alg, problem, delays, cfg, sim_kw = run.make()
     sim = Simulator(alg, problem, delays, cfg, **sim_kw)
     start: list[float] = []
+    if record_applied:
+        drain = sim.core.drain_events
+
+        def drain_and_record() -> list[dict[str, Any]]:
+            events = drain()
+            run.applied.extend((int(e["seed"]), int(e["created_at"]), int(e["age"])) for e in events
+                               if e["ev"] == "applied")
+            return events
+
+        sim.core.drain_events = drain_and_record  # type: ignore[method-assign]
 
     def stop(ev: dict[str, float]) -> bool:
         v = ev[metric]
@@ -104,7 +117,7 @@ def time_to_target(run: Run, metric: str, target: float) -> float:
 
 
 def execute(runs: Sequence[Run], *, metric: str, eval_interval: float | Callable[[Run], float],
-            progress: bool, desc: str, keep_metrics: bool = False) -> list[Run]:
+            progress: bool, desc: str, keep_metrics: bool = False, record_applied: bool = False) -> list[Run]:
     """Run every grid point in order with a tqdm bar (one tick per simulation)."""
     from tqdm import tqdm
 
@@ -112,7 +125,7 @@ def execute(runs: Sequence[Run], *, metric: str, eval_interval: float | Callable
         for r in runs:
             bar.set_postfix_str(f"{r.group} | {r.method}", refresh=False)
             ei = eval_interval(r) if callable(eval_interval) else eval_interval
-            simulate_run(r, metric=metric, eval_interval=ei, keep_metrics=keep_metrics)
+            simulate_run(r, metric=metric, eval_interval=ei, keep_metrics=keep_metrics, record_applied=record_applied)
             bar.update(1)
     return runs
 

@@ -8,16 +8,27 @@ base speed (``DelayModel.named("uniform", 8, noise="frac")``: τ = 1 s, a class-
 half-normal noise 5 % of τ). With these numbers about half the workers are busy with a class-9
 batch at any time, and a class-9 gradient arrives some 40 versions old (a fast one about 7).
 
-Methods: Ordered Momentum (``ordered-momentum``) and Ordered μ²-SGD (``ordered-mu2``, constant
-weights, γ_x = 0.1; its GRAD_PAIR jobs cost two gradients) against vanilla ASGD (``asgd``), naive
-momentum (``naive-momentum``), delay-adaptive SGD (``delay-adaptive``, ``n_workers`` = M) and
-delay-filtered SGD (``delay-filtered``). Each method is tuned over the lr grid of :func:`config`
-(× β for the momentum methods, × τ_max for delay-filtered); the setting with the highest final test
-macro-F1 is reported. Metrics against simulated time: test macro-F1 (``f1``) and class-9 recall
-(``recall_slow``). Also: (a) the lr sweep, the final F1 at each lr (best β / τ_max there) per
-method; (b) the non-Lipschitz variant (``cubic=True``, logits z ↦ z³), each method with its best
-β / τ_max from the standard run over the cubic lr grid; (c) in the default run, the best setting
-of each method re-run with other seeds (initialization, minibatches and delay noise).
+Methods: Ordered Momentum (``ordered-momentum``), Ordered μ²-SGD with constant weights
+(``ordered-mu2``, γ_x = 0.1) and with its theory weights (``weights=theory``: β_t = 1/t, α_t = t;
+its lr scaled to the horizon), both on GRAD_PAIR jobs that cost two gradients, against vanilla
+ASGD (``asgd``), naive momentum (``naive-momentum``), delay-adaptive SGD (``delay-adaptive``,
+``n_workers`` = M) and delay-filtered SGD (``delay-filtered``); plus, labelled everywhere as
+such, an opt-in extension of ours that is **not the paper's method**: Ordered Momentum with
+catch-up (``catch_up=True``: a reply of age δ also applies on arrival the share
+η(1 − (1−β)^δ) g it missed in flight). Each method is tuned over the grid of :func:`config`
+(lr × β for the momentum methods, β down to 0.001 for the ordered ones, × τ_max for
+delay-filtered); the setting with the highest final test macro-F1 is reported.
+
+Metrics against simulated time: test macro-F1 (``f1``) and class-9 recall (``recall_slow``).
+Per class, over the replies each reported run applied: their mean age δ, the mean of
+(1−β)^δ (the share of its weight an Ordered-Momentum reply keeps; ρ = s/t for the theory
+weights) and the share the method gives it in total (1 for ASGD, naive momentum and catch-up,
+min(1, M/δ) for delay-adaptive). Also: (a) the lr sweep, the final F1 at each lr (best β / τ_max
+there) per method; (b) the non-Lipschitz variant (``cubic=True``, logits z ↦ z³), each method
+with its best β / τ_max from the standard run over the cubic lr grid; (c) in the default run,
+the best setting of each method re-run with other seeds; (d) what catch-up costs where nothing
+is slow because of its data: the §8.1 quadratic with M workers of √i speeds, Ordered Momentum
+with and without catch-up over lr × β.
 
 Claim (Dahan, Reshef, Goldstein, Levy, arXiv 2605.02043, via the seed summary): the ordered
 methods reach higher test F1, are more stable across learning rates, and do not under-represent
@@ -37,48 +48,72 @@ from ps.core import CoreConfig
 from ps.sim import DelayModel
 
 GUARD = "loss"  # divergence check on the test loss (common.simulate_run)
-METHODS = ("ordered-momentum", "ordered-mu2", "asgd", "naive-momentum", "delay-adaptive", "delay-filtered")
-LABELS = {"ordered-momentum": "Ordered Momentum", "ordered-mu2": "Ordered μ²-SGD", "asgd": "ASGD",
-          "naive-momentum": "naive momentum", "delay-adaptive": "delay-adaptive", "delay-filtered": "delay-filtered"}
+METHODS = ("ordered-momentum", "ordered-momentum-catch-up", "ordered-mu2", "ordered-mu2-theory", "asgd",
+           "naive-momentum", "delay-adaptive", "delay-filtered")
+LABELS = {"ordered-momentum": "Ordered Momentum",
+          "ordered-momentum-catch-up": "Ordered Momentum + catch-up (ours, not the paper's)",
+          "ordered-mu2": "Ordered μ²-SGD", "ordered-mu2-theory": "Ordered μ²-SGD, theory weights",
+          "asgd": "ASGD", "naive-momentum": "naive momentum", "delay-adaptive": "delay-adaptive",
+          "delay-filtered": "delay-filtered"}
+#: method label -> (registry name, fixed hyper-parameters)
+ALGORITHM = {"ordered-momentum-catch-up": ("ordered-momentum", {"catch_up": True}),
+             "ordered-mu2-theory": ("ordered-mu2", {"weights": "theory"})}
 COLUMNS = ["t", "version", "f1", "recall_slow", "accuracy", "loss", "train_loss", "applied", "dropped"]
 GROUPS = ("standard", "cubic")
+SLOW = 9
+QUAD_METHODS = ("ordered-momentum", "ordered-momentum-catch-up")
 
 
 def config(quick: bool) -> dict:
     m = 8
     if quick:
-        lrs, betas = (0.03, 0.1), (0.01, 0.1)
+        lrs, betas = (0.03, 0.1), (0.003, 0.1)
         return {"M": m, "batch": 32, "kappa": 10.0, "horizon": 150.0, "points": 30, "cubic_lr": (0.03,),
-                "seeds": (), "tail": 0.1, "grids": _grids(m, lrs, betas, (4 * m,))}
-    lrs, betas = (0.01, 0.03, 0.1, 0.3, 1.0), (0.01, 0.1, 0.3)
+                "theory_lr": (1e-4,), "cubic_theory_lr": (1e-4,), "seeds": (), "tail": 0.1,
+                "grids": _grids(lrs, betas, betas, (1e-4,), (4 * m,)),
+                "quad": {"d": 64, "horizon": 60.0, "points": 12, "target": 0.1,
+                         "grid": common.grid(lr=(0.3, 1.0), beta=(0.1,))}}
+    lrs, betas = (0.01, 0.03, 0.1, 0.3, 1.0), (0.001, 0.003, 0.01, 0.1, 0.3)
+    theory = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
     return {"M": m, "batch": 32, "kappa": 10.0, "horizon": 600.0, "points": 60,
-            "cubic_lr": (0.01, 0.02, 0.03, 0.05, 0.1),
-            "seeds": (1, 2, 3), "tail": 0.1, "grids": _grids(m, lrs, betas, (m, 4 * m))}
+            "cubic_lr": (0.01, 0.02, 0.03, 0.05, 0.1), "theory_lr": theory, "cubic_theory_lr": theory,
+            "seeds": (1, 2, 3), "tail": 0.1, "grids": _grids(lrs, betas, (0.01, 0.1, 0.3), theory, (m, 4 * m)),
+            "quad": {"d": 256, "horizon": 300.0, "points": 30, "target": 0.01,
+                     "grid": common.grid(lr=(0.1, 0.3, 1.0, 3.0), beta=(0.01, 0.1, 0.3))}}
 
 
-def _grids(m: int, lrs: tuple, betas: tuple, taus: tuple) -> dict[str, list[dict]]:
+def _grids(lrs: tuple, betas: tuple, naive_betas: tuple, theory_lrs: tuple, taus: tuple) -> dict[str, list[dict]]:
     return {
         "ordered-momentum": common.grid(lr=lrs, beta=betas),
+        "ordered-momentum-catch-up": common.grid(lr=lrs, beta=betas),
         "ordered-mu2": common.grid(lr=lrs, beta=betas),
+        "ordered-mu2-theory": common.grid(lr=theory_lrs),
         "asgd": common.grid(lr=lrs),
-        "naive-momentum": common.grid(lr=lrs, beta=betas),
+        "naive-momentum": common.grid(lr=lrs, beta=naive_betas),
         "delay-adaptive": common.grid(lr=lrs),
         "delay-filtered": common.grid(lr=lrs, tau_max=taus),
     }
 
 
-def _extra(method: str, c: dict) -> dict:
-    return {"n_workers": c["M"]} if method == "delay-adaptive" else {}
+def _algorithm(method: str, c: dict) -> tuple[str, dict]:
+    """Registry name and fixed extras of a method label."""
+    name, extra = ALGORITHM.get(method, (method, {}))
+    if method == "delay-adaptive":
+        extra = {"n_workers": c["M"]}
+    return name, extra
 
 
-def _sim_run(c: dict, problem, group: str, method: str, params: dict, seed: int) -> common.Run:
+def _sim_run(c: dict, problem, group: str, method: str, params: dict, seed: int,
+             delays: DelayModel | None = None, horizon: float | None = None, batch: int | None = None) -> common.Run:
+    name, extra = _algorithm(method, c)
+
     def make():
-        alg = common.build(method, params, _extra(method, c))
-        cfg = CoreConfig(min_workers=c["M"], liveness_timeout_s=1e9, seed=seed, batch_size=c["batch"])
-        delays = DelayModel.named("uniform", c["M"], noise="frac")  # data_dependent=True (default)
-        return alg, problem, delays, cfg, {"seed": seed + 1}
+        alg = common.build(name, params, extra)
+        cfg = CoreConfig(min_workers=c["M"], liveness_timeout_s=1e9, seed=seed, batch_size=batch or c["batch"])
+        dm = delays or DelayModel.named("uniform", c["M"], noise="frac")  # data_dependent=True (default)
+        return alg, problem, dm, cfg, {"seed": seed + 1}
 
-    return common.Run(group, method, params, make, c["horizon"])
+    return common.Run(group, method, params, make, horizon or c["horizon"])
 
 
 def final_f1(r: common.Run, metric: str = "f1") -> float:
@@ -99,6 +134,62 @@ def tail_mean(r: common.Run, frac: float, metric: str = "f1") -> float:
 def _key(r: common.Run) -> tuple:
     return (-final_f1(r),)
 
+
+# --------------------------------------------------------------------------- per-class weights
+
+def _decay(method: str, params: dict, created_at: int, age: int) -> float | None:
+    """The share of its weight the ordered rule keeps for a reply: (1−β)^δ (Ordered Momentum, its
+    catch-up variant's momentum term, Ordered μ²-SGD with constant weights), ρ = s/t (theory
+    weights: s = created_at + 1, t = s + δ); None for the other methods."""
+    if method in ("ordered-momentum", "ordered-momentum-catch-up", "ordered-mu2"):
+        return (1.0 - params["beta"]) ** age
+    if method == "ordered-mu2-theory":
+        s = created_at + 1
+        return s / (s + age)
+    return None
+
+
+def _kept(method: str, params: dict, created_at: int, age: int, m: int) -> float:
+    """The share of an on-time reply's total weight that the method gives this reply."""
+    d = _decay(method, params, created_at, age)
+    if d is not None and method != "ordered-momentum-catch-up":
+        return d
+    if method == "delay-adaptive":
+        return min(1.0, m / max(age, 1))
+    return 1.0  # ASGD, naive momentum, delay-filtered (what it applies), catch-up (by construction)
+
+
+def class_weights(r: common.Run, problem, c: dict, classes: dict[int, int]) -> dict[int, dict[str, float]]:
+    """Per class: applied replies, mean age, mean decay ((1−β)^δ or ρ; nan if none), mean kept share.
+    ``classes`` caches the class of each job seed."""
+    acc: dict[int, list[list[float]]] = {}
+    for seed, created_at, age in r.applied:
+        cls = classes.get(seed)
+        if cls is None:
+            cls = classes[seed] = int(problem.batch_indices(seed, c["batch"])[0])
+        d = _decay(r.method, r.params, created_at, age)
+        acc.setdefault(cls, []).append([age, math.nan if d is None else d,
+                                        _kept(r.method, r.params, created_at, age, c["M"])])
+    out = {}
+    for cls, rows in sorted(acc.items()):
+        a = np.array(rows)
+        out[cls] = {"applied": float(len(rows)), "age": float(a[:, 0].mean()), "decay": float(a[:, 1].mean()),
+                    "kept": float(a[:, 2].mean())}
+    return out
+
+
+def _fast_slow(w: dict[int, dict[str, float]], key: str) -> tuple[float, float]:
+    """(mean of ``key`` over the replies of the fast classes, the same for the slow class)."""
+    n = sum(v["applied"] for k, v in w.items() if k != SLOW)
+    fast = sum(v[key] * v["applied"] for k, v in w.items() if k != SLOW) / n if n else math.nan
+    return fast, w.get(SLOW, {}).get(key, math.nan)
+
+
+def _f(v: float, digits: int = 3) -> str:
+    return "—" if not math.isfinite(v) else (f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.{digits}g}")
+
+
+# --------------------------------------------------------------------------- plots
 
 def _sweep(runs: list[common.Run]) -> dict[tuple[str, str], list[tuple[float, common.Run]]]:
     """(group, method) -> [(lr, best run at that lr)] sorted by lr (best: highest final F1)."""
@@ -128,7 +219,7 @@ def _plot_sweep(path: str, sweep: dict, groups: list[str]) -> str:
             for m in METHODS:
                 pts = sweep.get((g, m), [])
                 ax.plot([lr for lr, _ in pts], [final_f1(r, metric) for _, r in pts], marker="o", markersize=3,
-                        linewidth=1.3, label=LABELS[m])
+                        linewidth=1.3, label=LABELS[m], linestyle="--" if m.endswith("catch-up") else "-")
             ax.set_xscale("log")
             ax.set_ylim(-0.03, 1.03)
             ax.set_title(f"{g}: {ylabel}", fontsize=9)
@@ -136,7 +227,7 @@ def _plot_sweep(path: str, sweep: dict, groups: list[str]) -> str:
             ax.set_ylabel(ylabel, fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(True, which="both", alpha=0.25)
-            ax.legend(fontsize=6.5)
+            ax.legend(fontsize=5.5)
     fig.suptitle("learning-rate sweep, digits MLP, M = 8, class 9 κ = 10× slower", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=common.DPI)
@@ -144,6 +235,40 @@ def _plot_sweep(path: str, sweep: dict, groups: list[str]) -> str:
     common._shrink_png(path)
     return path
 
+
+def _plot_beta(path: str, rows: list[tuple[str, float, float, float, float]], title: str) -> str:
+    """Per method, against β: final class-9 recall and the class-9 mean of (1−β)^δ (best lr per β)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.4), squeeze=False)
+    for m in dict.fromkeys(r[0] for r in rows):
+        pts = sorted((b, rec, dec) for mm, b, rec, dec, _ in rows if mm == m)
+        style = "--" if m.endswith("catch-up") else "-"
+        axes[0][0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, linestyle=style,
+                        label=LABELS[m])
+        axes[0][1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", markersize=3, linestyle=style,
+                        label=LABELS[m])
+    for ax, ylabel in zip(axes[0], ("final class-9 recall", "class 9: mean (1−β)^δ of applied replies"),
+                          strict=True):
+        ax.set_xscale("log")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("β (best lr for each)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=common.DPI)
+    plt.close(fig)
+    common._shrink_png(path)
+    return path
+
+
+# --------------------------------------------------------------------------- run
 
 def run(out_dir: str, quick: bool = False, seed: int = 0, progress: bool = True) -> dict:
     """Run the experiment (see the module docstring) on one torch thread: the 64–32–10 MLP is too
@@ -161,20 +286,23 @@ def run(out_dir: str, quick: bool = False, seed: int = 0, progress: bool = True)
 def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
     c = config(quick)
     os.makedirs(out_dir, exist_ok=True)
-    opts = {"homogeneous": True, "slow_class": 9, "kappa": c["kappa"]}
+    opts = {"homogeneous": True, "slow_class": SLOW, "kappa": c["kappa"]}
     problems = {"standard": load_problem("digits", opts), "cubic": load_problem("digits", {**opts, "cubic": True})}
     ei = c["horizon"] / c["points"]
 
     main = [_sim_run(c, problems["standard"], "standard", m, p, seed) for m in METHODS for p in c["grids"][m]]
-    common.execute(main, metric=GUARD, eval_interval=ei, progress=progress, desc="ordered-momentum")
+    common.execute(main, metric=GUARD, eval_interval=ei, progress=progress, desc="ordered-momentum",
+                   record_applied=True)
     best_std = common.best_per_method(main, key=_key)
 
     # (b) cubic: each method's best non-lr setting from the standard run, over the cubic lr grid
     cubic = []
     for m in METHODS:
         fixed = {k: v for k, v in best_std[("standard", m)].params.items() if k != "lr"}
-        cubic += [_sim_run(c, problems["cubic"], "cubic", m, {"lr": lr, **fixed}, seed) for lr in c["cubic_lr"]]
-    common.execute(cubic, metric=GUARD, eval_interval=ei, progress=progress, desc="ordered-momentum cubic")
+        lrs = c["cubic_theory_lr"] if m == "ordered-mu2-theory" else c["cubic_lr"]
+        cubic += [_sim_run(c, problems["cubic"], "cubic", m, {"lr": lr, **fixed}, seed) for lr in lrs]
+    common.execute(cubic, metric=GUARD, eval_interval=ei, progress=progress, desc="ordered-momentum cubic",
+                   record_applied=True)
     runs = main + cubic
     best = common.best_per_method(runs, key=_key)
 
@@ -183,6 +311,15 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
                 for s in c["seeds"] for g in GROUPS for m in METHODS]
     common.execute(reseeded, metric=GUARD, eval_interval=ei, progress=progress, desc="ordered-momentum seeds")
 
+    # (d) what catch-up costs on the quadratic (no data-dependent delays)
+    q = c["quad"]
+    quad_problem = load_problem("quadratic", {"d": q["d"]})
+    quad_delays = DelayModel.named("sqrt", c["M"])
+    quad = [_sim_run(c, quad_problem, "quadratic", m, p, seed, delays=quad_delays, horizon=q["horizon"], batch=1)
+            for m in QUAD_METHODS for p in q["grid"]]
+    common.execute(quad, metric="loss", eval_interval=q["horizon"] / q["points"], progress=progress,
+                   desc="ordered-momentum quadratic")
+
     csv_curves = common.write_curves_csv(os.path.join(out_dir, "curves.csv"), runs, best, COLUMNS)
     sweep = _sweep(runs)
     csv_sweep = common.write_rows_csv(
@@ -190,6 +327,30 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
         [[g, m, lr, r.label, final_f1(r), final_f1(r, "recall_slow"), int(r.diverged)]
          for g in GROUPS for m in METHODS for lr, r in sweep[(g, m)]])
     csvs = [csv_curves, csv_sweep]
+
+    # per-class weights of the reported runs: each method's best (both groups), each β's best
+    classes: dict[int, int] = {}
+    weights: dict[int, dict[int, dict[str, float]]] = {}
+
+    def w_of(r: common.Run) -> dict[int, dict[str, float]]:
+        if id(r) not in weights:
+            weights[id(r)] = class_weights(r, problems[r.group], c, classes)
+        return weights[id(r)]
+
+    by_beta: dict[tuple[str, float], common.Run] = {}
+    for r in main:
+        if "beta" in r.params:
+            k = (r.method, float(r.params["beta"]))
+            if k not in by_beta or _key(r) < _key(by_beta[k]):
+                by_beta[k] = r
+    reported = {id(r): r for r in [best[(g, m)] for g in GROUPS for m in METHODS] + list(by_beta.values())}
+    rows = []
+    for r in reported.values():
+        for cls, v in w_of(r).items():
+            rows.append([r.group, r.method, r.label, cls, int(v["applied"]), v["age"], v["decay"], v["kept"]])
+    csvs.append(common.write_rows_csv(os.path.join(out_dir, "class_weights.csv"),
+                                      ["group", "method", "setting", "class", "applied", "mean_age", "mean_decay",
+                                       "mean_kept"], rows))
     seed_f1: dict[tuple[str, str], list[float]] = {}
     if reseeded:
         rows = []
@@ -201,6 +362,11 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
         csvs.append(common.write_rows_csv(os.path.join(out_dir, "seeds.csv"),
                                           ["group", "method", "setting", "seed", "f1", "recall_slow", "f1_tail",
                                            "diverged"], rows))
+    quad_best = common.best_per_method(quad, key=lambda r: (common.final_value(r, "loss"),))
+    csvs.append(common.write_rows_csv(
+        os.path.join(out_dir, "quadratic.csv"), ["method", "lr", "beta", "final_loss", "time_to_target", "diverged"],
+        [[r.method, r.params["lr"], r.params["beta"], common.final_value(r, "loss"),
+          common.time_to_target(r, "loss", q["target"]), int(r.diverged)] for r in quad]))
 
     def lines(g: str, metric: str) -> list:
         return [(f"{LABELS[m]} ({best[(g, m)].label})", *common.curve(best[(g, m)], metric)) for m in METHODS]
@@ -221,6 +387,16 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
                                     ("cubic logits: class-9 recall", lines("cubic", "recall_slow"))],
                                    xlabel="simulated time (s)", ylabel="",
                                    suptitle=f"non-Lipschitz variant (cubic logits), {short}", logy=False, ncols=2)
+    beta_rows = [(m, b, final_f1(r, "recall_slow"), _fast_slow(w_of(r), "decay")[1], final_f1(r))
+                 for (m, b), r in sorted(by_beta.items()) if m != "naive-momentum"]
+    png_beta = _plot_beta(os.path.join(out_dir, "beta.png"), beta_rows,
+                          f"slow class against β, {short} (catch-up: ours, not the paper's)")
+    png_quad = common.plot_panels(
+        os.path.join(out_dir, "quadratic.png"),
+        [(f"quadratic d = {q['d']}, M = {c['M']}, τ_i = √i",
+          [(f"{LABELS[m]} ({quad_best[('quadratic', m)].label})", *common.curve(quad_best[("quadratic", m)], "loss"))
+           for m in QUAD_METHODS])],
+        xlabel="simulated time (s)", ylabel="f(x) − f*", suptitle="what catch-up costs on the quadratic", ncols=1)
 
     headline: dict[str, dict[str, float]] = {}
     tables = []
@@ -231,9 +407,10 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
             pts = sweep[(g, m)]
             f1_best = final_f1(r)
             robust = sum(final_f1(x) >= f1_best - 0.05 for _, x in pts)
+            fast_kept, slow_kept = _fast_slow(w_of(r), "kept")
             cells = [LABELS[m], r.label, f"{f1_best:.3f}", f"{final_f1(r, 'recall_slow'):.3f}",
                      f"{tail_mean(r, c['tail']):.3f}", f"{tail_mean(r, c['tail'], 'recall_slow'):.3f}",
-                     f"{robust}/{len(pts)}", str(r.counters.get("updates", 0))]
+                     f"{robust}/{len(pts)}", str(r.counters.get("updates", 0)), _f(slow_kept), _f(fast_kept)]
             if seed_f1:
                 v = seed_f1[(g, m)]
                 cells.append(f"{np.mean(v):.3f} ± {np.std(v):.3f}")
@@ -242,7 +419,7 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
             headline.setdefault(f"{g} recall_slow", {})[m] = final_f1(r, "recall_slow")
         header = ["method", "best setting", "final F1", "final class-9 recall",
                   f"F1, last {c['tail']:.0%}", f"recall, last {c['tail']:.0%}", "lrs within 0.05 of best F1",
-                  "updates"]
+                  "updates", "class 9: mean weight share", "other classes: mean weight share"]
         if seed_f1:
             header.append(f"final F1 over seeds +{', +'.join(str(100 * s) for s in c['seeds'])}")
         tables.append(f"### {g}\n\n" + common.markdown_table(header, rows))
@@ -257,18 +434,45 @@ def _run(out_dir: str, quick: bool, seed: int, progress: bool) -> dict:
                 if v not in by or _key(r) < _key(by[v]):
                     by[v] = r
         for v, r in sorted(by.items()):
+            w = w_of(r) if knob == "beta" else {}
+            fast_dec, slow_dec = _fast_slow(w, "decay") if w else (math.nan, math.nan)
+            slow_age = w.get(SLOW, {}).get("age", math.nan) if w else math.nan
             knob_rows.append([LABELS[m], f"{knob}={v:g}", f"lr={r.params['lr']:g}", f"{final_f1(r):.3f}",
-                              f"{final_f1(r, 'recall_slow'):.3f}", f"{tail_mean(r, c['tail'], 'recall_slow'):.3f}"])
-    tables.append("### standard, by β / τ_max (best lr for each)\n\n" + common.markdown_table(
-        ["method", "setting", "best lr", "final F1", "final class-9 recall", f"recall, last {c['tail']:.0%}"],
-        knob_rows))
+                              f"{final_f1(r, 'recall_slow'):.3f}", f"{tail_mean(r, c['tail'], 'recall_slow'):.3f}",
+                              _f(slow_age), _f(slow_dec), _f(fast_dec),
+                              _f(float(v) * slow_age) if knob == "beta" else "—"])
+    tables.append("### standard, by β / τ_max (best lr for each)\n\n"
+                  "Mean age and mean (1−β)^δ over the replies the run applied, class 9 and the other classes "
+                  "(Ordered μ²-SGD with constant weights: the same (1−β)^δ; the catch-up variant: that of its "
+                  "momentum term, the missed share is applied on arrival; naive momentum applies every reply in "
+                  "full).\n\n" + common.markdown_table(
+                      ["method", "setting", "best lr", "final F1", "final class-9 recall",
+                       f"recall, last {c['tail']:.0%}", "class-9 mean age", "class 9: mean (1−β)^δ",
+                       "others: mean (1−β)^δ", "β × class-9 age"], knob_rows))
+    qrows = []
+    for m in QUAD_METHODS:
+        r = quad_best[("quadratic", m)]
+        stable = sorted({float(x.params["lr"]) for x in quad if x.method == m and not x.diverged})
+        qrows.append([LABELS[m], r.label, common.fmt_num(common.final_value(r, "loss")),
+                      common.fmt_num(common.time_to_target(r, "loss", q["target"])),
+                      ", ".join(f"{x:g}" for x in stable) or "none"])
+    tables.append(f"### quadratic (what catch-up costs): d = {q['d']}, M = {c['M']} workers τ_i = √i, horizon "
+                  f"{q['horizon']:g} s\n\n" + common.markdown_table(
+                      ["method", "best setting", "final f − f*", f"time to f − f* ≤ {q['target']:g}",
+                       "lrs with a non-diverged run"], qrows))
     start = main[0].points[0]
     md = (f"# ordered-momentum (seed {seed}{', quick' if quick else ''})\n\n"
           f"{title}; simulated horizon {c['horizon']:g} s, evaluated every {ei:g} s (start: F1 "
           f"{start['f1']:.3f}, loss {start['loss']:.3g}). Best setting per method = highest final test macro-F1; "
           "the 'lrs within 0.05' column counts the lr grid points (best β / τ_max at each) whose final F1 is within "
-          "0.05 of the method's best. Cubic: each method's best β / τ_max from the standard run, lr over "
-          f"{', '.join(f'{x:g}' for x in c['cubic_lr'])}.\n\n" + "\n".join(tables))
+          "0.05 of the method's best. Weight share: the mean, over the replies of that class the run applied, of "
+          "the share of an on-time reply's total weight the method gives a reply ((1−β)^δ for Ordered Momentum "
+          "and Ordered μ²-SGD with constant weights, ρ = s/t with theory weights, min(1, M/δ) for delay-adaptive, "
+          "1 otherwise). 'Ordered Momentum + catch-up' is an extension of ours, not the paper's method. Cubic: "
+          "each method's best β / τ_max from the standard run, lr over "
+          f"{', '.join(f'{x:g}' for x in c['cubic_lr'])} (theory weights: "
+          f"{', '.join(f'{x:g}' for x in c['cubic_theory_lr'])}).\n\n" + "\n".join(tables))
     md_path = common.write_text(os.path.join(out_dir, "summary.md"), md)
     assert all(math.isfinite(v) for d in headline.values() for v in d.values())
-    return {"csv": csvs, "png": [png_f1, png_rec, png_sweep, png_cubic], "markdown": md_path, "headline": headline}
+    return {"csv": csvs, "png": [png_f1, png_rec, png_sweep, png_cubic, png_beta, png_quad], "markdown": md_path,
+            "headline": headline}

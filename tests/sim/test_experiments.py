@@ -19,8 +19,8 @@ EXPECTED_METHODS = {
     "async-vs-sync": {"sync-sgd", "ringmaster", "rennala", "ordered-momentum", "asgd"},
     "ringmaster-lmo": {"ringmaster-sign", "ringmaster-l2", "ringmaster-sign-pa", "ringmaster-l2-pa",
                        "ringmaster-muon", "ringmaster-muon-pa", "rennala-muon", "delay-adaptive-muon"},
-    "ordered-momentum": {"ordered-momentum", "ordered-mu2", "asgd", "naive-momentum", "delay-adaptive",
-                         "delay-filtered"},
+    "ordered-momentum": {"ordered-momentum", "ordered-momentum-catch-up", "ordered-mu2", "ordered-mu2-theory",
+                         "asgd", "naive-momentum", "delay-adaptive", "delay-filtered"},
     "wire-dtype": {"ordered-momentum", "asgd"},
 }
 NUMERIC = {"t", "version", "grad_norm_sq", "loss", "applied", "lost", "dropped", "accuracy", "missing_mass",
@@ -100,8 +100,27 @@ def test_ordered_momentum_quick_covers_both_objectives(tmp_path):
         rows = list(csv.DictReader(f))
     c = ordered_momentum.config(True)
     lrs = {p["lr"] for p in c["grids"]["asgd"]}
-    assert len(rows) == 6 * (len(lrs) + len(c["cubic_lr"]))
+    theory = {p["lr"] for p in c["grids"]["ordered-mu2-theory"]}
+    assert len(rows) == 7 * (len(lrs) + len(c["cubic_lr"])) + len(theory) + len(c["cubic_theory_lr"])
     assert {r["group"] for r in rows} == {"standard", "cubic"}
+    # issue 15: per class, the mean of (1−β)^δ over the applied replies of the reported runs
+    with open(res["csv"][2], newline="", encoding="utf-8") as f:
+        weights = list(csv.DictReader(f))
+    assert {r["class"] for r in weights} == {str(k) for k in range(10)}
+    om = [r for r in weights if r["method"] == "ordered-momentum" and r["group"] == "standard"]
+    assert om and all(0.0 < float(r["mean_decay"]) <= 1.0 and float(r["mean_kept"]) == float(r["mean_decay"])
+                      for r in om)
+    for r in om:  # class 9 replies are older, so they keep less of their weight
+        if r["class"] == "9":
+            others = [float(x["mean_decay"]) for x in om if x["setting"] == r["setting"] and x["class"] != "9"]
+            assert float(r["mean_age"]) > 3 and float(r["mean_decay"]) < min(others)
+    catch = [r for r in weights if r["method"] == "ordered-momentum-catch-up"]
+    assert catch and all(float(r["mean_kept"]) == 1.0 for r in catch)
+    with open(res["markdown"], encoding="utf-8") as f:
+        text = f.read()
+    assert "not the paper's" in text and "### quadratic (what catch-up costs)" in text
+    assert sorted(os.path.basename(p) for p in res["png"]) == ["beta.png", "cubic.png", "f1.png", "lr_sweep.png",
+                                                              "quadratic.png", "recall_slow.png"]
 
 
 def test_sync_sgd_waits_for_every_worker_once_per_round():

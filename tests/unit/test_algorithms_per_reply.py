@@ -216,6 +216,44 @@ def test_T1_ordered_momentum():
     assert 0.5 * (0.125 * 1 + 0.25 * 0.65 + 0.5 * 0.5625 + 0.125 * 1.2) == pytest.approx(0.359375, rel=RTOL)
 
 
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_ordered_momentum_total_weight_of_a_late_reply(catch_up):
+    """Issue 15 item 6: a reply of age δ moves x by η(1−β)^δ g in total under A6 (the missed
+    share is lost); the opt-in catch-up variant (not the paper's method) applies the missed share
+    η(1 − (1−β)^δ) g on arrival, so the total is η g."""
+    from protocol.messages import JobKind
+
+    beta, lr, delta = 0.1, 0.5, 7
+    alg = OrderedMomentum(lr=lr, beta=beta, catch_up=catch_up)
+    state, _ = alg.init(np.zeros(1), seed=0)
+    state.version = delta  # the reply was created at version 0 and arrives δ versions later
+    g = np.array([2.0])
+
+    def reply(grad, created_at):
+        return Result(job_id=0, worker_id="w", created_at=created_at, kind=JobKind.GRAD, iterate_ids=(0,),
+                      grads=(grad,))
+
+    state, _ = alg.apply(state, [reply(g, 0)])
+    first = -state.x[0]
+    for _ in range(600):  # on-time zero gradients: the momentum decays out
+        state, _ = alg.apply(state, [reply(np.zeros(1), state.version)])
+    kept = (1 - beta) ** delta
+    assert first == pytest.approx(lr * (beta * kept + (1 - kept if catch_up else 0.0)) * 2.0, rel=1e-12)
+    assert -state.x[0] == pytest.approx(lr * 2.0 * (1.0 if catch_up else kept), rel=1e-9)
+
+
+def test_ordered_momentum_catch_up_is_opt_in_and_on_time_replies_are_unchanged():
+    assert OrderedMomentum().catch_up is False
+    plain, catch = replay_t1(OrderedMomentum(lr=0.5, beta=0.5)), replay_t1(OrderedMomentum(lr=0.5, beta=0.5,
+                                                                                         catch_up=True))
+    # the momentum is the same; x differs by η(1 − (1−β)^δ) g per reply, zero for age 0
+    for a, b in zip(plain.events, catch.events, strict=True):
+        assert a.outcome.ages == b.outcome.ages
+    assert plain.events[0].outcome.ages == (0,) and xs(plain)[0] == xs(catch)[0]
+    with pytest.raises(ValueError, match="catch_up"):
+        OrderedMomentum(catch_up="yes")
+
+
 # ---------------------------------------------------------------------------------------------
 # A7 Ordered μ²-SGD
 
