@@ -288,6 +288,10 @@ def list_algorithms(names) -> None:
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve Prometheus metrics on this port (0: any free port; the port is logged).")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address of the metrics endpoint.")
+@click.option("--max-workers", type=click.IntRange(1, 65536), default=10_000, show_default=True,
+              help="Refuse a new worker (err REFUSED) while this many are joined.")
+@click.option("--max-workers-per-key", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --keys: refuse a new worker while its CurveZMQ key already has this many joined.")
 @click.option("--shm", type=click.Choice(["auto", "any", "off"]), default="auto", show_default=True,
               help="Same-host path: workers on this host exchange iterates and gradients through shared memory "
                    "(auto: offered to workers that ask and report this host's id; any: to every worker that asks, "
@@ -303,7 +307,8 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, keys_dir, insecure,
           metrics_port,
-          metrics_addr, shm, wire_dtype, allow_problem, allow_algorithm, log_format, log_level) -> None:
+          metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem, allow_algorithm, log_format,
+          log_level) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -332,6 +337,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads,
                                              max_journal_bytes)
                           if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
+                          caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key},
                           allowed=_allowed(allow_problem, allow_algorithm).naming(problem=spec.problem,
                                                                                  algorithm=spec.algorithm))
     daemon.install_signal_handlers()
@@ -385,7 +391,7 @@ class StateOptions:
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
                  liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
                  state: StateOptions | None = None, keys_dir: str | None = None, shm: str = "auto",
-                 wire_dtype: str = "f32", allowed=None):
+                 wire_dtype: str = "f32", allowed=None, caps: dict | None = None):
     import zmq
 
     from ps.core import CoreConfig, ServerCore
@@ -411,7 +417,7 @@ def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, m
     try:
         return Daemon(core, problem, bind, stop=StopCondition(max_steps, max_time, target_loss), eval_every=eval_every,
                       events_path=events, on_progress=on_progress, persistence=persistence, keys_dir=keys_dir,
-                      shm=shm, wire_dtype=wire_dtype)
+                      shm=shm, wire_dtype=wire_dtype, **(caps or {}))
     except ValueError as e:  # unusable keys
         if persistence is not None:
             persistence.close()

@@ -102,6 +102,7 @@ class WorkerInfo:
     failed_in_a_row: int = 0  # failed jobs since its last accepted reply
     last_error: str = ""  # the text of its latest COMPUTE_FAILED or PROBLEM_UNAVAILABLE
     benched: bool = False  # max_failed_jobs failures in a row: no more jobs until a hello or a success
+    resends_in_a_row: int = 0  # jobs re-sent after err MISSING_ITERATE since its last accepted reply
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class LedgerEntry:
     deadline: int | None
     issued_at: float
     received: bool = False  # result buffered for the next round (round mode)
+    resends: int = 0  # times re-sent after err MISSING_ITERATE
 
 
 class Outstanding(Sequence):
@@ -284,7 +286,13 @@ class CoreConfig:
         max_failed_jobs: bench a worker (no more jobs) after this many failed jobs in a row
             with no accepted reply between (0: never).
         quarantine_s: how long a quarantined worker id is refused.
-        max_workers: refuse new workers beyond this many (bounds the worker table).
+        max_workers: refuse new workers beyond this many (bounds the worker table; the daemon
+            refuses beyond its own ``serve --max-workers``, default 10,000, first).
+        max_resends_per_job, max_resends: ``err MISSING_ITERATE`` makes the server send a job's
+            iterates again (a 52-byte err, a whole iterate back): at most this many times per job,
+            and per worker without an accepted reply between. Past either bound the job is
+            written off (lost, reason "resends", a ``cancel`` tells the worker) and the err counts
+            as an invalid reply (``max_bad_replies`` of them in a row: quarantine).
         max_credit: a worker holds at most this many jobs at once, whatever credit it asks for
             (bounds the ledger at max_workers * max_credit entries; a hoarder that never answers
             holds no more).
@@ -303,7 +311,9 @@ class CoreConfig:
     max_bad_replies: int = 5
     max_failed_jobs: int = 5
     quarantine_s: float = 300.0
-    max_workers: int = 4096
+    max_workers: int = 65536
+    max_resends_per_job: int = 2
+    max_resends: int = 4
     max_credit: int = MAX_CREDIT
     round_period_s: float | None = None
     seed: int = 0
@@ -575,7 +585,7 @@ class ServerCore:
         if isinstance(msg, Error):
             self.counters.worker_errors += 1
             if msg.code == ErrorCode.MISSING_ITERATE:
-                return self.on_missing(w, msg)
+                return self.on_missing(w, msg, now)
             return self.on_error(w, msg, now)
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
@@ -662,6 +672,7 @@ class ServerCore:
             return out + self._dispatch(now)
         w.bad_in_a_row = 0
         w.failed_in_a_row = 0
+        w.resends_in_a_row = 0
         if w.benched:  # not every job of it fails after all
             self._unbench(w, "success", now)
         w.jobs_done += 1
@@ -769,12 +780,23 @@ class ServerCore:
         self.round_blocked = False
         self.events.append({"ev": "unbenched", "worker_id": w.worker_id, "reason": why, "t": now})
 
-    def on_missing(self, w: WorkerInfo, err: Error) -> list[Command]:
-        """The worker lacks iterates a job references: send the job again with those points."""
+    def on_missing(self, w: WorkerInfo, err: Error, now: float) -> list[Command]:
+        """The worker lacks iterates a job references: send the job again with those points,
+        within ``max_resends_per_job`` and ``max_resends`` (see :class:`CoreConfig`); past them the
+        job is written off and the err counts as an invalid reply."""
         entry = self.ledger.get(err.job_id) if err.job_id is not None else None
         if entry is None or entry.worker_id != w.worker_id or entry.received:
             return []
         self.counters.missing_iterates += 1
+        if entry.resends >= self.cfg.max_resends_per_job or w.resends_in_a_row >= self.cfg.max_resends:
+            self._write_off(w, [entry.job_id], "resends", now)
+            out: list[Command] = [Send(w.worker_id, Cancel((entry.job_id,)))]
+            w.bad_in_a_row += 1
+            if self.cfg.max_bad_replies and w.bad_in_a_row >= self.cfg.max_bad_replies:
+                out += self._quarantine(w, now)
+            return out + self._dispatch(now)
+        entry.resends += 1
+        w.resends_in_a_row += 1
         w.holds.difference_update(err.iterate_ids)
         return [Send(w.worker_id, self._job_message(entry, w))]
 

@@ -24,7 +24,7 @@ import zmq
 
 from algorithms._pool import POOL
 from problems.base import Problem
-from protocol.chunks import Reassembler, split
+from protocol.chunks import split
 from protocol.codec import decode, encode, error_text
 from protocol.errors import LocalProtocolError, RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
@@ -46,6 +46,14 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.wire import to_wire
+from ps.connections import (
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_MAX_WORKERS_PER_KEY,
+    Conn,
+    ConnectionLimits,
+    Connections,
+    RateLimitedLog,
+)
 from ps.core import Disconnect, Send, ServerCore
 from ps.endpoints import needs_ipv6
 from ps.persist import EventLog, Persistence, reply_from_wire
@@ -70,7 +78,7 @@ FAILURE_LINES = {
     "unbenched": "worker {worker_id} gets jobs again ({reason})",
 }
 DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
-ERROR_INTERVAL_S = 0.2  # answer at most one bad message per connection in this interval
+MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,12 @@ class Daemon:
         events_path: append every core event as a JSON line here (None: don't).
         on_progress: called after each evaluation and at least every 0.2 s with (daemon, evaluation).
         clock: the monotonic clock (tests may substitute one).
+        max_workers: refuse a hello that would make more workers than this.
+        max_workers_per_key: under CurveZMQ, refuse a hello that would give one key more workers.
+        limits: the bounds of the connection table (ps/connections.py); None: the defaults, with
+            an idle connection forgotten after twice the liveness timeout, a transfer of at most
+            two float64 gradients per connection and four such transfers' worth (at least 64 MiB)
+            in all.
     """
 
     def __init__(self, core: ServerCore, problem: Problem, bind: str, *, stop: StopCondition | None = None,
@@ -110,7 +124,9 @@ class Daemon:
                  on_progress: Callable[[Daemon, dict[str, float] | None], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None,
                  persistence: Persistence | None = None, keys_dir: str | None = None, shm: str = "auto",
-                 wire_dtype: str = "f32") -> None:
+                 wire_dtype: str = "f32", max_workers: int = DEFAULT_MAX_WORKERS,
+                 max_workers_per_key: int = DEFAULT_MAX_WORKERS_PER_KEY,
+                 limits: ConnectionLimits | None = None) -> None:
         self.core = core
         self.persist = persistence
         self.problem = problem
@@ -148,10 +164,8 @@ class Daemon:
 
             self.security = ServerSecurity(self.ctx, keys_dir)
             self.security.apply(self.sock)
-        self.keys: dict[str, str] = {}  # worker id -> fingerprint of the CURVE key it said hello with
         self.banned_keys: set[str] = set()  # keys of quarantined workers
         self.reload_keys = False  # set by SIGHUP
-        self.error_next: dict[bytes, float] = {}  # routing id -> when it may get the next error answer
         self.recent_ages: deque[int] = deque(maxlen=4096)  # ages of the latest applied replies
         self.age_counts: dict[int, int] = {}  # age -> applied replies (all run long), for histograms
         self.versions: deque[tuple[float, int]] = deque(maxlen=256)  # (time, version) for the step rate
@@ -161,8 +175,15 @@ class Daemon:
         self.sock.ipv6 = needs_ipv6(bind)  # IPv6 literals only: IPv4 binds keep their plain endpoint
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.routes: dict[str, bytes] = {}  # worker id -> routing id
-        self.owners: dict[bytes, str] = {}  # routing id -> worker id
+        if limits is None:
+            xfer = 2 * self.max_array_bytes  # one transfer: a pair of float64 gradients
+            limits = ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
+                                      transfer_total_bytes=max(64 << 20, 4 * xfer))
+        # Every routing id's state (worker binding, key, transfer, rates): ps/connections.py.
+        self.conns = Connections(limits, now=clock(), alloc=lambda n: POOL.empty((n,), np.uint8))
+        self.max_workers = max_workers
+        self.max_workers_per_key = max_workers_per_key
+        self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
         self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
         self.events_dirty = False
         self.stopping: str | None = None
@@ -178,11 +199,7 @@ class Daemon:
         # Same-host path (ps/shm.py): offered to workers with our host id that ask for it.
         self.arena = None
         self.host_id = ""
-        self.shm_capable: set[str] = set()  # said hello from this host, asking for shared memory
-        self.shm_workers: set[str] = set()  # opened our shared memory (Ready.shm)
-        self.shm_used: set[str] = set()  # got at least one job through it (summary.json)
-        self.parts_ok: set[str] = set()  # said hello with parts: large arrays travel in parts (§6.13)
-        self.reassemblers: dict[bytes, Reassembler] = {}  # routing id -> its transfer in progress
+        self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
         self.next_xfer = 0
         self.parts_in = self.parts_out = 0
         if shm not in ("auto", "any", "off"):
@@ -235,7 +252,7 @@ class Daemon:
         try:
             while self.stopping is None:
                 now = self.clock()
-                deadline = min(next_hb, self._core_deadline(), next_progress + 0.2)
+                deadline = min(next_hb, self._core_deadline(), next_progress + 0.2, self.conns.next_deadline())
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
@@ -257,6 +274,9 @@ class Daemon:
                         self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
                 if now >= self._core_deadline() and self._journal("tick", now=now):
                     self._execute(core.on_tick(now))
+                self.conns.expire(now)
+                for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
+                    self._send_frames(rid, self.status_frames(token))
                 if self.persist is not None:
                     self.persist.after_batch(core, now)
                 if self.metrics is not None and now >= self.next_publish:
@@ -304,7 +324,7 @@ class Daemon:
         """Tell every worker bye and wait (at most DRAIN_S) for their acknowledging bye. A worker
         that missed it (it was reconnecting) gets it again in answer to whatever it sends. The
         run is over: nothing received now reaches the core."""
-        pending = set(self.routes.values())
+        pending = {c.rid for c in self.conns.bound()}
         for rid in list(pending):
             if not self._send_raw(rid, bye):
                 pending.discard(rid)
@@ -344,40 +364,68 @@ class Daemon:
             self.ctx.term()
 
     # ------------------------------------------------------------------ inbound
-    def _answer_error(self, rid: bytes, err: Error) -> None:
-        """Answer a bad message, at most once per ERROR_INTERVAL_S per connection: a flood of
-        garbage must not turn into a flood of answers (every bad message is still counted)."""
-        now = self.clock()
-        if self.error_next.get(rid, 0.0) > now:
-            return
-        if len(self.error_next) > 10_000:  # bounded, whatever the number of connections
-            self.error_next.clear()
-        self.error_next[rid] = now + ERROR_INTERVAL_S
-        self._send_raw(rid, err)
+    def _answer_error(self, conn: Conn, err: Error) -> None:
+        """Answer a bad message, within the error rates of the connection table (one per
+        connection per 0.2 s, 100 per second in all): a flood of garbage must not turn into a flood
+        of answers (every bad message is still counted)."""
+        if self.conns.may_answer_error(conn, self.clock()):
+            self._send_raw(conn.rid, err)
+
+    def _refuse(self, conn: Conn, wid: str, refusal: str, now: float, kind: str = "") -> None:
+        """A hello refused by the daemon: counted (and journaled), answered ``err REFUSED``, and,
+        for a ``kind`` of refusal an operator should hear of, logged at most once per 10 s."""
+        self._count("refused")
+        if kind:
+            self.refusals.warning(kind, now, "refused hello from worker %s: %s", wid[:64], refusal)
+        self._answer_error(conn, Error(ErrorCode.REFUSED, refusal))
+
+    def _hello_refusal(self, conn: Conn, hello: Hello, key: str) -> tuple[str, str] | None:
+        """Why the daemon refuses this hello, as (kind for the log or "", text), or None."""
+        wid = hello.worker_id
+        if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
+            return "", "routing id already bound to another worker"
+        if key and key in self.banned_keys:
+            return "", "this key is quarantined"
+        w = self.core.workers.get(wid)
+        if w is not None:
+            return ("", "worker id in use with another key") if w.key != key else None
+        # A new join: the caps.
+        if len(self.core.workers) >= self.max_workers:
+            return "max_workers", f"too many workers ({self.max_workers}; serve --max-workers)"
+        if key and self.conns.workers_of_key(key) >= self.max_workers_per_key:
+            return "max_workers_per_key", (f"key {key} already has {self.max_workers_per_key} workers "
+                                           "(serve --max-workers-per-key)")
+        return None
 
     def _count(self, kind: str) -> None:
         """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
         if self._journal("count", kind=kind):
             setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
+
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         now = self.clock()
         rid = frames[0].bytes
+        conn = self.conns.get(rid, now)  # created on the connection's first message
         try:
             msg = decode(frames[1:], max_array_bytes=self.max_array_bytes,
-                         payload=lambda xfer, n: self._payload(rid, xfer, n))
-            if isinstance(msg, Part):
-                self._part(rid, msg)
+                         payload=lambda xfer, n: self.conns.take_transfer(conn, xfer, n))
+            if isinstance(msg, Part):  # kept by the connection table (bounded), only after hello
+                if conn.wid is None:
+                    raise RemoteProtocolError("part from a connection that has not said hello")
+                self.conns.add_part(conn, msg, now)
+                self.parts_in += 1
                 return
         except RemoteProtocolError as e:
             self.invalid_messages += 1
             self._count("invalid")
             log.debug("invalid message from %r: %s", rid[:32], e)
             code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
-            self._answer_error(rid, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
+            self._answer_error(conn, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return
         self.bytes_in += sum(len(f) for f in frames)
-        if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled
-            self._send_frames(rid, self.status_frames(msg.token))
+        if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
+            if self.conns.status_ask(conn, msg.token, now):
+                self._send_frames(rid, self.status_frames(msg.token))
             return
         key = ""
         if self.security is not None:
@@ -387,51 +435,34 @@ class Daemon:
             key = fingerprint(user) if user else ""
         if isinstance(msg, Hello):
             wid = msg.worker_id
-            prev_owner = self.owners.get(rid)
-            refusal = None
-            if prev_owner is not None and prev_owner != wid:  # one connection cannot be two workers
-                refusal = "routing id already bound to another worker"
-            elif key and key in self.banned_keys:
-                refusal = "this key is quarantined"
-            elif self.keys.get(wid, key) != key and wid in self.core.workers:
-                refusal = "worker id in use with another key"
-            if refusal:
-                self._count("refused")
-                self._answer_error(rid, Error(ErrorCode.REFUSED, refusal))
+            refused = self._hello_refusal(conn, msg, key)
+            if refused:
+                self._refuse(conn, wid, refused[1], now, kind=refused[0])
                 return
-            old_rid = self.routes.get(wid)
-            if old_rid is not None and old_rid != rid:
-                self.owners.pop(old_rid, None)
-            self.routes[wid] = rid
-            self.owners[rid] = wid
-            self.keys[wid] = key
-            self.shm_workers.discard(wid)
-            (self.parts_ok.add if msg.parts else self.parts_ok.discard)(wid)
+            self.conns.bind(conn, wid, key)  # a record bound to wid before loses it
+            conn.parts = msg.parts
             if self.arena is not None:
                 self.arena.forget_worker(wid)
-                if msg.shm and (self.shm_any or msg.host_id == self.host_id):
-                    self.shm_capable.add(wid)
-                else:
-                    self.shm_capable.discard(wid)
+                conn.shm_capable = bool(msg.shm and (self.shm_any or msg.host_id == self.host_id))
         else:
-            wid = self.owners.get(rid)
+            wid = conn.wid
             if wid is None:
                 if not isinstance(msg, Bye):
                     self._count("stray" if isinstance(msg, (Heartbeat, Ready)) else "invalid")
-                    self._answer_error(rid, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
+                    self._answer_error(conn, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
                 return
-            if self.keys.get(wid, "") != key:  # another key took this routing id over
+            if conn.key != key:  # another key took this routing id over
                 self._count("invalid")
-                self._answer_error(rid, Error(ErrorCode.REFUSED, "key does not match the worker's"))
+                self._answer_error(conn, Error(ErrorCode.REFUSED, "key does not match the worker's"))
                 return
         frames_in = frames[1:]
         if isinstance(msg, Ready):
-            if msg.shm and wid in self.shm_capable:
-                self.shm_workers.add(wid)
+            if msg.shm and conn.shm_capable:
+                conn.shm_ready = True
             else:
-                if wid in self.shm_capable:
+                if conn.shm_capable:
                     log.info("worker %s cannot open the shared memory: TCP for it", wid)
-                self.shm_workers.discard(wid)
+                conn.shm_ready = False
         refusal, wire = None, None
         if isinstance(msg, Reply):
             if msg.xfer:  # its arrays came in parts: the journal gets them with the message, as sent
@@ -450,6 +481,8 @@ class Daemon:
         self._execute(self.core.handle(wid, msg, now, key, refusal))
         if isinstance(msg, Bye):
             self._forget(wid)
+        elif isinstance(msg, Hello):  # joined (or not): a live worker's record never expires
+            self.conns.set_live(conn, conn.wid == wid and wid in self.core.workers, now)
 
     # ------------------------------------------------------------------ outbound
     def _execute(self, cmds: list) -> None:
@@ -458,8 +491,9 @@ class Daemon:
                 if not self._send(c.worker_id, c.msg):
                     self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):
-                if self.keys.get(c.worker_id):
-                    self.banned_keys.add(self.keys[c.worker_id])  # it cannot come back under a new id
+                conn = self.conns.by_wid.get(c.worker_id)
+                if conn is not None and conn.key:
+                    self.banned_keys.add(conn.key)  # it cannot come back under a new id
                 self._forget(c.worker_id)
         core = self.core
         if self.arena is not None and (self.arena.lent or self.arena.copies or self.arena.free_grad):
@@ -470,12 +504,16 @@ class Daemon:
         self._flush_events()
 
     def _send(self, wid: str, msg: Any) -> bool:
-        rid = self.routes.get(wid)
-        if rid is None:
+        conn = self.conns.by_wid.get(wid)
+        if conn is None:
             return False
+        rid = conn.rid
+        if isinstance(msg, Error) and wid not in self.core.workers:
+            self._answer_error(conn, msg)  # to a written-off worker (UNKNOWN_WORKER): rate-limited
+            return True
         if isinstance(msg, Job):
-            msg = self._job_arrays(wid, msg)
-            if wid in self.parts_ok and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
+            msg = self._job_arrays(conn, msg)
+            if conn.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
                 messages = split(msg, self.next_xfer)  # large arrays: parts, then the job
                 for frames in messages:
@@ -484,36 +522,20 @@ class Daemon:
                 self.parts_out += len(messages) - 1
                 return True
         elif isinstance(msg, Welcome):
-            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=wid in self.parts_ok,
-                                      shm=self.arena.prefix if wid in self.shm_capable else "")
+            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
+                                      shm=self.arena.prefix if conn.shm_capable else "")
         return self._send_raw(rid, msg)
 
-    def _part(self, rid: bytes, part: Part) -> None:
-        """Keep a part of a peer's next reply (only from a worker that said hello)."""
-        if rid not in self.owners:
-            raise RemoteProtocolError("part from a connection that has not said hello")
-        r = self.reassemblers.get(rid)
-        if r is None:
-            # One transfer at a time per peer: at most a pair of float64 gradients held.
-            r = self.reassemblers[rid] = Reassembler(2 * self.max_array_bytes,
-                                                     alloc=lambda n: POOL.empty((n,), np.uint8))
-        r.add(part)
-        self.parts_in += 1
-
-    def _payload(self, rid: bytes, xfer: int, nbytes: int) -> Any:
-        r = self.reassemblers.get(rid)
-        if r is None:
-            raise RemoteProtocolError(f"transfer {xfer}: no parts received")
-        return r.take(xfer, nbytes)
-
-    def _job_arrays(self, wid: str, job: Job) -> Job:
+    def _job_arrays(self, conn: Conn, job: Job) -> Job:
         """Transport of a job's iterates: shared-memory slots for same-host workers, else the
         frames the core chose, converted to the wire dtype."""
-        if wid in self.shm_workers:
+        if conn.shm_ready:
+            wid = conn.wid
             store = self.core.store
             refs = tuple(self.arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
             n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
-            self.shm_used.add(wid)
+            if len(self.shm_used) < MAX_SHM_LISTED:
+                self.shm_used.add(wid)
             return dataclasses.replace(job, point_ids=(), points=(), refs=refs,
                                        grad_slots=self.arena.lend(wid, job.job_id, n))
         if self.wire_dtype != "f32" and job.points:
@@ -556,23 +578,23 @@ class Daemon:
         return self.core.next_deadline()
 
     def _forget(self, wid: str) -> None:
-        rid = self.routes.pop(wid, None)
-        if rid is not None:
-            self.owners.pop(rid, None)
-            self.reassemblers.pop(rid, None)
+        """The worker said bye or was quarantined or revoked: its connection's record goes."""
+        self.conns.forget(wid)
 
     def _heartbeat_all(self) -> None:
         hb = Heartbeat(boot=self.core.server_boot)
-        for wid in list(self.routes):
+        for conn in self.conns.bound():
+            wid = conn.wid
             if wid not in self.core.workers:
-                continue  # declared dead: keep its route, so what it still sends is recognised
+                continue  # declared dead: its record is kept a while, so what it still sends is recognised
             if not self._send(wid, hb):
                 self._unreachable(wid)
 
     def _revoke(self, allowed: set[str]) -> None:
         """Workers whose key left the allow-list are dropped now (CURVE only checks keys at the
         handshake, so their open connections would otherwise live on) and their keys banned."""
-        for wid, key in list(self.keys.items()):
+        for conn in self.conns.bound():
+            wid, key = conn.wid, conn.key
             if key and key not in allowed:
                 self.banned_keys.add(key)
                 if wid in self.core.workers:
@@ -586,7 +608,7 @@ class Daemon:
     def _unreachable(self, wid: str) -> None:
         """ROUTER_MANDATORY refused a send: the peer's connection is gone (a killed process closes
         its sockets at once) or its pipe is full. Write it off now, not after the liveness
-        timeout. Its route is kept, so a reply it still sends is recognised as late."""
+        timeout. Its record is kept a while, so a reply it still sends is recognised as late."""
         if wid in self.core.workers:
             now = self.clock()
             if self._journal("remove", wid=wid, now=now, reason="unreachable"):
@@ -600,6 +622,8 @@ class Daemon:
                 self.recent_ages.append(ev["age"])
                 self.age_counts[ev["age"]] = self.age_counts.get(ev["age"], 0) + 1
             elif kind in LIFECYCLE:  # one log line per lifecycle event (JSON with --log-format json)
+                if kind == "left" and ev.get("worker_id") not in self.core.workers:
+                    self.conns.release(ev.get("worker_id", ""), self.clock())  # idle from now: it expires
                 self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
             elif kind in FAILURE_LINES and (kind != "failed" or ev.get("worker_failed") == 1):
                 self.lifecycle.warning(FAILURE_LINES[kind].format_map(ev), extra={"event": ev})
@@ -622,7 +646,8 @@ class Daemon:
                      "workers_benched": sum(w.benched for w in core.workers.values()),
                      "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
                      "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": self.wire_dtype,
-                     "shm_workers": len(self.shm_workers & core.workers.keys())})
+                     "shm_workers": sum(c.shm_ready and c.live for c in self.conns.bound())})
+        info.update(self.conns.figures())  # the connection table: records, transfers, rates (ps/connections.py)
         if self.persist is not None:
             info.update(self.persist.status())  # journal bytes; paused (disk full): why, for how long
         if self.recent_ages:
@@ -699,6 +724,7 @@ class Daemon:
                 "elapsed_s": self.clock() - self.started_at, "counters": c, "outstanding": self.core.outstanding,
                 "accounted": self.core.accounted(), "evaluations": self.evaluations,
                 "invalid_messages": self.invalid_messages, "send_failures": self.send_failures,
+                "connections": {k[len("conn."):]: v for k, v in self.conns.figures().items()},
                 "store_peak": self.core.store_peak,
                 "transport": {"wire_dtype": self.wire_dtype, "shm": self.arena.prefix if self.arena else "",
                               "shm_workers": sorted(self.shm_used),

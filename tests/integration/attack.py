@@ -94,7 +94,9 @@ class Victim:
 
     def __init__(self, procs: Any, tmp_path: Any, *, extra_serve: tuple[str, ...] = (), d: int = 32,
                  delays: tuple[str, ...] = ("0.004", "0.01"), algorithm: tuple[str, ...] = (
-                     "--algorithm", "asgd", "--set", "lr=0.05"), env: dict | None = None) -> None:
+                     "--algorithm", "asgd", "--set", "lr=0.05"), env: dict | None = None,
+                 worker_args: Callable[[int], tuple[str, ...]] | None = None) -> None:
+        """``worker_args(i)``: more command-line arguments for real worker ``i`` (1, 2), e.g. its key."""
         self.procs = procs
         self.state = str(tmp_path / "state")
         self.server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--state", self.state, "--problem",
@@ -103,13 +105,22 @@ class Victim:
                                   *extra_serve, env=env)
         self.endpoint = wait_line(self.server, r"listening on (tcp://\S+)", timeout=60).group(1)
         self.events = EventCounter(os.path.join(self.state, "events.jsonl"))
-        self.workers = [procs.start("work", "--server", self.endpoint, "--worker-id", f"real{i}", "--delay", dl)
+        self.workers = [procs.start("work", "--server", self.endpoint, "--worker-id", f"real{i}", "--delay", dl,
+                                    *(worker_args(i) if worker_args else ()))
                         for i, dl in enumerate(delays, 1)]
         self.wait_applied(50, timeout=60)
 
     # ---- figures
     def rss(self) -> int:
-        return psutil.Process(self.server.pid).memory_info().rss
+        """The server's RSS: the serve process and its children (a supervised daemon runs in one)."""
+        top = psutil.Process(self.server.pid)
+        total = top.memory_info().rss
+        for child in top.children(recursive=True):
+            try:
+                total += child.memory_info().rss
+            except psutil.NoSuchProcess:  # a daemon being restarted
+                pass
+        return total
 
     def daemon_pid(self) -> int:
         """The pid of the process that owns the server's socket (``serve``'s child when supervised)."""
