@@ -32,7 +32,9 @@ def test_layering_pure_modules_import_no_io():
 def test_layering_only_the_shells_import_zmq():
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
              for p in (ROOT / d).glob("*.py") if "zmq" in imported_modules(p)}
-    assert users <= {"ps/daemon.py", "worker/link.py", "ps/cli.py", "ps/security.py", "ps/status.py"}, users
+    # ps/supervise.py is a shell too: the supervisor in front of the daemon (issue 13 points 1-2).
+    shells = {"ps/daemon.py", "worker/link.py", "ps/cli.py", "ps/security.py", "ps/status.py", "ps/supervise.py"}
+    assert users <= shells, users
 
 
 def test_layering_no_pickle_anywhere():
