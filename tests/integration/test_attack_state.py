@@ -154,7 +154,7 @@ def idle_metrics_connections(victim, port: int, figures: dict, n: int = 1000):
     import psutil
 
     def attack(endpoint, running):
-        server = psutil.Process(victim.server.pid)
+        server = psutil.Process(victim.daemon_pid())  # the metrics threads live in the daemon
         socks = []
         threads = [server.num_threads()]
         try:
