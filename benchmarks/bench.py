@@ -320,8 +320,32 @@ def _ints(s: str) -> list[int]:
               help="Also write the rows as JSON (default: next to --out, with the .json suffix).")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None, callback=output_file,
               help="Also plot updates/s against d (default for the full run: docs/img/bench.png).")
-def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out) -> None:
+@click.option("--workers-scale", is_flag=True,
+              help="Instead: server CPU per message with many connected workers (benchmarks/scale.py): "
+                   "--scale-workers fake workers (idle, then hoarding a job each) and 2 real ones; writes "
+                   "benchmarks/RESULTS-scale.md (or --out).")
+@click.option("--scale-workers", default=None,
+              help="With --workers-scale: comma-separated fake worker counts (default 10,1000,10000).")
+@click.option("--scale-serve-arg", "scale_serve_args", multiple=True,
+              help="With --workers-scale: one more `latecomer serve` argument (repeatable), e.g. "
+                   "--scale-serve-arg=--no-supervise.")
+def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out, workers_scale,
+          scale_workers, scale_serve_args) -> None:
     """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload."""
+    if workers_scale:
+        from benchmarks import scale
+
+        counts = _ints(scale_workers) if scale_workers else list(scale.SCALE_WORKERS)
+        if any(n < 1 for n in counts):
+            raise click.BadParameter("fake worker counts must be positive", param_hint="--scale-workers")
+        out = out or os.path.join(REPO, "benchmarks", "RESULTS-scale.md")
+        json_out = json_out or os.path.splitext(out)[0] + ".json"
+        desc = machine()
+        click.echo(f"machine: {desc}")
+        scale.run(counts, seconds if seconds is not None else scale.SECONDS, warmup, out, json_out, desc,
+                  echo=click.echo, serve_args=tuple(scale_serve_args))
+        click.echo(f"wrote {out}")
+        return
     sizes_l = _ints(sizes) if sizes else list(QUICK_SIZES if quick else SIZES)
     workers_l = _ints(workers_) if workers_ else None
     seconds = seconds if seconds is not None else (QUICK_SECONDS if quick else SECONDS)

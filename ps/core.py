@@ -31,7 +31,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -77,6 +77,72 @@ class Disconnect:
 
 
 Command = Send | Disconnect
+
+
+# --------------------------------------------------------------------------- checkpoint columns
+
+_I64 = (-(1 << 63), 1 << 63)
+
+
+def _is_i64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and _I64[0] <= v < _I64[1]
+
+
+def _column(values: list) -> Any:
+    """One field of many rows, packed for a checkpoint: an array when every value is an int,
+    float or bool of one kind, a count for Nones, flat ints and lengths for tuples or sets of
+    ints, distinct strings and indexes for strings; else the list itself. ``_uncolumn`` inverts it exactly."""
+    if values:
+        if all(v is None for v in values):
+            return {"nones": len(values)}
+        if all(type(v) is bool for v in values):
+            return np.array(values, dtype=np.bool_)
+        if all(_is_i64(v) for v in values):
+            return np.array(values, dtype=np.int64)
+        if all(type(v) is float for v in values):
+            return np.array(values, dtype=np.float64)
+        if all(type(v) is str for v in values):
+            distinct = list(dict.fromkeys(values))
+            at = {s: i for i, s in enumerate(distinct)}
+            return {"strs": distinct, "idx": np.array([at[v] for v in values], dtype=np.int64)}
+        for kind in (tuple, set):
+            if all(type(v) is kind and all(_is_i64(x) for x in v) for v in values):
+                flat = [x for v in values for x in (sorted(v) if kind is set else v)]
+                return {"ints": kind.__name__, "flat": np.array(flat, dtype=np.int64),
+                        "lens": np.array([len(v) for v in values], dtype=np.int64)}
+    return list(values)
+
+
+def _uncolumn(c: Any) -> list:
+    if isinstance(c, np.ndarray):
+        return c.tolist()  # Python ints, floats and bools, bit for bit
+    if isinstance(c, dict) and "nones" in c:
+        return [None] * c["nones"]
+    if isinstance(c, dict) and "strs" in c:
+        return [c["strs"][i] for i in c["idx"].tolist()]
+    if isinstance(c, dict) and "ints" in c:
+        make = tuple if c["ints"] == "tuple" else set
+        flat, out, at = c["flat"].tolist(), [], 0
+        for n in c["lens"].tolist():
+            out.append(make(flat[at:at + n]))
+            at += n
+        return out
+    return list(c)
+
+
+def _table(rows: Iterable[Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """Rows of a slotted dataclass as columns: a checkpoint of 40,000 ledger entries is then a
+    few arrays, not 40,000 dicts for the serializer to walk."""
+    rows = list(rows)
+    return {"rows": len(rows), "columns": {f: _column([getattr(r, f) for r in rows]) for f in fields}}
+
+
+def _untable(t: Any) -> list[dict[str, Any]]:
+    """The rows of :func:`_table` as dicts; a list (a format-1 checkpoint) as it is."""
+    if isinstance(t, list):
+        return t
+    cols = {f: _uncolumn(c) for f, c in t["columns"].items()}
+    return [{f: v[i] for f, v in cols.items()} for i in range(t["rows"])]
 
 
 # --------------------------------------------------------------------------- tables
@@ -452,6 +518,21 @@ class ServerCore:
     def outstanding(self) -> int:
         return len(self.ledger)
 
+    def outstanding_ages(self) -> tuple[int, float] | None:
+        """(oldest, mean) age ``version - created_at`` of the outstanding jobs, buffered results
+        included; None when there are none. Costs the buffered results, not the ledger."""
+        n = len(self.ledger)
+        if not n:
+            return None
+        v = self.version
+        buffered = [r.created_at for r in self.buffer if r.job_id in self.ledger]
+        if len(buffered) + len(self.jobs) != n:  # not the buffer's entries after all: count them
+            created = [e.created_at for e in self.ledger.values()]
+            return v - min(created), v - sum(created) / n
+        oldest = self.jobs.oldest_created_at()
+        lo = min(buffered + ([] if oldest is None else [oldest]))
+        return v - lo, v - (self.jobs.created_at_sum + sum(buffered)) / n
+
     def accounted(self) -> bool:
         """The accounting invariant (see module docstring)."""
         c = self.counters
@@ -462,18 +543,18 @@ class ServerCore:
         """Everything needed to continue exactly: a nested structure of plain values and arrays
         (see ``ps.persist.pack_tree``). Arrays are shared, not copied: serialize it at once."""
         return {
-            "format": 1,
+            "format": 2,  # 1: workers, ledger and closed as lists of rows (still restored)
             "algorithm": self.alg.name,
             "alg_state": self.alg.to_state_dict(self.state),
             "rng": self.rng.bit_generator.state,
-            "workers": [{f: getattr(w, f) for f in WorkerInfo.__slots__} for w in self.workers.values()],
-            "ledger": [{f: getattr(e, f) for f in LedgerEntry.__slots__} for e in self.ledger.values()],
+            "workers": _table(self.workers.values(), WorkerInfo.__slots__),
+            "ledger": _table(self.ledger.values(), LedgerEntry.__slots__),
             "store": dict(self.store),
             "refs": dict(self.refs),
             "store_peak": self.store_peak,
             "pending_specs": [{f: getattr(sp, f) for f in JobSpec.__slots__} for sp in self.pending_specs],
             "buffer": [{f: getattr(r, f) for f in Result.__slots__} for r in self.buffer],
-            "closed": [[k, v] for k, v in self.closed.items()],
+            "closed": {"ids": _column(list(self.closed)), "how": _column(list(self.closed.values()))},
             "counters": self.counters.as_dict(),
             "next_job_id": self.next_job_id,
             "started": self.started,
@@ -490,7 +571,7 @@ class ServerCore:
     def restore(cls, algorithm: Algorithm, snap: dict[str, Any], config: CoreConfig | None = None, *,
                 server_boot: int = 0) -> ServerCore:
         """Rebuild a core from :meth:`snapshot` (the inverse, bit for bit)."""
-        if snap.get("format") != 1 or snap.get("algorithm") != algorithm.name:
+        if snap.get("format") not in (1, 2) or snap.get("algorithm") != algorithm.name:
             raise ValueError(f"snapshot of {snap.get('algorithm')!r} (format {snap.get('format')}) "
                              f"cannot be restored into {algorithm.name!r}")
         self = cls.__new__(cls)
@@ -502,8 +583,8 @@ class ServerCore:
         self.state = algorithm.from_state_dict(snap["alg_state"])
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = snap["rng"]
-        self.workers = {w["worker_id"]: WorkerInfo(**w) for w in snap["workers"]}
-        self.ledger = {e["job_id"]: LedgerEntry(**e) for e in snap["ledger"]}
+        self.workers = {w["worker_id"]: WorkerInfo(**w) for w in _untable(snap["workers"])}
+        self.ledger = {e["job_id"]: LedgerEntry(**e) for e in _untable(snap["ledger"])}
         for e in self.ledger.values():
             e.kind = JobKind(e.kind)
         self.store = {int(k): v for k, v in snap["store"].items()}
@@ -513,7 +594,10 @@ class ServerCore:
         self.store_peak = int(snap["store_peak"])
         self.pending_specs = deque(JobSpec(**{**sp, "kind": JobKind(sp["kind"])}) for sp in snap["pending_specs"])
         self.buffer = [Result(**{**r, "kind": JobKind(r["kind"])}) for r in snap["buffer"]]
-        self.closed = OrderedDict((int(k), v) for k, v in snap["closed"])
+        closed = snap["closed"]
+        pairs = zip(_uncolumn(closed["ids"]), _uncolumn(closed["how"]), strict=True) if isinstance(closed, dict) \
+            else closed
+        self.closed = OrderedDict((int(k), v) for k, v in pairs)
         self.counters = Counters(**snap["counters"])
         self.next_job_id = int(snap["next_job_id"])
         self.started = bool(snap["started"])

@@ -654,10 +654,9 @@ class Daemon:
             ages = np.array(self.recent_ages)
             info.update({"age.mean": float(ages.mean()), "age.p50": float(np.median(ages)),
                          "age.p90": float(np.percentile(ages, 90)), "age.max": int(ages.max())})
-        if core.ledger:
-            v = core.version
-            out_ages = [v - e.created_at for e in core.ledger.values()]
-            info.update({"outstanding.max_age": max(out_ages), "outstanding.mean_age": float(np.mean(out_ages))})
+        ages = core.outstanding_ages()  # indexed: a status answer does not scan the ledger
+        if ages is not None:
+            info.update({"outstanding.max_age": ages[0], "outstanding.mean_age": ages[1]})
         if self.evaluations:
             info.update({f"eval.{k}": float(v) for k, v in self.evaluations[-1].items()})
         info.update({f"alg.{k}": float(v) for k, v in core.last_metrics.items()})

@@ -52,6 +52,13 @@ def check_indexes(core: ServerCore) -> None:
             (o.created_at, o.kind, tuple(o.iterate_ids)) == (e.created_at, e.kind, tuple(e.iterate_ids))
             for o in pending)
     assert len(view._heap) <= 2 * len(view._groups) + 33, "emptied groups do not pile up in the heap"
+    ages = core.outstanding_ages()  # what status answers, buffered results included
+    if core.ledger:
+        created = [e.created_at for e in core.ledger.values()]
+        assert ages[0] == core.version - min(created)
+        assert ages[1] == pytest.approx(core.version - sum(created) / len(created))
+    else:
+        assert ages is None
     # the store's sweep candidates cover every unreferenced iterate
     assert {i for i, n in core.refs.items() if n <= 0} <= core._unref
 
@@ -225,7 +232,8 @@ def test_a_worker_gets_at_most_max_credit_jobs_whatever_it_asks():
 def test_mass_timeout_removes_in_join_order_and_leaves_indexes_consistent():
     core = make_core(liveness_timeout_s=1.0)
     for i in range(300):
-        core.handle(f"w{i}", Hello(worker_id=f"w{i}", boot=1, credit=2), 0.001 * (300 - i))  # later joiners seen earlier
+        # later joiners seen earlier: heap order is not join order
+        core.handle(f"w{i}", Hello(worker_id=f"w{i}", boot=1, credit=2), 0.001 * (300 - i))
         core.handle(f"w{i}", Ready(credit=2), 0.001 * (300 - i))
     core.handle("w7", Heartbeat(boot=1, busy=(14, 15), seen=15), 5.0)  # w7 alive, the rest silent
     core.drain_events()
@@ -269,3 +277,53 @@ def test_cancel_with_many_hoarded_jobs_matches_a_scan(name, hp, monkeypatch):
         held = [j for j in held if j.job_id not in gone] + [j for w, j in jobs_in(cmds) if w == "r"]
         check_indexes(core)
     assert len(calls) == 30 and sum(calls) >= 40, "the hoarders' jobs went stale: cancel() had work to do"
+
+
+def _hoarded_core() -> ServerCore:
+    core = make_core(liveness_timeout_s=math.inf)
+    for i in range(40):
+        core.handle(f"h{i}", Hello(worker_id=f"h{i}", boot=1, credit=256), 0.5 * i)
+        core.handle(f"h{i}", Ready(credit=256, holds=(0,)), 0.5 * i + 0.25)
+    core.handle("r", Hello(worker_id="r", boot=1, credit=1), 30.0)
+    job = jobs_in(core.handle("r", Ready(credit=1), 30.0))[0][1]
+    for step in range(50):  # settled jobs: the closed table fills too
+        cmds = core.handle("r", Reply(job_id=job.job_id, created_at=job.created_at,
+                                      grads=(np.full(D, 0.1, np.float32),)), 31.0 + step)
+        job = jobs_in(cmds)[0][1]
+    return core
+
+
+def test_checkpoint_columns_restore_bit_for_bit_and_read_format_1():
+    """The ledger, worker table and closed ids go into a checkpoint as columns (arrays) and
+    come back exactly; a format-1 snapshot (lists of rows) still restores to the same core."""
+    from ps.core import _column, _uncolumn, _untable
+    from ps.persist import pack_tree, unpack_tree
+
+    core = _hoarded_core()
+    assert core.outstanding == 40 * MAX_CREDIT + 1
+    snap = core.snapshot()
+    tree, arrays = pack_tree(snap)
+    assert len(str(tree)) < 20_000, "the tables are arrays, not one dict per row"
+    again = ServerCore.restore(core.alg, unpack_tree(tree, arrays), core.cfg)
+    old = dict(snap, format=1, workers=_untable(snap["workers"]), ledger=_untable(snap["ledger"]),
+               closed=[[k, v] for k, v in core.closed.items()])
+    older = ServerCore.restore(core.alg, unpack_tree(*pack_tree(old)), core.cfg)
+    for other in (again, older):
+        assert {w: vars_of(x) for w, x in other.workers.items()} == {w: vars_of(x) for w, x in core.workers.items()}
+        assert {j: vars_of(e) for j, e in other.ledger.items()} == {j: vars_of(e) for j, e in core.ledger.items()}
+        assert list(other.closed.items()) == list(core.closed.items())
+        check_indexes(other)
+    # the same messages give the same answers
+    job = next(e for e in core.ledger.values() if e.worker_id == "r")
+    msg = Reply(job_id=job.job_id, created_at=job.created_at, grads=(np.full(D, 0.3, np.float32),))
+    want = [repr(c) for c in core.handle("r", msg, 99.0)]
+    for other in (again, older):
+        assert [repr(c) for c in other.handle("r", msg, 99.0)] == want
+    for values in ([], [1, 2**62], [True, False], [0.5, 1.0], [1, 0.5], ["a", "b", "a"], [(1, 2), ()], [{3, 1}, set()],
+                   [None, (1, 2)], [None, None], [2**63, 1], [1, True]):
+        back = _uncolumn(unpack_tree(*pack_tree(_column(values))))
+        assert back == values and [type(v) for v in back] == [type(v) for v in values], values
+
+
+def vars_of(x) -> dict:
+    return {f: getattr(x, f) for f in type(x).__slots__}
