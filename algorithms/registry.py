@@ -10,14 +10,12 @@ them and wraps. Every user mistake is a ``ValueError`` with a one-line message.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-import os
 import re
-import sys
 import typing
 from typing import Any, Mapping
 
+from algorithms._userimport import import_user_module
 from algorithms.base import Algorithm
 from algorithms.wrappers import WRAPPER_KEYS, WrapperSettings, chain
 
@@ -38,27 +36,6 @@ def hyper_parameters(cls: type) -> dict[str, tuple[type, Any]]:
     return {f.name: (hints.get(f.name, Any), f.default) for f in dataclasses.fields(cls) if f.init}
 
 
-def _import_user_module(spec: str, module_name: str) -> Any:
-    """Import a user's module as ``python -m`` would find it: the current working directory is
-    searched too (appended to ``sys.path``, so it never shadows an installed package), for the
-    console script as for ``python -m ps``."""
-    cwd = os.getcwd()
-    if cwd not in (os.path.abspath(p or ".") for p in sys.path):
-        sys.path.append(cwd)
-    importlib.invalidate_caches()
-    top = module_name.split(".")[0]
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and module_name.startswith(e.name):
-            raise ValueError(f"algorithm {spec!r}: cannot import module {module_name!r}: run from the folder that "
-                             f"holds {top}.py (or its package {top}/), or add that folder to PYTHONPATH") from None
-        raise ValueError(f"algorithm {spec!r}: importing module {module_name!r} failed: {e}") from None
-    except Exception as e:  # the user's module raised while importing: one line, not a traceback
-        raise ValueError(f"algorithm {spec!r}: importing module {module_name!r} failed: "
-                         f"{type(e).__name__}: {e}") from None
-
-
 def resolve(registry: Mapping[str, type[Algorithm]], name: str) -> type[Algorithm]:
     """The class named ``name``: a registry entry or a user's ``"module:Class"``.
 
@@ -72,7 +49,7 @@ def resolve(registry: Mapping[str, type[Algorithm]], name: str) -> type[Algorith
     if not sep or not module_name or not attr or module_name.startswith("."):
         raise ValueError(f"unknown algorithm {name!r} (choose one of {', '.join(sorted(registry))}, "
                          "or give 'module:Class' for your own)")
-    obj: Any = _import_user_module(name, module_name)
+    obj: Any = import_user_module("algorithm", name, module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
             where = getattr(obj, "__file__", None)

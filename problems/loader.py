@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import sys
 import typing
 from typing import Any, Callable, Mapping, TypeVar
 
+from algorithms._userimport import import_user_module
 from problems.base import Problem
 
 # Built-ins by name -> "module:factory", imported only when used: a worker that loads the
@@ -32,27 +31,6 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _SCALARS = (bool, int, float, str)
 WORKER_LOCAL_ATTR = "__latecomer_worker_local__"  # set by @worker_local on a factory
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _import_user_module(spec: str, module_name: str) -> Any:
-    """Import a user's problem module the way ``python -m`` would find it: the current working
-    directory is searched too (appended to ``sys.path``, so it never shadows an installed
-    package), for the console script as for ``python -m ps``."""
-    cwd = os.getcwd()
-    if cwd not in (os.path.abspath(p or ".") for p in sys.path):
-        sys.path.append(cwd)
-    top = module_name.split(".")[0]
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e}): run from the folder "
-                             f"that holds {top}.py (or its package {top}/), or add that folder to PYTHONPATH") \
-                from None
-        raise ValueError(f"problem {spec!r}: importing module {module_name!r} failed: {e}") from None
-    except Exception as e:  # the user's module raised while importing: one line, not a traceback
-        raise ValueError(f"problem {spec!r}: importing module {module_name!r} failed: "
-                         f"{type(e).__name__}: {e}") from None
 
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
@@ -75,7 +53,7 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
         except ImportError as e:
             raise ValueError(f"problem {spec!r}: cannot import module {module_name!r} ({e})") from None
     else:
-        obj = _import_user_module(spec, module_name)
+        obj = import_user_module("problem", spec, module_name)
     for part in attr.split("."):
         if not hasattr(obj, part):
             where = getattr(obj, "__file__", None)
