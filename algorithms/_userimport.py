@@ -36,7 +36,8 @@ def import_user_module(kind: str, spec: str, module_name: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r}: run from the folder that "
-                             f"holds {top}.py (or its package {top}/), or add that folder to PYTHONPATH") from None
+                             f"holds {top}.py (or its package {top}/), or add that folder to PYTHONPATH "
+                             f"({e})") from None
         raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} failed: {e}") from None
     except Exception as e:  # the user's module raised while importing: one line, not a traceback
         raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} failed: "
