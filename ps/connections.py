@@ -65,6 +65,9 @@ class ConnectionLimits:
             past either waits (one per connection; more are dropped) and is answered in turn.
         error_interval_s: at most one error answer per connection in this interval.
         error_global_rate, error_global_burst: error answers per second for all connections.
+        hb_refresh_s: a heartbeat identical (byte for byte) to the last one this connection
+            handed on is dropped unread if that one is younger than this (the daemon: a third
+            of the liveness timeout); 0: never. See :meth:`Connections.repeat_heartbeat`.
     """
 
     idle_s: float = 10.0
@@ -79,6 +82,7 @@ class ConnectionLimits:
     error_interval_s: float = 0.2
     error_global_rate: float = 100.0
     error_global_burst: float = 100.0
+    hb_refresh_s: float = 0.0
 
 
 class TokenBucket:
@@ -112,7 +116,7 @@ class Conn:
     """One connection (routing id): everything the daemon knows about it."""
 
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
-                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq")
+                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "hb_raw", "hb_at")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -129,6 +133,8 @@ class Conn:
         self.status_bucket = TokenBucket(limits.status_rate, limits.status_burst, now)
         self.status_token: int | None = None  # a status? request waiting for its answer
         self.status_seq = 0
+        self.hb_raw: bytes | None = None  # the last heartbeat handed on (its frames joined), if small
+        self.hb_at = 0.0  # when it was handed on
 
     @property
     def xfer_bytes(self) -> int:
@@ -145,6 +151,7 @@ class ConnectionCounters:
     status_answered: int = 0
     status_dropped: int = 0  # a request while one of the same connection was still waiting
     errors_suppressed: int = 0  # error answers not sent (rate limits)
+    hb_repeats: int = 0  # heartbeats dropped unread: a repeat of the last one, within hb_refresh_s
 
 
 class Connections:
@@ -186,6 +193,29 @@ class Connections:
             self.idle.move_to_end(rid)
         c.last_heard = now
         return c
+
+    # ------------------------------------------------------------------ heartbeat repeats
+    def repeat_heartbeat(self, c: Conn, body: bytes, now: float) -> bool:
+        """Whether the message ``body`` (its frames joined, routing id excluded) is a repeat that
+        tells the server nothing: byte for byte the last heartbeat this connection handed on, less
+        than ``hb_refresh_s`` ago, with nothing else from it in between. Such a heartbeat would only
+        refresh a liveness the server refreshed moments ago (same credit, same busy list, same
+        ``seen``: the same reconciliation), so it is counted and dropped before it is decoded,
+        journaled or shown to the core. A worker that heartbeats faster than it was told to costs
+        the server a bytes comparison per extra heartbeat; the one the core sees still refreshes
+        its liveness at least every ``hb_refresh_s`` (a third of the liveness timeout)."""
+        if c.hb_raw is None or c.hb_raw != body or now - c.hb_at >= self.limits.hb_refresh_s:
+            return False
+        self.counters.hb_repeats += 1
+        return True
+
+    def handed_on(self, c: Conn, body: bytes | None, now: float) -> None:
+        """A message of ``c`` reached the core: a heartbeat (``body``: its frames joined, kept if
+        at most 512 bytes) or anything else (``None``: the next heartbeat is handed on whatever it says)."""
+        if body is not None and len(body) <= 512 and self.limits.hb_refresh_s > 0:
+            c.hb_raw, c.hb_at = body, now
+        else:
+            c.hb_raw = None
 
     def bind(self, c: Conn, wid: str, key: str) -> None:
         """A hello bound ``c`` to worker ``wid`` (with ``key``). Another record bound to the same
@@ -418,7 +448,8 @@ class Connections:
         return {"conn.records": len(self.by_rid), "conn.live": self.live, "conn.transfers": len(self.xfers),
                 "conn.transfer_bytes": self.xfer_total, "conn.expired": c.expired, "conn.evicted": c.evicted,
                 "conn.transfers_dropped": c.transfers_dropped, "conn.status_answered": c.status_answered,
-                "conn.status_dropped": c.status_dropped, "conn.errors_suppressed": c.errors_suppressed}
+                "conn.status_dropped": c.status_dropped, "conn.errors_suppressed": c.errors_suppressed,
+                "conn.hb_repeats": c.hb_repeats}
 
 
 class RateLimitedLog:

@@ -7,6 +7,7 @@ One ROUTER socket, one poll loop, one thread owning the :class:`ServerCore`:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import json
@@ -63,6 +64,15 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per c
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
+HB_SLICE = 256  # server heartbeats sent per pass of the loop (see Daemon._heartbeat_some)
+
+
+def server_heartbeat_period(cfg: Any) -> float:
+    """How often the server heartbeats each worker: the announced interval, but no more often
+    than three times per liveness timeout (a worker reconnects after a liveness timeout without
+    a word from the server, so three heartbeats may be lost in a row). At the defaults (0.5 s,
+    3 s) that is once a second: half the messages a heartbeat every interval would cost."""
+    return max(cfg.heartbeat_interval_s, cfg.liveness_timeout_s / 3)
 WORKER_COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age",
                   "state", "failed", "last_error")
 STATUS_ERROR_CHARS = 200  # a worker's last error as status rows carry it
@@ -178,7 +188,8 @@ class Daemon:
         if limits is None:
             xfer = 2 * self.max_array_bytes  # one transfer: a pair of float64 gradients
             limits = ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
-                                      transfer_total_bytes=max(64 << 20, 4 * xfer))
+                                      transfer_total_bytes=max(64 << 20, 4 * xfer),
+                                      hb_refresh_s=core.cfg.liveness_timeout_s / 3)
         # Every routing id's state (worker binding, key, transfer, rates): ps/connections.py.
         self.conns = Connections(limits, now=clock(), alloc=lambda n: POOL.empty((n,), np.uint8))
         self.max_workers = max_workers
@@ -187,6 +198,7 @@ class Daemon:
         self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
         self.events_dirty = False
         self.stopping: str | None = None
+        self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
@@ -246,13 +258,14 @@ class Daemon:
         self.evaluate()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        hb_every = core.cfg.heartbeat_interval_s
+        hb_every = server_heartbeat_period(core.cfg)
         next_hb = self.clock()
         next_progress = self.clock()
         try:
             while self.stopping is None:
                 now = self.clock()
-                deadline = min(next_hb, self._core_deadline(), next_progress + 0.2, self.conns.next_deadline())
+                deadline = min(now if self.hb_queue else next_hb, self._core_deadline(), next_progress + 0.2,
+                               self.conns.next_deadline())
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
@@ -283,8 +296,10 @@ class Daemon:
                     self.publish_metrics()
                     self.next_publish = now + 0.5
                 if now >= next_hb:
-                    self._heartbeat_all()
+                    self.hb_queue.extend(c.rid for c in self.conns.bound() if c.wid in core.workers)
                     next_hb = now + hb_every
+                if self.hb_queue:
+                    self._heartbeat_some()
                 if self.eval_every and core.version >= self.last_eval_version + self.eval_every:
                     ev = self.evaluate()
                     if self.on_progress:
@@ -406,6 +421,9 @@ class Daemon:
         now = self.clock()
         rid = frames[0].bytes
         conn = self.conns.get(rid, now)  # created on the connection's first message
+        body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= 512 else None  # a heartbeat is one frame
+        if body is not None and self.conns.repeat_heartbeat(conn, body, now):
+            return  # a repeat of the heartbeat handed on moments ago: it would change nothing
         try:
             msg = decode(frames[1:], max_array_bytes=self.max_array_bytes,
                          payload=lambda xfer, n: self.conns.take_transfer(conn, xfer, n))
@@ -479,6 +497,7 @@ class Daemon:
                                                                         wire=wire, refused=refusal is not None):
             return  # not journaled (the state directory cannot be written): not accepted, the core never sees it
         self._execute(self.core.handle(wid, msg, now, key, refusal))
+        self.conns.handed_on(conn, body if isinstance(msg, Heartbeat) else None, now)
         if isinstance(msg, Bye):
             self._forget(wid)
         elif isinstance(msg, Hello):  # joined (or not): a live worker's record never expires
@@ -581,14 +600,18 @@ class Daemon:
         """The worker said bye or was quarantined or revoked: its connection's record goes."""
         self.conns.forget(wid)
 
-    def _heartbeat_all(self) -> None:
-        hb = Heartbeat(boot=self.core.server_boot)
-        for conn in self.conns.bound():
-            wid = conn.wid
-            if wid not in self.core.workers:
-                continue  # declared dead: its record is kept a while, so what it still sends is recognised
-            if not self._send(wid, hb):
-                self._unreachable(wid)
+    def _heartbeat_some(self) -> None:
+        """Send this period's heartbeat to the next HB_SLICE workers of the queue: a period's
+        heartbeats go out a slice per pass of the loop, between batches of messages, so thousands
+        of workers do not hold the others' replies back for the time of one long burst."""
+        frames = encode(Heartbeat(boot=self.core.server_boot))  # the same bytes for every worker
+        workers, queue = self.core.workers, self.hb_queue
+        for _ in range(min(HB_SLICE, len(queue))):
+            conn = self.conns.by_rid.get(queue.popleft())
+            if conn is None or conn.wid not in workers:
+                continue  # gone, or declared dead meanwhile (its record is kept a while)
+            if not self._send_frames(conn.rid, frames):
+                self._unreachable(conn.wid)
 
     def _revoke(self, allowed: set[str]) -> None:
         """Workers whose key left the allow-list are dropped now (CURVE only checks keys at the

@@ -230,3 +230,35 @@ def test_rate_limited_log_says_how_many_lines_it_left_out(caplog):
         assert lg.warning("cap", 10.0, "refused %s", "c")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["refused a", "other", "refused c (50 more like it in the last 10 s not logged)"]
+
+
+def test_a_repeated_heartbeat_is_dropped_only_while_it_says_nothing_new():
+    """Connections.repeat_heartbeat: byte for byte the last heartbeat handed on, within
+    hb_refresh_s of it, with nothing else from the connection in between."""
+    t = table(hb_refresh_s=1.0)
+    c = t.get(b"a", 0.0)
+    hb, other = b"\x84hb-seen-5", b"\x84hb-seen-6"
+    assert not t.repeat_heartbeat(c, hb, 0.0), "nothing handed on yet"
+    t.handed_on(c, hb, 0.0)
+    assert t.repeat_heartbeat(c, hb, 0.4) and t.repeat_heartbeat(c, hb, 0.99)
+    assert not t.repeat_heartbeat(c, other, 0.5), "a different heartbeat (new seen, busy or credit) goes on"
+    assert not t.repeat_heartbeat(c, hb, 1.0), "liveness is refreshed at least every hb_refresh_s"
+    t.handed_on(c, hb, 1.0)
+    t.handed_on(c, None, 1.2)  # a reply (or anything else) reached the core
+    assert not t.repeat_heartbeat(c, hb, 1.3), "after another message the next heartbeat goes on"
+    t.handed_on(c, b"x" * 513, 2.0)
+    assert not t.repeat_heartbeat(c, b"x" * 513, 2.1), "large messages are not kept"
+    assert not t.repeat_heartbeat(t.get(b"b", 2.0), hb, 2.1), "per connection"
+    assert t.counters.hb_repeats == 2 and t.figures()["conn.hb_repeats"] == 2
+    off = table()  # hb_refresh_s=0: never
+    d = off.get(b"a", 0.0)
+    off.handed_on(d, hb, 0.0)
+    assert not off.repeat_heartbeat(d, hb, 0.1)
+
+
+def test_the_server_heartbeats_three_times_per_liveness_timeout_at_most():
+    from ps.core import CoreConfig
+    from ps.daemon import server_heartbeat_period
+
+    assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=0.5, liveness_timeout_s=3.0)) == 1.0
+    assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=2.0, liveness_timeout_s=3.0)) == 2.0
