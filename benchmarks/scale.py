@@ -42,14 +42,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALE_WORKERS = (10, 1000, 10_000)
 MODES = ("idle", "hoard")
 D = 1000
-HEARTBEAT_S, LIVENESS_S, FAKE_HB_S = 5.0, 20.0, 5.0
+HEARTBEAT_S, LIVENESS_S, FAKE_HB_S = 5.0, 15.0, 5.0  # the server heartbeats every max(5, 15/3) = 5 s
+FILES = 65536  # open files for serve (the front holds two per connection), as deploy/'s systemd unit
 SECONDS = 4.0
+
+
+def _more_files() -> None:
+    """In the child, before exec: raise the open-file limit to FILES where allowed (root may
+    raise the hard limit; serve raises its soft limit to the hard one itself)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        if hard != resource.RLIM_INFINITY and hard < FILES:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (FILES, FILES))
+    except (ValueError, OSError):
+        pass  # not permitted: serve runs with what it has, and a cell that runs out says so
 
 
 def _start(*args: str, stdout=subprocess.DEVNULL, repo: str = REPO) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, *args], cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_more_files if args[:3] == ("-m", "ps", "serve") else None)
 
 
 def _line(p: subprocess.Popen, timeout: float) -> str:
@@ -65,6 +80,18 @@ def serve_options(repo: str = REPO) -> frozenset[str]:
     p = subprocess.run([sys.executable, "-m", "ps", "serve", "--help"], cwd=repo, capture_output=True, text=True,
                        timeout=60)
     return frozenset(re.findall(r"(--[a-z][a-z0-9-]*)", p.stdout))
+
+
+def _files(pid: int) -> int:
+    """The open-file limit of the process ``pid``."""
+    try:
+        with open(f"/proc/{pid}/limits", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Max open files"):
+                    return int(line.split()[3])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _status(endpoint: str) -> dict:
@@ -123,6 +150,7 @@ def run_cell(n_fake: int, mode: str, *, seconds: float = 4.0, warmup: float = 1.
                 time.sleep(0.1)  # polling interval of a bounded wait
             sleep_until(time.monotonic() + warmup)
             st0, cpu0, t0 = _status(endpoint), server_cpu(server.pid), time.monotonic()
+            row["files"] = _files(server.pid)
             sleep_until(t0 + seconds)
             cpu1, t1, st1 = server_cpu(server.pid), time.monotonic(), _status(endpoint)
             row["peak_rss_mib"] = peak_rss(server.pid) / 2**20
@@ -135,7 +163,8 @@ def run_cell(n_fake: int, mode: str, *, seconds: float = 4.0, warmup: float = 1.
                        cpu_ms_per_update=cpu / applied * 1e3 if applied else math.nan,
                        cpu_us_per_message=cpu / msgs * 1e6 if msgs else math.nan, messages_per_s=msgs / dt,
                        background_share=dt * (n_fake / fake_hb_s + workers / heartbeat_s) / msgs if msgs else math.nan,
-                       server_cpu_share=cpu / dt)
+                       server_cpu_share=cpu / dt,
+                       hb_repeats_per_s=(st1.get("conn.hb_repeats", 0) - st0.get("conn.hb_repeats", 0)) / dt)
             fakes.send_signal(signal.SIGTERM)
             row["fake_stats"] = json.loads(_line(fakes, 30) or "{}")
             return row
