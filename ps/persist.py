@@ -50,7 +50,7 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -341,10 +341,12 @@ class Journal:
     record followed by good ones.
     """
 
-    def __init__(self, state_dir: str, *, next_lsn: int, fsync: str = "batch") -> None:
+    def __init__(self, state_dir: str, *, next_lsn: int, fsync: str = "batch",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.fsync = fsync
+        self.clock = clock  # the group commit's clock (tests may substitute one)
         self.state_dir = state_dir
         self.closed = [Segment(path, number, _first_lsn(path), os.path.getsize(path))
                        for number, path in journal_segments(state_dir)]
@@ -353,7 +355,7 @@ class Journal:
                              f"cannot start there; give an empty --state directory")
         self.next_lsn = next_lsn
         self.dirty = False
-        self.last_sync = time.monotonic()
+        self.last_sync = clock()
         self.bytes_written = 0
         self.cut_to: int | None = None  # a refused write could not be cut back yet: do it first
         self.fd = -1
@@ -403,12 +405,19 @@ class Journal:
             if self.fsync != "never":
                 os.fsync(self.fd)
             self.dirty = False
-        self.last_sync = time.monotonic()
+        self.last_sync = self.clock()
 
     def maybe_sync(self) -> None:
         """Group commit: flush and fsync if the batch window has passed."""
-        if self.dirty and (self.fsync != "batch" or time.monotonic() - self.last_sync >= BATCH_FSYNC_S):
+        if self.dirty and (self.fsync != "batch" or self.clock() - self.last_sync >= BATCH_FSYNC_S):
             self.sync()
+
+    def sync_due_in(self) -> float:
+        """Seconds until :meth:`maybe_sync` has a group commit to do (0: now; inf: nothing to
+        sync, or not ``--fsync batch``). The daemon's poll waits no longer than this."""
+        if not self.dirty or self.fsync != "batch":
+            return math.inf
+        return max(0.0, self.last_sync + BATCH_FSYNC_S - self.clock())
 
     def rotate(self) -> None:
         """Continue in a new segment (after a checkpoint, so that the old one can be removed once
@@ -1021,6 +1030,12 @@ class Persistence:
     def forced_checkpoint_bytes(self) -> int:
         """A checkpoint is forced once the current segment holds this many bytes (0: never)."""
         return self.max_journal_bytes // (self.keep + 1) if self.max_journal_bytes else 0
+
+    def sync_due_in(self) -> float:
+        """Seconds until :meth:`after_batch` has the journal's group commit to do (inf: none, or
+        paused): the daemon's poll timeout is at most this, so ``--fsync batch`` syncs within
+        ``BATCH_FSYNC_S`` of a record, not within one poll."""
+        return math.inf if self.paused is not None else self.journal.sync_due_in()
 
     def after_batch(self, core: Any, now: float) -> None:
         if self.paused is not None:
