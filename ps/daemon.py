@@ -265,7 +265,8 @@ class Daemon:
             while self.stopping is None:
                 now = self.clock()
                 deadline = min(now if self.hb_queue else next_hb, self._core_deadline(), next_progress + 0.2,
-                               self.conns.next_deadline())
+                               self.conns.next_deadline(),
+                               now + self.persist.sync_due_in() if self.persist is not None else math.inf)
                 timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
                 if poller.poll(timeout_ms):
                     for _ in range(MAX_BATCH):
