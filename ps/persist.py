@@ -312,8 +312,9 @@ def journal_segments(state_dir: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _first_lsn(path: str) -> int | None:
-    """The LSN of a segment's first record, or None (empty, or its first record is unreadable)."""
+def _first_record(path: str) -> dict | None:
+    """A segment's first record (its decoded body), or None (empty, or its first record is
+    unreadable)."""
     try:
         with open(path, "rb") as f:
             head = f.read(REC_HEADER.size)
@@ -328,8 +329,13 @@ def _first_lsn(path: str) -> int | None:
         rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (OSError, ValueError, msgpack.UnpackException):
         return None
-    lsn = rec.get("lsn") if type(rec) is dict else None
-    return lsn if type(lsn) is int else None
+    return rec if type(rec) is dict and type(rec.get("lsn")) is int else None
+
+
+def _first_lsn(path: str) -> int | None:
+    """The LSN of a segment's first record, or None (empty, or its first record is unreadable)."""
+    rec = _first_record(path)
+    return None if rec is None else rec["lsn"]
 
 
 class Journal:
@@ -460,7 +466,7 @@ class Journal:
 _NUMBER = (int, float)
 # Per journal op: the fields its records must carry, and their types.
 _RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "start": {"run": (dict,)},
+    "start": {"run": (dict,)},  # and "now": the core's creation time (since issue 14)
     "msg": {"wid": (str,), "now": _NUMBER, "frames": (list,)},
     "reply": {"wid": (str,), "now": _NUMBER, "reply": (dict,)},
     "tick": {"now": _NUMBER},
@@ -493,6 +499,8 @@ def _check_record(rec: Any) -> str | None:
             return "'frames' must be a non-empty list of byte strings"
         if type(rec.get("key", "")) is not str or type(rec.get("wire", "")) is not str:
             return "'key' and 'wire' must be strings"
+    elif op == "start" and type(rec.get("now", 0.0)) not in _NUMBER:
+        return "'now' must be a number"
     elif op == "reply":
         fields = rec["reply"]
         for name, types in _REPLY_FIELDS.items():
@@ -503,98 +511,182 @@ def _check_record(rec: Any) -> str | None:
     return None
 
 
-def _scan(path: str, data: bytes) -> tuple[list[tuple[int, dict]], int | None]:
-    """The records of one segment as (offset, body), and the offset of its torn tail (None if it
-    ends cleanly). Raises StateError for a bad record that is not the segment's last."""
+class JournalDamaged(StateError):
+    """A journal record that does not read and is not the torn tail of the journal's last
+    segment (a crash cuts only the record being written), or records missing (an LSN gap: a
+    segment removed or cut short). The text names the file, the byte offset and the LSN there,
+    and ``serve --repair``; the attributes say where, for :func:`repair_journal`.
+
+    Attributes:
+        path: the segment; offset: the damaged record's byte offset there (the journal's valid
+        prefix ends there); lsn: the LSN expected there (None: unknown, the journal's first
+        record); prev: the LSN of the last good record before it (None: none).
+    """
+
+    def __init__(self, path: str, offset: int, lsn: int | None, prev: int | None, why: str) -> None:
+        self.path, self.offset, self.lsn, self.prev, self.why = path, offset, lsn, prev, why
+        where = f"LSN {lsn}" if lsn is not None else "the journal's first record"
+        state_dir = os.path.dirname(path) or "."
+        super().__init__(f"{path}: record at byte {offset} {why} ({where}): the journal is damaged there, it is not "
+                         f"a torn end; `latecomer serve --state {state_dir} --repair` keeps the records before it and "
+                         f"moves the rest aside (or restore the state directory from a backup)")
+
+
+@dataclass
+class _Bad:
+    """Where a segment stops reading: its offset, why, and whether it is a torn tail (the
+    segment's last record cut short or garbled, nothing that reads after it)."""
+
+    offset: int
+    why: str
+    torn: bool
+    lsn: int | None = None  # the LSN the bad record carries, when it reads at all
+
+
+_LSN_KEY = b"\xa3lsn"  # every record's body is a msgpack map whose first key is "lsn"
+
+
+def _record_at(data: bytes, off: int) -> dict | None:
+    """The journal record that starts at ``off`` (checksum, msgpack and fields good), or None."""
+    if off < 0 or off + REC_HEADER.size > len(data):
+        return None
+    n, crc = REC_HEADER.unpack_from(data, off)
+    end = off + REC_HEADER.size + n
+    if n > MAX_RECORD_BYTES or end > len(data):
+        return None
+    body = data[off + REC_HEADER.size:end]
+    if zlib.crc32(body) != crc:
+        return None
+    try:
+        rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return rec if _check_record(rec) is None else None
+
+
+def _resync(data: bytes, off: int, after_lsn: int) -> int | None:
+    """The offset of the first whole journal record after ``off`` whose LSN is above
+    ``after_lsn`` (None: none). A cut-short tail is a prefix of one record, so a record that
+    reads after it means the bytes at ``off`` are damage, not a torn tail."""
+    i = data.find(_LSN_KEY, off + 1 + REC_HEADER.size)
+    while i >= 0:
+        p = i - REC_HEADER.size - 1  # the header, then the map's first byte, then "lsn"
+        rec = _record_at(data, p) if p > off else None
+        if rec is not None and rec["lsn"] > after_lsn:
+            return p
+        i = data.find(_LSN_KEY, i + 1)
+    return None
+
+
+def _scan(path: str, data: bytes) -> tuple[list[tuple[int, dict]], _Bad | None]:
+    """The records of one segment as (offset, body), up to where it stops reading (None: it
+    reads to its end). A record cut short or garbled with nothing that reads after it is a torn
+    tail; anything else that stops the reading is damage."""
     out: list[tuple[int, dict]] = []
     off = 0
     while off < len(data):
+        last = out[-1][1]["lsn"] if out else -1
         if off + REC_HEADER.size > len(data):
-            return out, off  # a short header: torn
+            return out, _Bad(off, "is cut short (a short header)", True)
         n, crc = REC_HEADER.unpack_from(data, off)
         end = off + REC_HEADER.size + n
         if n > MAX_RECORD_BYTES or end > len(data):
-            return out, off  # runs past the end of the file: torn
+            if _resync(data, off, last) is not None:
+                return out, _Bad(off, f"has a length ({n} bytes) that runs past the end of the file, with records "
+                                      f"after it", False)
+            return out, _Bad(off, "is cut short", True)
         body = data[off + REC_HEADER.size:end]
         if zlib.crc32(body) != crc:
             if end == len(data):
-                return out, off  # the last record, garbled: torn
-            raise StateError(f"{path}: record at byte {off} fails its checksum, with {len(data) - end} bytes of "
-                             f"records after it (the journal is damaged there, it is not a torn end): restore the "
-                             f"state directory from a backup")
+                return out, _Bad(off, "fails its checksum (the segment's last record)", True)
+            return out, _Bad(off, f"fails its checksum, with {len(data) - end} bytes of records after it", False)
         try:
             rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
         except (ValueError, TypeError, msgpack.UnpackException) as e:
-            raise StateError(f"{path}: record at byte {off} is not msgpack ({type(e).__name__})") from None
+            return out, _Bad(off, f"is not msgpack ({type(e).__name__})", False)
         why = _check_record(rec)
         if why is not None:
-            raise StateError(f"{path}: record at byte {off} is not a journal record: {why}")
+            lsn = rec.get("lsn") if type(rec) is dict and type(rec.get("lsn")) is int else None
+            return out, _Bad(off, f"is not a journal record: {why}", False, lsn)
         out.append((off, rec))
         off = end
     return out, None
 
 
+def _segment_data(path: str, state_dir: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise StateError(f"{path} was removed while it was read (a server running on {state_dir} removes "
+                         f"segments its checkpoints cover): try again") from None
+
+
 def read_journal(state_dir: str, *, from_lsn: int = 0) -> Iterator[Record]:
     """Records of every segment in order, from ``from_lsn``, each validated (its fields and
-    their types, consecutive LSNs).
+    their types, consecutive LSNs across segments).
 
-    A torn tail (the last record cut short or garbled) is reported once and skipped if it ends
-    the journal, or ends a segment the next incarnation's ``restart`` follows (state directories
-    written before torn tails were cut off on resume). Anything else that does not read is a
-    StateError naming the file and byte offset: a damaged record is never dropped silently.
+    A torn tail (the last record cut short or garbled by a crash, nothing that reads after it)
+    is reported once and skipped if it ends the journal, or ends a segment the next
+    incarnation's ``restart`` follows at the LSN it would have had (state directories written
+    before torn tails were cut off on resume). Anything else that does not read, and any LSN
+    gap, is a :class:`JournalDamaged` naming the file, byte offset and LSN: a damaged record is
+    never dropped silently.
     """
-    torn: tuple[str, int] | None = None
+    torn: tuple[str, _Bad, int | None] | None = None
     prev: int | None = None
-    for _, path in journal_segments(state_dir):
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise StateError(f"{path} was removed while it was read (a server running on {state_dir} removes "
-                             f"segments its checkpoints cover): try again") from None
-        records, tail = _scan(path, data)
+    for number, path in journal_segments(state_dir):
+        records, bad = _scan(path, _segment_data(path, state_dir))
         for off, rec in records:
+            lsn = rec["lsn"]
             if torn is not None:
                 if rec["op"] != "restart":
-                    raise StateError(f"{torn[0]}: record at byte {torn[1]} is cut short or garbled, and the journal "
-                                     f"goes on in {os.path.basename(path)} (the journal is damaged there)")
-                log.warning("%s: torn record at byte %d (a crash): ignored", os.path.basename(torn[0]), torn[1])
+                    raise JournalDamaged(torn[0], torn[1].offset, torn[2], prev,
+                                         f"is cut short or garbled, and the journal goes on in "
+                                         f"{os.path.basename(path)}")
+                log.warning("%s: torn record at byte %d (a crash): ignored", os.path.basename(torn[0]),
+                            torn[1].offset)
                 torn = None
-            lsn = rec["lsn"]
             if prev is not None and lsn != prev + 1:
-                raise StateError(f"{path}: record at byte {off} has LSN {lsn} after LSN {prev} (records are "
-                                 f"missing or out of order)")
+                raise JournalDamaged(path, off, prev + 1, prev, f"has LSN {lsn} after LSN {prev} (records are missing "
+                                                                f"or out of order)")
             prev = lsn
             if lsn >= from_lsn:
                 yield Record(lsn, rec["op"], rec, path, off)
-        if tail is not None:
+        if bad is not None:
+            expected = prev + 1 if prev is not None else (0 if number == 1 and bad.offset == 0 else bad.lsn)
+            if not bad.torn:
+                raise JournalDamaged(path, bad.offset, expected, prev, bad.why)
             if torn is not None:
-                raise StateError(f"{torn[0]}: record at byte {torn[1]} is cut short or garbled, and the journal "
-                                 f"goes on in {os.path.basename(path)} (the journal is damaged there)")
-            torn = (path, tail)
+                raise JournalDamaged(torn[0], torn[1].offset, torn[2], prev,
+                                     f"is cut short or garbled, and the journal goes on in "
+                                     f"{os.path.basename(path)}")
+            torn = (path, bad, expected)
     if torn is not None:
         log.warning("%s: torn or corrupt record at byte %d: ignored (the end of the journal, cut short by a crash)",
-                    os.path.basename(torn[0]), torn[1])
+                    os.path.basename(torn[0]), torn[1].offset)
 
 
 def cut_torn_tail(state_dir: str) -> int | None:
     """Cut a torn tail off the journal's last non-empty segment (before a server resumes and
     appends a new segment, so that a torn record is only ever the journal's last). Returns the
-    offset it was cut at, or None."""
+    offset it was cut at, or None. Damage (not a torn tail) is left for :func:`read_journal` to
+    report."""
     for _, path in reversed(journal_segments(state_dir)):
         with open(path, "rb") as f:
             data = f.read()
         if not data:
             continue
-        _, tail = _scan(path, data)
-        if tail is not None:
-            with open(path, "r+b") as f:
-                f.truncate(tail)
-                f.flush()
-                os.fsync(f.fileno())
-            log.warning("%s: torn record at byte %d (%d bytes, a crash): cut off", os.path.basename(path), tail,
-                        len(data) - tail)
-        return tail
+        _, bad = _scan(path, data)
+        if bad is None or not bad.torn:
+            return None
+        with open(path, "r+b") as f:
+            f.truncate(bad.offset)
+            f.flush()
+            os.fsync(f.fileno())
+        log.warning("%s: torn record at byte %d (%d bytes, a crash): cut off", os.path.basename(path), bad.offset,
+                    len(data) - bad.offset)
+        return bad.offset
     return None
 
 
@@ -611,6 +703,149 @@ def first_journal_lsn(state_dir: str) -> int | None:
             if records:
                 return records[0][1]["lsn"]
     return None
+
+
+def run_start(state_dir: str) -> dict[str, Any] | None:
+    """The journal's ``start`` record (LSN 0), or None (none, or the journal's head removed).
+    Its ``now`` is the time the run's core was created with (absent in journals written before
+    it was recorded)."""
+    for _, path in journal_segments(state_dir):
+        rec = _first_record(path)
+        if rec is not None:
+            return rec if rec["lsn"] == 0 and rec.get("op") == "start" and _check_record(rec) is None else None
+        if os.path.getsize(path):
+            return None
+    return None
+
+
+@dataclass
+class RepairReport:
+    """What :func:`repair_journal` moved aside."""
+
+    state_dir: str
+    moved_to: str  # the directory it went to
+    files: list[str]  # names moved (a segment cut at the damage: "NAME (from byte N)", its original copied)
+    kept_last: int  # the last LSN kept (-1: none)
+    dropped_records: int  # records that read in what was moved aside (the damaged one not counted)
+    dropped_lsns: tuple[int, int] | None  # (first, last) LSN moved aside, as far as they read
+    damage: str  # the error that called for the repair
+
+    def text(self) -> str:
+        span = f"LSN {self.dropped_lsns[0]}..{self.dropped_lsns[1]}" if self.dropped_lsns else "no LSN that reads"
+        return (f"repaired {self.state_dir}: kept the journal up to LSN {self.kept_last}; dropped {span} "
+                f"({self.dropped_records} records that read, besides the damaged one); moved to {self.moved_to}: "
+                f"{', '.join(self.files)} (nothing deleted). The damage: {self.damage}")
+
+
+def _count_records(data: bytes, off: int, after_lsn: int) -> list[int]:
+    """The LSNs of the records that read in ``data`` from ``off``, resynchronising past bytes
+    that do not read."""
+    lsns: list[int] = []
+    p: int | None = off
+    while p is not None and p < len(data):
+        records, bad = _scan("", data[p:])
+        lsns += [r["lsn"] for _, r in records]
+        if bad is None:
+            break
+        p = _resync(data, p + bad.offset, lsns[-1] if lsns else after_lsn)
+    return lsns
+
+
+def repair_journal(state_dir: str) -> RepairReport | None:
+    """Keep the journal's valid prefix and move the rest aside (``serve --state DIR --repair``).
+
+    The prefix ends where :func:`read_journal` finds damage (a bad record that is not the torn
+    tail of the last segment, or an LSN gap). Into ``DIR/damaged-<UTC time>/`` go: the damaged
+    segment (copied whole; the original is then cut at the damage, or moved if the damage is at
+    its start), every later segment, and the checkpoints past the prefix's last LSN (they hold a
+    state the journal kept no longer reaches). Nothing is deleted. With no journal damage, a
+    checkpoint past the journal's end (its segment missing) is moved aside the same way.
+
+    Returns None when there is nothing to repair.
+
+    Raises:
+        StateError: what would be kept could not be recovered (the journal's head was removed and
+            no checkpoint kept covers the prefix); nothing has been moved.
+    """
+    import shutil
+
+    damage: JournalDamaged | None = None
+    last = -1
+    try:
+        for rec in read_journal(state_dir):
+            last = rec.lsn
+    except JournalDamaged as e:
+        damage = e
+    segments = journal_segments(state_dir)
+    if damage is not None:
+        kept_last = damage.prev if damage.prev is not None else -1
+        number = next(num for num, path in segments if path == damage.path)
+        later = [path for num, path in segments if num > number]
+    else:
+        kept_last, number, later = last, None, []
+    ckpts = [(lsn, path) for lsn, path in checkpoint_files(state_dir) if lsn > kept_last]
+    if damage is None and (last < 0 or not ckpts):
+        return None  # the journal reads whole (a checkpoint with no journal at all is left to recover)
+    # What is kept must still recover: from LSN 0, or from a kept checkpoint that covers its start.
+    kept_first = first_journal_lsn(state_dir) if damage is None or damage.prev is not None else None
+    if kept_first is None and damage is not None and damage.lsn == 0:
+        kept_first = 0
+    if kept_first != 0:
+        usable = [lsn for lsn, _, _ in verified_checkpoints(state_dir)
+                  if kept_first is not None and kept_first - 1 <= lsn <= kept_last]
+        if not usable:
+            what = f"LSN {kept_first}..{kept_last}" if kept_first is not None else "nothing"
+            raise StateError(f"{state_dir}: cannot repair: the journal's valid prefix ({what}) does not start the "
+                             f"run and no checkpoint kept covers it; nothing was moved. "
+                             f"{damage if damage is not None else ''}".rstrip())
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = os.path.join(state_dir, f"damaged-{stamp}")
+    k = 1
+    while os.path.exists(dest):
+        k += 1
+        dest = os.path.join(state_dir, f"damaged-{stamp}-{k}")
+    os.makedirs(dest)
+    files: list[str] = []
+    dropped: list[int] = []
+    if damage is not None:
+        with open(damage.path, "rb") as f:
+            data = f.read()
+        name = os.path.basename(damage.path)
+        dropped += _count_records(data, damage.offset + 1, kept_last) if damage.offset < len(data) else []
+        if damage.offset == 0:
+            os.rename(damage.path, os.path.join(dest, name))
+            files.append(name)
+        else:
+            shutil.copy2(damage.path, os.path.join(dest, name))
+            with open(os.path.join(dest, name), "rb") as f:
+                os.fsync(f.fileno())
+            with open(damage.path, "r+b") as f:
+                f.truncate(damage.offset)
+                f.flush()
+                os.fsync(f.fileno())
+            files.append(f"{name} (from byte {damage.offset}; copied whole, the original cut there)")
+        # the damaged record itself may read (a gap, or a bad field): count it as dropped too
+        head = _record_at(data, damage.offset)
+        if head is not None:
+            dropped.insert(0, head["lsn"])
+    for path in later:
+        with open(path, "rb") as f:
+            dropped += _count_records(f.read(), 0, kept_last)
+        os.rename(path, os.path.join(dest, os.path.basename(path)))
+        files.append(os.path.basename(path))
+    for _, path in ckpts:
+        os.rename(path, os.path.join(dest, os.path.basename(path)))
+        files.append(os.path.basename(path))
+    _fsync_dir(dest)
+    _fsync_dir(state_dir)
+    n_read = len([x for x in dropped if x > kept_last])
+    hi = max(dropped + [c for c, _ in ckpts], default=None)
+    span = (kept_last + 1, hi) if hi is not None and hi > kept_last else None
+    if damage is not None and damage.lsn is not None and span is None:
+        span = (damage.lsn, damage.lsn)
+    text = str(damage) if damage is not None else \
+        f"the journal ends at LSN {last}, before the checkpoints {', '.join(os.path.basename(p) for _, p in ckpts)}"
+    return RepairReport(state_dir, dest, files, kept_last, n_read, span, text)
 
 
 def last_lsn(state_dir: str) -> int:
@@ -1239,23 +1474,35 @@ def restore_checkpoint(restore: Any, state_dir: str, *, newest_first: bool = Tru
 
 
 def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any,
-            wire_dtype: str | None = None) -> tuple[Any, int, int]:
+            wire_dtype: str | None = None, *, repair: bool = False) -> tuple[Any, int, int]:
     """Newest usable checkpoint plus the journal after it (a server resuming). A torn tail is
     cut off the journal first, and leftover checkpoint temp files removed.
 
     Args:
-        core_factory: () -> a fresh core (used when there is no usable checkpoint and the
-            journal starts at LSN 0).
+        core_factory: (now=...) -> a fresh core (used when there is no usable checkpoint and the
+            journal starts at LSN 0); called with the creation time the journal's ``start``
+            record holds, when it holds one (clock-driven rounds start from it), else with no
+            argument.
         restore: snapshot -> core.
         wire_dtype: the run's wire dtype; None: read it from ``run.json`` (``"f32"`` if absent).
+        repair: first :func:`repair_journal`: keep the journal's valid prefix, move the rest
+            aside (``serve --repair``); what it dropped is logged.
     Returns:
         (core, LSN of the last record applied, number of records replayed).
     Raises:
-        StateError: a damaged journal, or no checkpoint that covers where the journal starts.
+        StateError: a damaged journal (:class:`JournalDamaged`: a bad record that is not the
+            journal's torn tail, or an LSN gap, between segments or between the checkpoint and
+            the journal after it), or no checkpoint that covers where the journal starts.
     """
     wire_dtype = run_wire_dtype(read_run(state_dir)) if wire_dtype is None else wire_dtype
     for tmp in glob.glob(os.path.join(glob.escape(state_dir), "ckpt-*.bin.tmp")):
         os.remove(tmp)  # a crash while writing a checkpoint
+    if repair:
+        report = repair_journal(state_dir)
+        if report is None:
+            log.info("%s: the journal reads whole: nothing to repair", state_dir)
+        else:
+            log.warning("%s", report.text())
     cut_torn_tail(state_dir)
     first = first_journal_lsn(state_dir)
     found = restore_checkpoint(restore, state_dir)
@@ -1263,16 +1510,30 @@ def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any,
         if first not in (None, 0):
             raise StateError(f"{state_dir}: no usable checkpoint, and the journal starts at LSN {first} (the segments "
                              f"before it were removed): the run cannot be recovered")
-        core, start = core_factory(), 0
+        start_rec = run_start(state_dir)
+        core = core_factory(now=start_rec["now"]) if start_rec is not None and "now" in start_rec \
+            else core_factory()
+        start, ckpt = 0, None
     else:
         core, lsn, path = found
-        start = lsn + 1
+        start, ckpt = lsn + 1, os.path.basename(path)
         if first is not None and first > start:
-            raise StateError(f"{state_dir}: the journal starts at LSN {first}, after {os.path.basename(path)} (LSN "
+            raise StateError(f"{state_dir}: the journal starts at LSN {first}, after {ckpt} (LSN "
                              f"{lsn}): records {start}..{first - 1} are missing")
-    last, n = start - 1, 0
-    for rec in read_journal(state_dir, from_lsn=start):
+    last, n, seen = start - 1, 0, -1
+    for rec in read_journal(state_dir):
+        seen = rec.lsn
+        if rec.lsn < start:
+            continue
+        if rec.lsn != last + 1:  # read_journal's LSNs are consecutive: only the first one after a checkpoint
+            raise JournalDamaged(rec.path, rec.offset, last + 1, last, f"has LSN {rec.lsn}, and {ckpt} is at LSN "
+                                 f"{start - 1} (records are missing)")
         apply_checked(core, rec, problem, wire_dtype)
         core.drain_events()
         last, n = rec.lsn, n + 1
+    if ckpt is not None and 0 <= seen < start - 1:
+        raise StateError(f"{state_dir}: the journal ends at LSN {seen}, before {ckpt} (LSN {start - 1}, whose own "
+                         f"record the journal must hold): records {seen + 1}..{start - 1} and any after them are "
+                         f"missing (a segment removed?); `latecomer serve --state {state_dir} --repair` keeps the "
+                         f"journal and moves the checkpoints past its end aside")
     return core, last, n

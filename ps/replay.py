@@ -1,7 +1,8 @@
 """Exact replay of a recorded run, and re-running its delay trace under another algorithm.
 
 ``replay_run`` feeds the whole journal of a state directory through a fresh ServerCore, the
-way the daemon fed it (including server restarts), recomputing journaled-without-payload
+way the daemon fed it (including server restarts, and created at the time the journal's
+``start`` record gives, so clock-driven rounds fall where they fell), recomputing journaled-without-payload
 gradients from their seeds with the problem's oracle. On a deterministic (CPU) oracle the
 final iterate equals the recorded one bit for bit. Once ``serve --max-journal-bytes`` has
 removed the journal's head, replay starts from the oldest kept checkpoint that covers where
@@ -31,6 +32,7 @@ from ps.persist import (
     read_journal,
     read_run,
     restore_checkpoint,
+    run_start,
     run_wire_dtype,
 )
 
@@ -108,8 +110,9 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult
                              f"checkpoint kept covers it: nothing to replay from")
         core, lsn, source = found
         start = lsn + 1
-    else:
-        core = ServerCore(alg, problem.init_params(cfg.seed), cfg)
+    else:  # created when the live core was (the start record's time: clock-driven rounds start from it)
+        start_rec = run_start(state_dir) or {}
+        core = ServerCore(alg, problem.init_params(cfg.seed), cfg, now=start_rec.get("now", 0.0))
     issued_at: dict[int, tuple[str, float]] = {}
     durations: dict[str, list[float]] = {}
     applied: list[tuple[int, int, str]] = []
