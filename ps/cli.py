@@ -281,6 +281,10 @@ def list_algorithms(names) -> None:
               help="With --state: bound on the journal on disk (0: none). A checkpoint is forced when the "
                    "current segment reaches a quarter of it; past it, segments the kept checkpoints cover are "
                    "removed (replay then starts from the oldest kept checkpoint).")
+@click.option("--repair", is_flag=True, default=False,
+              help="With --state: if the journal is damaged (a bad record before its end, records missing), keep "
+                   "the records before the damage and move the rest aside into DIR/damaged-<time>/ (nothing is "
+                   "deleted), say what was dropped, and resume.")
 @click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="CurveZMQ keys directory (`latecomer keys init`): encrypt, and accept only allow-listed workers.")
 @click.option("--insecure", is_flag=True, default=False,
@@ -305,7 +309,8 @@ def list_algorithms(names) -> None:
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, keys_dir, insecure,
+          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
+          insecure,
           metrics_port,
           metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem, allow_algorithm, log_format,
           log_level) -> None:
@@ -335,7 +340,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                           heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                           seed=seed, events=events,
                           state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads,
-                                             max_journal_bytes)
+                                             max_journal_bytes, repair)
                           if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
                           caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key},
                           allowed=_allowed(allow_problem, allow_algorithm).naming(problem=spec.problem,
@@ -386,6 +391,7 @@ class StateOptions:
     fsync: str = "batch"
     log_payloads: bool = False
     max_journal_bytes: int = 1 << 30  # ps.persist.DEFAULT_MAX_JOURNAL_BYTES
+    repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
 
 
 def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
@@ -464,10 +470,10 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtyp
                         "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],
                         "run_id": secrets.randbits(63) + 1}}
         write_run(d, run)
-        core = ServerCore(alg, problem.init_params(run["core"]["seed"]), _core_config(run), server_boot=boot,
-                          now=time.monotonic())
+        now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
+        core = ServerCore(alg, problem.init_params(run["core"]["seed"]), _core_config(run), server_boot=boot, now=now)
         journal = Journal(d, next_lsn=0, fsync=state.fsync)
-        journal.append("start", run=run)
+        journal.append("start", run=run, now=now)
         log.info("new run in %s", d)
     else:
         try:
@@ -487,8 +493,10 @@ def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtyp
         problem, alg = spec.build()
         cfg = _core_config(run)
         _deterministic_oracle()
-        core, last, n = recover(lambda: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot),
-                                lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem)
+        core, last, n = recover(lambda now=0.0: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot,
+                                                           now=now),
+                                lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem,
+                                repair=state.repair)
         core.server_boot = boot
         journal = Journal(d, next_lsn=last + 1, fsync=state.fsync)
         now = time.monotonic()
