@@ -326,6 +326,34 @@ def _buffer(frame: Any) -> memoryview:
     return buf
 
 
+# The msgpack library's texts for the caps of PROTOCOL.md §5 (and §3, §10 step 2), as the rules name them.
+_MSGPACK_CAPS = (("max_str_len", "a str longer than 4096 bytes of UTF-8"),
+                 ("max_bin_len", "a bin value with data bytes (bin is never valid)"),
+                 ("max_ext_len", "an ext value with data bytes (ext values must be empty)"),
+                 ("max_array_len", f"a list longer than {MAX_LIST_LEN} elements"),
+                 ("max_map_len", f"a map of more than {MAX_MAP_LEN} entries"),
+                 ("is not allowed for map key", "a map key that is not a str"),
+                 ("incomplete input", "cut short (the header ends inside a value)"),
+                 ("invalid timestamp", "a timestamp ext (always refused)"))
+
+
+def _msgpack_reason(e: BaseException) -> str:
+    """Which rule a header that msgpack refused breaks, then the library's own words."""
+    text = str(e)
+    if isinstance(e, msgpack.ExtraData):
+        rule = "trailing bytes after the one header object"
+    elif isinstance(e, (msgpack.StackError, RecursionError)):
+        rule = "nested deeper than 1024 containers"
+    elif isinstance(e, msgpack.FormatError):
+        rule = "a byte that starts no msgpack value (0xc1 is reserved)"
+    elif isinstance(e, UnicodeDecodeError):
+        rule = "a str that is not valid UTF-8"
+    else:
+        rule = next((r for key, r in _MSGPACK_CAPS if key in text), "")
+    detail = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return f"{rule} ({detail:.200})" if rule else f"{detail:.200}"
+
+
 def _unpack_header(buf: memoryview) -> dict:
     if len(buf) > MAX_HEADER_BYTES:
         raise RemoteProtocolError(f"header frame too large ({len(buf)} bytes)")
@@ -336,7 +364,7 @@ def _unpack_header(buf: memoryview) -> dict:
             max_array_len=MAX_LIST_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
         )
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
-        raise RemoteProtocolError(f"header is not valid msgpack: {type(e).__name__}") from None
+        raise RemoteProtocolError(f"header is not valid msgpack: {_msgpack_reason(e)}") from None
     if type(header) is not dict:
         raise RemoteProtocolError("header is not a map")
     return header

@@ -906,3 +906,33 @@ def test_status_with_worker_failures_round_trips(rows: list, failed: int) -> Non
     msg = Status(token=1, info={"counter.failed": failed, "workers_benched": len(rows)}, columns=WORKER_COLUMNS,
                  rows=tuple(rows))
     assert_same(msg, decode(encode(msg)))
+
+
+HELLO_HEADER = {"v": 1, "t": "hello", "worker_id": "w", "boot": 0, "credit": 1}
+BAD_MSGPACK = {
+    "trailing bytes": (msgpack.packb(HELLO_HEADER) + b"\x00", "trailing bytes after the one header object"),
+    "cut short": (msgpack.packb(HELLO_HEADER)[:-1], "cut short"),
+    "empty frame": (b"", "cut short"),
+    "int key": (msgpack.packb({1: 2}), "a map key that is not a str"),
+    "bad utf-8": (b"\x81\xa1v\xa2\xff\xfe", "a str that is not valid UTF-8"),
+    "bin": (msgpack.packb({**HELLO_HEADER, "x": b"ab"}, use_bin_type=True), "a bin value with data bytes"),
+    "ext": (msgpack.packb({**HELLO_HEADER, "x": msgpack.ExtType(1, b"ab")}), "an ext value with data bytes"),
+    "timestamp": (b"\x81\xa1a\xc7\x00\xff", "a timestamp ext"),
+    "long list": (msgpack.packb({**HELLO_HEADER, "holds": list(range(257))}), "a list longer than 256 elements"),
+    "big map": (msgpack.packb({f"k{i}": i for i in range(65)}), "a map of more than 64 entries"),
+    "long str": (msgpack.packb({**HELLO_HEADER, "x": "é" * 2049}), "a str longer than 4096 bytes of UTF-8"),
+    "deep": (b"\x91" * 1100 + b"\xc0", "nested deeper than 1024 containers"),
+    "reserved byte": (b"\xc1", "a byte that starts no msgpack value"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_MSGPACK))
+def test_a_header_that_is_not_msgpack_is_refused_naming_the_rule(name: str) -> None:
+    """The error names the rule the header breaks and keeps the library's words, not just
+    "header is not valid msgpack: ValueError" (issue 14)."""
+    raw, rule = BAD_MSGPACK[name]
+    with pytest.raises(RemoteProtocolError) as e:
+        decode([raw])
+    text = str(e.value)
+    assert text.startswith(f"header is not valid msgpack: {rule}"), text
+    assert not text.endswith(": ValueError") and len(text) < 400
