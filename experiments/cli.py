@@ -24,7 +24,11 @@ from ps.paths import output_dir
 @click.option("--real", is_flag=True,
               help="async-vs-sync and ordered-momentum only: best simulator setting per method re-run on the real "
                    "daemon with local worker processes (injected delays); simulator and real curves side by side.")
-def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool, real: bool) -> None:
+@click.option("--part", type=click.Choice(["all", "grids", "recipes"]), default=None,
+              help="ringmaster-lmo only: the tuned grids, the authors' recipes (their own settings, one run per "
+                   "method), or both [default: all].")
+def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool, real: bool,
+               part: str | None) -> None:
     """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync,
     ordered-momentum, ringmaster-lmo, wire-dtype): a CSV of every
     curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
@@ -36,9 +40,12 @@ def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progre
     if name not in table:
         raise click.BadParameter(f"unknown {'real ' if real else ''}experiment {name!r} "
                                  f"(choose one of {', '.join(sorted(table))})", param_hint="NAME")
+    if part is not None and (real or name != "ringmaster-lmo"):
+        raise click.BadParameter("--part is for ringmaster-lmo only", param_hint="--part")
     out_dir = out_dir or os.path.join("runs", "experiments", f"real-{name}" if real else name)
     t0 = time.monotonic()
-    result = table[name](out_dir, quick=quick, seed=seed, progress=not no_progress)
+    extra = {} if part is None else {"part": part}
+    result = table[name](out_dir, quick=quick, seed=seed, progress=not no_progress, **extra)
     elapsed = time.monotonic() - t0
     tags = (" (real)" if real else "") + (" (quick)" if quick else "")
     click.echo(f"experiment {name}{tags}, seed {seed}: {elapsed:.1f} s")

@@ -150,7 +150,8 @@ def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_pat
     run = experiments.get("ringmaster-lmo")
     a = run(str(tmp_path / "a"), quick=True, seed=5, progress=False)
     _check_outputs(a, "ringmaster-lmo")
-    assert sorted(os.path.basename(p) for p in a["png"]) == ["charlm.png", "quadratic.png"]
+    assert sorted(os.path.basename(p) for p in a["png"]) == ["charlm.png", "quadratic.png", "recipe-charlm.png",
+                                                              "recipe-quadratic.png"]  # + the authors' recipes
     assert set(a["headline"]) == {f"{p}, {m}" for p in ("quadratic", "charlm") for m in ("uniform", "sqrt", "linear")}
     for group, finals in a["headline"].items():
         assert finals["ratio_baseline_over_ringmaster"] > 0, group
