@@ -190,6 +190,65 @@ def _merge(intervals: list[tuple[float, float]], gap: float = 0.0) -> list[tuple
     return [(a, b) for a, b in merged]
 
 
+def split_sessions(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The event log of a run cut into server sessions, in order (one list: never restarted).
+
+    A server resumed from its state directory appends to the same events.jsonl; its core's first
+    event is ``resumed`` (ps.core.ServerCore.rebase_clock) naming the new process's ``boot``. A
+    ``resumed`` event starts a new session unless its boot is the current session's (the end of
+    a disk-full pause). The first session's boot is not in the log: a pause ending in it reads
+    as a new session of the same boot as the next ``resumed`` events of that process."""
+    out: list[list[dict[str, Any]]] = [[]]
+    boot: Any = None
+    for e in events:
+        if e.get("ev") == "resumed" and (e.get("boot") is None or e.get("boot") != boot):
+            if out[-1]:
+                out.append([])
+            boot = e.get("boot")
+        out[-1].append(e)
+    return out
+
+
+def session_table(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per server session (:func:`split_sessions`): its boot, time span (the events' own
+    clock), the steps it went from and to, its jobs by outcome, the jobs it wrote off when it
+    resumed (reason ``server_restart`` or a restored worker timed out) and its workers."""
+    rows = []
+    for i, evs in enumerate(split_sessions(events), 1):
+        ts = [float(e["t"]) for e in evs if "t" in e]
+        head = evs[0] if evs and evs[0].get("ev") == "resumed" else {}
+        versions = [e["version"] for e in evs if e.get("ev") == "applied" and type(e.get("version")) is int]
+        start = head.get("version") if type(head.get("version")) is int else (min(versions) - 1 if versions else 0)
+        counts = {k: sum(e.get("ev") == k for e in evs) for k in ("issued", *_SETTLED)}
+        rows.append({"session": i, "boot": head.get("boot"), "t0": min(ts) if ts else float("nan"),
+                     "t1": max(ts) if ts else float("nan"), "from_step": start,
+                     "to_step": max(versions) if versions else start, **counts,
+                     "restored_workers": head.get("workers"), "restored_outstanding": head.get("outstanding"),
+                     "lost_at_resume": _lost_at_resume(evs) if head else 0,
+                     "workers": len({e["worker_id"] for e in evs if "worker_id" in e})})
+    return rows
+
+
+def _lost_at_resume(evs: Sequence[dict[str, Any]]) -> int:
+    """Jobs of a resumed session written off because of the restart: at a restored worker's
+    hello (reason ``server_restart``), or with a restored worker that never came back (its only
+    events in the session, up to its ``left``, are timeouts)."""
+    n, back, gone = 0, set(), set()
+    for e in evs[1:]:
+        wid, ev, why = e.get("worker_id"), e.get("ev"), e.get("reason")
+        if ev == "lost" and why == "server_restart":
+            n += 1
+        elif wid is None or wid in back:
+            continue
+        elif wid not in gone and ev in ("lost", "left") and why == "timeout":
+            n += ev == "lost"
+            if ev == "left":
+                gone.add(wid)
+        else:
+            back.add(wid)
+    return n
+
+
 def worker_table(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per worker: device, jobs by outcome, mean job time, age statistics, busy fraction, times
     benched and the last error (of a failed job, or why it could not load the problem)."""
@@ -272,9 +331,13 @@ def plot_utilisation(events: Sequence[dict[str, Any]], path: str, *, max_segment
                 and "t" in e]
         if left:
             ax.plot(left, [y] * len(left), "|", color="black", markersize=14)
+    resumed = [float(e["t"]) - t0 for e in events if e.get("ev") == "resumed" and "t" in e]
+    for a in (ax, ax_rate):
+        for t in resumed:  # a new server session (or the end of a disk-full pause)
+            a.axvline(t, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(workers)), workers)
     ax.set_ylim(-0.6, len(workers) - 0.4)
-    ax.set_title("worker utilisation (blue: holding a job; red x: job lost; |: worker left)")
+    ax.set_title("worker utilisation (blue: holding a job; red x: job lost; |: worker left; dashed: server resumed)")
     if ax.get_legend_handles_labels()[1]:
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
@@ -356,25 +419,28 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
     for e in events:
         counts[e.get("ev", "?")] = counts.get(e.get("ev", "?"), 0) + 1
     ts = [float(e["t"]) for e in events if "t" in e]
+    sessions = session_table(events)
+    last_of = f" (the last of {len(sessions)} server sessions)" if len(sessions) > 1 else ""
     lines = [f"# latecomer run report: {source}", ""]
     if summary:
         c = summary.get("counters", {})
         lines += [f"- stopped: {summary.get('stopped') or 'running or killed'} at step {summary.get('version')}, "
-                  f"after {_fmt(float(summary.get('elapsed_s', float('nan'))), '.1f')} s",
+                  f"after {_fmt(float(summary.get('elapsed_s', float('nan'))), '.1f')} s{last_of}",
                   f"- accounted (issued = applied + dropped + lost + failed + cancelled + rejected + outstanding): "
                   f"{summary.get('accounted')}", ""]
         evals = summary.get("evaluations") or []
         if evals:
             first, last = evals[0], evals[-1]
             figs = [k for k in first if k not in ("t", "version")]
-            lines += [f"- {k}: {_fmt(first[k], '.4g')} -> {_fmt(last[k], '.4g')}" for k in figs] + [""]
-        lines += ["## Counters (summary.json)", "", "| counter | value |", "|---|---|"]
+            lines += [f"- {k}: {_fmt(first[k], '.4g')} -> {_fmt(last[k], '.4g')}{last_of}" for k in figs] + [""]
+        lines += ["## Counters (summary.json, the whole run)", "", "| counter | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in c.items()]
         lines += [f"| outstanding | {summary.get('outstanding')} |", ""]
     lines += ["## Events (events.jsonl)", "",
               f"{len(events)} events over {_fmt(max(ts) - min(ts) if ts else 0.0, '.1f')} s", "",
               "| event | count |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())]
+    lines += _session_lines(sessions, ts)
     ages = age_stats(events)
     lines += ["", f"Ages of applied replies (all workers): mean {_fmt(ages['mean'], '.2f')}, median "
               f"{_fmt(ages['p50'], '.0f')}, p90 {_fmt(ages['p90'], '.0f')}, max {_fmt(ages['max'], '.0f')}", ""]
@@ -410,6 +476,37 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
     return "\n".join(lines)
 
 
+def _session_lines(sessions: Sequence[dict[str, Any]], ts: Sequence[float]) -> list[str]:
+    """The "Server sessions" section: one row per session (:func:`session_table`), and the
+    totals over all of them when the server was restarted."""
+    t0 = min(ts) if ts else 0.0
+    cols = ("issued", "applied", "dropped", "lost", "failed", "cancelled", "rejected")
+    lines = ["", "## Server sessions", "",
+             "A server resumed from its state directory (`serve --state DIR`) starts a new session; its jobs "
+             "lost at resume are those written off because of the restart (reason `server_restart`, or a "
+             "restored worker that did not come back within the restart grace). A job counts where it was "
+             "issued and where it was settled.", "",
+             "| session | boot | start (s) | end (s) | steps | restored workers | restored jobs | lost at resume | "
+             + " | ".join(cols) + " | workers |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    for r in sessions:
+        boot = "-" if r["boot"] is None else f"{r['boot']:x}" if type(r["boot"]) is int else str(r["boot"])
+        lines.append(f"| {r['session']} | {boot} | {_fmt(r['t0'] - t0, '.1f')} | {_fmt(r['t1'] - t0, '.1f')} | "
+                     f"{r['from_step']} -> {r['to_step']} | {_dash(r['restored_workers'])} | "
+                     f"{_dash(r['restored_outstanding'])} | {r['lost_at_resume']} | "
+                     + " | ".join(str(r[k]) for k in cols) + f" | {r['workers']} |")
+    if len(sessions) > 1:
+        tot = {k: sum(r[k] for r in sessions) for k in (*cols, "lost_at_resume")}
+        lines.append(f"| all | | {_fmt(sessions[0]['t0'] - t0, '.1f')} | {_fmt(sessions[-1]['t1'] - t0, '.1f')} | "
+                     f"{sessions[0]['from_step']} -> {sessions[-1]['to_step']} | | | {tot['lost_at_resume']} | "
+                     + " | ".join(str(tot[k]) for k in cols) + " | |")
+    return lines
+
+
+def _dash(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
 def make_report(state_dir: str, out_dir: str, *, events_path: str | None = None) -> dict[str, Any]:
     """Write ``report.md`` and the PNGs of a run into ``out_dir``; return the paths and the counts."""
     import os
@@ -432,4 +529,4 @@ def make_report(state_dir: str, out_dir: str, *, events_path: str | None = None)
     with open(md_path, "w", encoding="utf-8") as f:
         f.write(md)
     return {"files": [md_path] + [os.path.join(out_dir, n) for n in figures], "events": len(events),
-            "workers": worker_table(events)}
+            "workers": worker_table(events), "sessions": session_table(events)}
