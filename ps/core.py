@@ -38,9 +38,11 @@ import numpy as np
 from algorithms.base import Algorithm, JobSpec, Result
 from protocol.messages import (
     HEARTBEAT_INTERVAL_S,
+    HELLO_BACKOFF_MAX_S,
     LIVENESS_TIMEOUT_S,
     PROTOCOL_VERSION,
     PROTOCOL_VERSION_MIN,
+    RECONNECT_IVL_MAX_S,
     Bye,
     Cancel,
     Error,
@@ -337,6 +339,17 @@ class Counters:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+def restart_grace_s(liveness_timeout_s: float) -> float:
+    """How long a resumed server waits for a restored worker to say hello again.
+
+    A worker that heard nothing from the crashed server reconnects; from the moment the new
+    server listens, libzmq's next connection attempt may be up to ``RECONNECT_IVL_MAX_S`` away
+    and, once connected, the worker's next hello up to ``HELLO_BACKOFF_MAX_S`` (both caps of the
+    reference worker's backoff, protocol/messages.py, PROTOCOL.md 8.10). The grace is those two
+    plus a liveness timeout (the margin any worker gets): 5 + 4 + 3 = 12 s at the defaults."""
+    return liveness_timeout_s + RECONNECT_IVL_MAX_S + HELLO_BACKOFF_MAX_S
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     """Driver-independent settings of the core.
@@ -366,6 +379,9 @@ class CoreConfig:
             worker is ready for a job); a number = a round every period on the driver's clock.
         seed: seeds the job sample seeds.
         run_id: this training run's id, announced in Welcome (kept when a run is resumed).
+        restart_grace_s: after a restart (:meth:`ServerCore.rebase_clock`), how long each
+            restored worker has to say hello again before it is written off; None (the default):
+            :func:`restart_grace_s` of ``liveness_timeout_s``. Never less than the liveness timeout.
     """
 
     problem: str = "quadratic"
@@ -384,6 +400,13 @@ class CoreConfig:
     round_period_s: float | None = None
     seed: int = 0
     run_id: int = 0
+    restart_grace_s: float | None = None
+
+    @property
+    def restart_grace(self) -> float:
+        """The grace of a restored worker (``restart_grace_s`` resolved)."""
+        g = restart_grace_s(self.liveness_timeout_s) if self.restart_grace_s is None else self.restart_grace_s
+        return max(g, self.liveness_timeout_s)
 
 
 class ServerCore:
@@ -612,12 +635,26 @@ class ServerCore:
         return self
 
     def rebase_clock(self, now: float) -> None:
-        """After a restart the driver's clock is a different one: count every worker as seen
-        now (each gets a full liveness timeout to reconnect) and restart the round clock."""
+        """After a restart the driver's clock is a different one: give every restored worker the
+        restart grace (``cfg.restart_grace``, which covers the worker's reconnect backoff) to say
+        hello again, and restart the round clock. The grace is a function of the run's config
+        only, so recovery and replay, which call this with the journaled ``now``, do the same.
+
+        The liveness rule is unchanged: a worker's ``last_seen`` is set to ``now + grace -
+        liveness_timeout_s`` (later than ``now``), so it expires at ``now + grace`` unless it is
+        heard from first; any message from it sets ``last_seen`` to its own time.
+
+        Emits a ``resumed`` event naming this server's ``boot``: where a new server session
+        begins in the event log (``latecomer report``; the end of a disk-full pause emits one with
+        the same boot as its session)."""
+        seen = now + self.cfg.restart_grace - self.cfg.liveness_timeout_s
+        self.events.append({"ev": "resumed", "boot": self.server_boot, "version": self.version,
+                            "workers": len(self.workers), "outstanding": len(self.ledger),
+                            "grace_s": self.cfg.restart_grace, "t": now})
         for w in self.workers.values():
-            w.last_seen = now
+            w.last_seen = seen
             w.reconnecting = True
-        self._alive = [(now, self._seq[wid], wid) for wid in self.workers]
+        self._alive = [(seen, self._seq[wid], wid) for wid in self.workers]
         heapq.heapify(self._alive)
         self.quarantine = {wid: now + self.cfg.quarantine_s for wid in self.quarantine}
         if self.cfg.round_period_s:

@@ -30,7 +30,11 @@ from protocol.messages import (
     CHUNK_THRESHOLD,
     DEFAULT_MAX_ARRAY_BYTES,
     HEARTBEAT_INTERVAL_S,
+    HELLO_BACKOFF_MAX_S,
+    HELLO_BACKOFF_S,
     LIVENESS_TIMEOUT_S,
+    RECONNECT_IVL_MAX_S,
+    RECONNECT_IVL_S,
     Bye,
     Cancel,
     Error,
@@ -81,8 +85,8 @@ class WorkerConfig:
     credit: int = 1
     device: str = "cpu"
     cache_size: int = 4
-    backoff_s: float = 0.25
-    backoff_max_s: float = 4.0
+    backoff_s: float = HELLO_BACKOFF_S
+    backoff_max_s: float = HELLO_BACKOFF_MAX_S  # a resumed server's restart grace covers it (ps.core)
     give_up_s: float | None = None
     max_jobs: int | None = None
     threads: int | None = None
@@ -154,8 +158,8 @@ class Worker:
         s.linger = 1000
         s.routing_id = f"{self.worker_id}/{self.boot:x}".encode()
         s.setsockopt(zmq.IMMEDIATE, 1)
-        s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        s.setsockopt(zmq.RECONNECT_IVL, round(RECONNECT_IVL_S * 1000))
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, round(RECONNECT_IVL_MAX_S * 1000))
         s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
