@@ -15,12 +15,22 @@ checkpoint once the current one holds ``max_journal_bytes / 16``); records::
 
 LSNs are consecutive across segments. A torn tail (the last record of the journal cut short or
 garbled by a crash) is reported and ignored, and cut off when a server resumes, so it only ever
-sits at the end of the last segment (or of a segment followed by a ``restart``, in directories
-written before that rule); a bad record anywhere else is an error naming the file and the byte
-offset, never silently dropped. ``max_journal_bytes`` bounds the journal: a checkpoint is forced
-when the current segment reaches a quarter of it, and once the journal holds more than three
-quarters, segments whose records are all covered by the oldest checkpoint kept are removed;
-``latecomer replay`` then starts from the oldest kept checkpoint.
+sits at the end of the last segment (or of a segment followed by a ``restart`` at the LSN it
+would have had, in directories written before that rule); a bad record anywhere else, or an LSN
+gap, is an error (:class:`JournalDamaged`) naming the file, the byte offset and the LSN, never
+silently dropped, and :func:`repair_journal` (``serve --repair``) keeps the valid prefix and
+moves the rest aside. The ``start`` record carries the time the run's core was created at, so
+replay and recovery create theirs at it (clock-driven rounds fall where they fell).
+
+``max_journal_bytes`` bounds the journal: a checkpoint is forced when the current segment
+reaches a quarter of it, and once the journal holds more than three quarters, segments whose
+records are all covered by the oldest checkpoint kept are removed; ``latecomer replay`` then
+starts from the oldest kept checkpoint.
+
+Durability: ``--fsync always`` fsyncs each record before it counts; ``batch`` fsyncs at most
+``BATCH_FSYNC_S`` (10 ms) after the last sync (group commit; the daemon's poll wakes for it:
+:meth:`Persistence.sync_due_in`); ``never`` leaves records to the OS. A new segment, a removed
+one and a checkpoint's rename are made durable by fsyncing the directory.
 
 Checkpoint file (``ckpt-<lsn>.bin``, written to a temp file, fsynced, renamed, directory
 fsynced)::
@@ -767,8 +777,6 @@ def repair_journal(state_dir: str) -> RepairReport | None:
         StateError: what would be kept could not be recovered (the journal's head was removed and
             no checkpoint kept covers the prefix); nothing has been moved.
     """
-    import shutil
-
     damage: JournalDamaged | None = None
     last = -1
     try:
@@ -776,28 +784,47 @@ def repair_journal(state_dir: str) -> RepairReport | None:
             last = rec.lsn
     except JournalDamaged as e:
         damage = e
-    segments = journal_segments(state_dir)
     if damage is not None:
         kept_last = damage.prev if damage.prev is not None else -1
-        number = next(num for num, path in segments if path == damage.path)
-        later = [path for num, path in segments if num > number]
+        number = next(num for num, path in journal_segments(state_dir) if path == damage.path)
+        later = [path for num, path in journal_segments(state_dir) if num > number]
     else:
-        kept_last, number, later = last, None, []
+        kept_last, later = last, []
     ckpts = [(lsn, path) for lsn, path in checkpoint_files(state_dir) if lsn > kept_last]
     if damage is None and (last < 0 or not ckpts):
         return None  # the journal reads whole (a checkpoint with no journal at all is left to recover)
-    # What is kept must still recover: from LSN 0, or from a kept checkpoint that covers its start.
+    _check_repairable(state_dir, damage, kept_last)
+    dest = _damaged_dir(state_dir)
+    files, dropped = _move_aside(dest, damage, kept_last, later, [path for _, path in ckpts])
+    _fsync_dir(dest)
+    _fsync_dir(state_dir)
+    hi = max(dropped + [c for c, _ in ckpts], default=None)
+    span = (kept_last + 1, hi) if hi is not None and hi > kept_last else None
+    if damage is not None and damage.lsn is not None and span is None:
+        span = (damage.lsn, damage.lsn)
+    text = str(damage) if damage is not None else \
+        f"the journal ends at LSN {last}, before the checkpoints {', '.join(os.path.basename(p) for _, p in ckpts)}"
+    return RepairReport(state_dir, dest, files, kept_last, len([x for x in dropped if x > kept_last]), span, text)
+
+
+def _check_repairable(state_dir: str, damage: JournalDamaged | None, kept_last: int) -> None:
+    """What a repair keeps must still recover: from LSN 0, or from a checkpoint it keeps that
+    covers where the kept records start. Raises StateError if not."""
     kept_first = first_journal_lsn(state_dir) if damage is None or damage.prev is not None else None
     if kept_first is None and damage is not None and damage.lsn == 0:
         kept_first = 0
-    if kept_first != 0:
-        usable = [lsn for lsn, _, _ in verified_checkpoints(state_dir)
-                  if kept_first is not None and kept_first - 1 <= lsn <= kept_last]
-        if not usable:
-            what = f"LSN {kept_first}..{kept_last}" if kept_first is not None else "nothing"
-            raise StateError(f"{state_dir}: cannot repair: the journal's valid prefix ({what}) does not start the "
-                             f"run and no checkpoint kept covers it; nothing was moved. "
-                             f"{damage if damage is not None else ''}".rstrip())
+    if kept_first == 0:
+        return
+    covering = (lsn for lsn, _, _ in verified_checkpoints(state_dir) if kept_first is not None
+                and kept_first - 1 <= lsn <= kept_last)
+    if next(covering, None) is not None:
+        return
+    what = f"LSN {kept_first}..{kept_last}" if kept_first is not None else "nothing"
+    raise StateError(f"{state_dir}: cannot repair: the journal's valid prefix ({what}) does not start the run and no "
+                     f"checkpoint kept covers it; nothing was moved. {damage if damage is not None else ''}".rstrip())
+
+
+def _damaged_dir(state_dir: str) -> str:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest = os.path.join(state_dir, f"damaged-{stamp}")
     k = 1
@@ -805,13 +832,23 @@ def repair_journal(state_dir: str) -> RepairReport | None:
         k += 1
         dest = os.path.join(state_dir, f"damaged-{stamp}-{k}")
     os.makedirs(dest)
+    return dest
+
+
+def _move_aside(dest: str, damage: JournalDamaged | None, kept_last: int, later: list[str],
+                ckpts: list[str]) -> tuple[list[str], list[int]]:
+    """Move what follows the valid prefix into ``dest`` (the damaged segment copied whole, then
+    cut); returns (what was moved, the LSNs of the records that read in it)."""
+    import shutil
+
     files: list[str] = []
     dropped: list[int] = []
     if damage is not None:
         with open(damage.path, "rb") as f:
             data = f.read()
         name = os.path.basename(damage.path)
-        dropped += _count_records(data, damage.offset + 1, kept_last) if damage.offset < len(data) else []
+        head = _record_at(data, damage.offset)  # the damaged record itself may read (a gap, a bad field)
+        dropped += ([head["lsn"]] if head is not None else []) + _count_records(data, damage.offset + 1, kept_last)
         if damage.offset == 0:
             os.rename(damage.path, os.path.join(dest, name))
             files.append(name)
@@ -824,28 +861,15 @@ def repair_journal(state_dir: str) -> RepairReport | None:
                 f.flush()
                 os.fsync(f.fileno())
             files.append(f"{name} (from byte {damage.offset}; copied whole, the original cut there)")
-        # the damaged record itself may read (a gap, or a bad field): count it as dropped too
-        head = _record_at(data, damage.offset)
-        if head is not None:
-            dropped.insert(0, head["lsn"])
     for path in later:
         with open(path, "rb") as f:
             dropped += _count_records(f.read(), 0, kept_last)
         os.rename(path, os.path.join(dest, os.path.basename(path)))
         files.append(os.path.basename(path))
-    for _, path in ckpts:
+    for path in ckpts:
         os.rename(path, os.path.join(dest, os.path.basename(path)))
         files.append(os.path.basename(path))
-    _fsync_dir(dest)
-    _fsync_dir(state_dir)
-    n_read = len([x for x in dropped if x > kept_last])
-    hi = max(dropped + [c for c, _ in ckpts], default=None)
-    span = (kept_last + 1, hi) if hi is not None and hi > kept_last else None
-    if damage is not None and damage.lsn is not None and span is None:
-        span = (damage.lsn, damage.lsn)
-    text = str(damage) if damage is not None else \
-        f"the journal ends at LSN {last}, before the checkpoints {', '.join(os.path.basename(p) for _, p in ckpts)}"
-    return RepairReport(state_dir, dest, files, kept_last, n_read, span, text)
+    return files, dropped
 
 
 def last_lsn(state_dir: str) -> int:
@@ -1520,6 +1544,15 @@ def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any,
         if first is not None and first > start:
             raise StateError(f"{state_dir}: the journal starts at LSN {first}, after {ckpt} (LSN "
                              f"{lsn}): records {start}..{first - 1} are missing")
+    last, n = _apply_tail(core, state_dir, start, ckpt, problem, wire_dtype)
+    return core, last, n
+
+
+def _apply_tail(core: Any, state_dir: str, start: int, ckpt: str | None, problem: Any,
+                wire_dtype: str) -> tuple[int, int]:
+    """Apply the journal's records from LSN ``start`` (right after checkpoint ``ckpt``, None: from
+    the run's start), checking the journal reaches the checkpoint's own record and goes on at
+    exactly ``start``. Returns (the last LSN applied, how many were)."""
     last, n, seen = start - 1, 0, -1
     for rec in read_journal(state_dir):
         seen = rec.lsn
@@ -1536,4 +1569,4 @@ def recover(core_factory: Any, restore: Any, state_dir: str, problem: Any,
                          f"record the journal must hold): records {seen + 1}..{start - 1} and any after them are "
                          f"missing (a segment removed?); `latecomer serve --state {state_dir} --repair` keeps the "
                          f"journal and moves the checkpoints past its end aside")
-    return core, last, n
+    return last, n

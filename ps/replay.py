@@ -2,8 +2,8 @@
 
 ``replay_run`` feeds the whole journal of a state directory through a fresh ServerCore, the
 way the daemon fed it (including server restarts, and created at the time the journal's
-``start`` record gives, so clock-driven rounds fall where they fell), recomputing journaled-without-payload
-gradients from their seeds with the problem's oracle. On a deterministic (CPU) oracle the
+``start`` record gives, so clock-driven rounds fall where they fell), recomputing
+journaled-without-payload gradients from their seeds with the problem's oracle. On a deterministic (CPU) oracle the
 final iterate equals the recorded one bit for bit. Once ``serve --max-journal-bytes`` has
 removed the journal's head, replay starts from the oldest kept checkpoint that covers where
 the journal starts (the run before it is no longer on disk to check).
