@@ -9,7 +9,7 @@ state, numpy view or pending ZeroMQ frame (pyzmq keeps a reference until libzmq 
 the bytes) points at it. Reference counts make that exact, with no release calls to forget.
 
 ``factory`` decides where new buffers live: plain numpy memory by default; the daemon
-installs a shared-memory allocator for the same-host path (ps/shm.py) so that publishing an
+installs a shared-memory allocator for the same-host path (protocol/shm.py) so that publishing an
 iterate to same-host workers costs no copy. Small arrays bypass the pool (malloc is cheaper
 than a scan). Used by one server loop at a time (not thread-safe; the core is single-threaded).
 """

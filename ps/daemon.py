@@ -1,15 +1,15 @@
-"""The ZeroMQ daemon: the only server module that touches sockets and the clock.
+"""The ZeroMQ daemon: the loop that drives a :class:`ServerCore` in real time.
 
-One ROUTER socket, one poll loop, one thread owning the :class:`ServerCore`:
-``poll(timeout=next_deadline) -> decode -> core.handle -> encode -> send``
-(the shape of zguide ``mdbroker.py``). Every deadline comes from ``clock`` (monotonic).
+One poll loop, one thread owning the core. Per message (:meth:`Daemon._on_frames`): the
+transport validates it (ps/transport.py: socket, connections, keys, parts, same-host path),
+the journal records it (ps/persist.py), ``core.handle`` answers with commands, the transport
+sends them (the shape of zguide ``mdbroker.py``). Between batches the clock-driven inputs
+(:meth:`Daemon._timers`). Every deadline comes from ``clock`` (monotonic).
+docs/ARCHITECTURE.md follows one reply along this path.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import errno
 import json
 import logging
 import math
@@ -23,48 +23,26 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from algorithms._pool import POOL
 from problems.base import Problem
-from protocol.chunks import split
-from protocol.codec import decode, encode, error_text
-from protocol.errors import LocalProtocolError, RemoteProtocolError, UnsupportedVersion
+from protocol.codec import encode, error_text
+from protocol.errors import LocalProtocolError
 from protocol.messages import (
-    CHUNK_THRESHOLD,
-    MAX_HEADER_BYTES,
-    MAX_PARTS,
     Bye,
-    Error,
-    ErrorCode,
-    Heartbeat,
-    Hello,
-    Job,
-    JobKind,
-    Part,
-    Ready,
-    Reply,
     Status,
-    StatusRequest,
-    Welcome,
 )
-from protocol.wire import to_wire
 from ps.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,
-    Conn,
     ConnectionLimits,
-    Connections,
-    RateLimitedLog,
 )
 from ps.core import Disconnect, Send, ServerCore
-from ps.endpoints import needs_ipv6
-from ps.persist import EventLog, Persistence, reply_from_wire
+from ps.persist import EventLog, Persistence
+from ps.transport import Count, Inbound, ServerTransport
 from worker.compute import describe_layout
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
-HB_SLICE = 256  # server heartbeats sent per pass of the loop (see Daemon._heartbeat_some)
 
 
 def server_heartbeat_period(cfg: Any) -> float:
@@ -88,7 +66,6 @@ FAILURE_LINES = {
     "unbenched": "worker {worker_id} gets jobs again ({reason})",
 }
 DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
-MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 
 
 @dataclass(frozen=True)
@@ -146,35 +123,15 @@ class Daemon:
         self.clock = clock
         self.own_ctx = context is None
         self.ctx = context or zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.linger = 0
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.sndhwm = 4 * MAX_PARTS  # a job in parts is up to MAX_PARTS + 1 messages
-        self.sock.rcvhwm = 8 * MAX_PARTS
-        # Largest legal frame: one float64 gradient (libzmq applies MAXMSGSIZE per frame); the
-        # header frame is far smaller. A peer sending more is disconnected by libzmq.
-        self.max_array_bytes = core.dim * 8
         layout = tuple(getattr(problem, "layout", ()) or ())
         if not core.layout_text and layout:
             core.layout_text = describe_layout(layout)  # BAD_SHAPE texts name the blocks
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_array_bytes, MAX_HEADER_BYTES) + 4096)
-        # No ZMTP heartbeats: libzmq 4.3.5 aborts when the heartbeat timer fires on a connection
-        # that was reset while its receive pipe was full (SECURITY.md, "the libzmq abort"); the
-        # protocol's own heartbeats and the liveness timeout tell a silent worker, and TCP
-        # keepalive closes a connection whose peer vanished (about 25 s).
-        self.sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        self.sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
-        self.sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
-        self.sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-        self.sock.setsockopt(zmq.BACKLOG, 1024)  # the front connects once per client: bursts of them
-        self.security = None
-        if keys_dir is not None:
-            from ps.security import ServerSecurity
-
-            self.security = ServerSecurity(self.ctx, keys_dir)
-            self.security.apply(self.sock)
-        self.banned_keys: set[str] = set()  # keys of quarantined workers
+        # The wire: socket, connections, keys, same-host path, wire dtype (ps/transport.py).
+        self.transport = ServerTransport(self.ctx, core, bind, clock=clock, keys_dir=keys_dir, shm=shm,
+                                         wire_dtype=wire_dtype, max_workers=max_workers,
+                                         max_workers_per_key=max_workers_per_key, limits=limits,
+                                         journaled=persistence is not None)
+        self.endpoint = self.transport.endpoint
         self.reload_keys = False  # set by SIGHUP
         self.recent_ages: deque[int] = deque(maxlen=4096)  # ages of the latest applied replies
         self.age_counts: dict[int, int] = {}  # age -> applied replies (all run long), for histograms
@@ -182,53 +139,21 @@ class Daemon:
         self.lifecycle = logging.getLogger("latecomer.events")
         self.metrics = None  # a SnapshotCollector when --metrics-port is given
         self.next_publish = 0.0
-        self.sock.ipv6 = needs_ipv6(bind)  # IPv6 literals only: IPv4 binds keep their plain endpoint
-        self.sock.bind(bind)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if limits is None:
-            xfer = 2 * self.max_array_bytes  # one transfer: a pair of float64 gradients
-            limits = ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
-                                      transfer_total_bytes=max(64 << 20, 4 * xfer),
-                                      hb_refresh_s=core.cfg.liveness_timeout_s / 3)
-        # Every routing id's state (worker binding, key, transfer, rates): ps/connections.py.
-        self.conns = Connections(limits, now=clock(), alloc=lambda n: POOL.empty((n,), np.uint8))
-        self.max_workers = max_workers
-        self.max_workers_per_key = max_workers_per_key
-        self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
         self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
         self.events_dirty = False
         self.stopping: str | None = None
-        self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
         self.last_eval_version = -1
-        self.send_failures = 0
-        self.invalid_messages = 0
-        self.bytes_in = 0
-        self.wire_dtype = wire_dtype
-        self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
-        # Same-host path (ps/shm.py): offered to workers with our host id that ask for it.
-        self.arena = None
-        self.host_id = ""
-        self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
-        self.next_xfer = 0
-        self.parts_in = self.parts_out = 0
-        if shm not in ("auto", "any", "off"):
-            raise ValueError(f"shm must be auto, any or off, got {shm!r}")
-        self.shm_any = shm == "any"  # offer it to every worker that asks: its probe decides
-        if shm != "off":
-            from ps import shm as shm_mod
 
-            if shm_mod.shm_dir_usable():
-                try:
-                    shm_mod.remove_stale()
-                    self.arena = shm_mod.ShmArena(core.dim, core.server_boot)
-                    self.host_id = shm_mod.host_id()
-                    POOL.factory = self.arena.allocate  # new iterates are born in shared memory
-                except OSError as e:
-                    log.warning("shared memory unavailable (%s): TCP only", e)
-                    self.arena = None
+    # The transport's parts that the CLI, the supervisor and status read.
+    sock = property(lambda self: self.transport.sock)
+    conns = property(lambda self: self.transport.conns)
+    security = property(lambda self: self.transport.security)
+    arena = property(lambda self: self.transport.arena)
+    max_array_bytes = property(lambda self: self.transport.max_array_bytes)
+    wire_dtype = property(lambda self: self.transport.wire_dtype)
 
     # ------------------------------------------------------------------ lifecycle
     def install_signal_handlers(self) -> None:
@@ -254,68 +179,74 @@ class Daemon:
 
     def run(self) -> str:
         """Serve until the stop condition or a signal. Returns the reason for stopping."""
-        core = self.core
         self.evaluate()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        hb_every = server_heartbeat_period(core.cfg)
-        next_hb = self.clock()
-        next_progress = self.clock()
+        self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:
-                now = self.clock()
-                deadline = min(now if self.hb_queue else next_hb, self._core_deadline(), next_progress + 0.2,
-                               self.conns.next_deadline(),
-                               now + self.persist.sync_due_in() if self.persist is not None else math.inf)
-                timeout_ms = max(0, min(100, math.ceil((deadline - now) * 1000)))
-                if poller.poll(timeout_ms):
-                    for _ in range(MAX_BATCH):
-                        if not self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
-                            break
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
-                        if self.training_started_at is None and core.started:
-                            self.training_started_at = self.clock()
-                        if self._check_stop():
-                            break
-                now = self.clock()
-                if self.reload_keys:
-                    self.reload_keys = False
-                    if self.security is not None:
-                        self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
-                if now >= self._core_deadline() and self._journal("tick", now=now):
-                    self._execute(core.on_tick(now))
-                self.conns.expire(now)
-                for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
-                    self._send_frames(rid, self.status_frames(token))
-                if self.persist is not None:
-                    self.persist.after_batch(core, now)
-                if self.metrics is not None and now >= self.next_publish:
-                    self.publish_metrics()
-                    self.next_publish = now + 0.5
-                if now >= next_hb:
-                    self.hb_queue.extend(c.rid for c in self.conns.bound() if c.wid in core.workers)
-                    next_hb = now + hb_every
-                if self.hb_queue:
-                    self._heartbeat_some()
-                if self.eval_every and core.version >= self.last_eval_version + self.eval_every:
-                    ev = self.evaluate()
-                    if self.on_progress:
-                        self.on_progress(self, ev)
-                    next_progress = now
-                if self.on_progress and now >= next_progress + 0.2:
-                    self.on_progress(self, None)
-                    next_progress = now
-                if self.events_dirty:  # once per pass of the loop (a batch of messages), not per message
-                    self.events_file.flush()
-                    self.events_dirty = False
+                if poller.poll(self._timeout_ms(self.clock())):
+                    self._receive_batch()
+                self._timers(self.clock())
                 self._check_stop()
         finally:
             self._shutdown()
         return self.stopping or "stopped"
+
+    def _timeout_ms(self, now: float) -> int:
+        """How long the loop may wait for a message: until the first of its deadlines, at most 100 ms."""
+        deadline = min(now if self.transport.hb_queue else self.next_hb, self._core_deadline(),
+                       self.next_progress + 0.2, self.conns.next_deadline(),
+                       now + self.persist.sync_due_in() if self.persist is not None else math.inf)
+        return max(0, min(100, math.ceil((deadline - now) * 1000)))
+
+    def _receive_batch(self) -> None:
+        """At most MAX_BATCH messages, each: receive -> journal -> core -> send (:meth:`_on_frames`)."""
+        for _, frames in zip(range(MAX_BATCH), self.transport.pending(), strict=False):
+            self._on_frames(frames)
+            if self.training_started_at is None and self.core.started:
+                self.training_started_at = self.clock()
+            if self._check_stop():
+                break
+
+    def _timers(self, now: float) -> None:
+        """After each batch: key reloads, the core's tick, the connection table's expiries and
+        waiting status answers, the journal's sync and checkpoints, metrics, heartbeats,
+        evaluations, progress and the event log's flush."""
+        core = self.core
+        if self.reload_keys:
+            self.reload_keys = False
+            if self.security is not None:
+                self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
+        if now >= self._core_deadline() and self._journal("tick", now=now):
+            self._execute(core.on_tick(now))
+        self.conns.expire(now)
+        for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
+            self.transport.send_frames(rid, self.status_frames(token))
+        if self.persist is not None:
+            self.persist.after_batch(core, now)
+        if self.metrics is not None and now >= self.next_publish:
+            self.publish_metrics()
+            self.next_publish = now + 0.5
+        if now >= self.next_hb:
+            self.transport.start_heartbeats()
+            self.next_hb = now + server_heartbeat_period(core.cfg)
+        for wid in self.transport.heartbeat_some() if self.transport.hb_queue else ():
+            self._unreachable(wid)
+        self._progress(now)
+        if self.events_dirty:  # once per pass of the loop (a batch of messages), not per message
+            self.events_file.flush()
+            self.events_dirty = False
+
+    def _progress(self, now: float) -> None:
+        if self.eval_every and self.core.version >= self.last_eval_version + self.eval_every:
+            ev = self.evaluate()
+            if self.on_progress:
+                self.on_progress(self, ev)
+            self.next_progress = now
+        if self.on_progress and now >= self.next_progress + 0.2:
+            self.on_progress(self, None)
+            self.next_progress = now
 
     def _check_stop(self) -> bool:
         if self.stopping is None:
@@ -337,254 +268,56 @@ class Daemon:
         log.info("stopping: %s", self.stopping)
 
     def _drain(self, bye: Bye) -> None:
-        """Tell every worker bye and wait (at most DRAIN_S) for their acknowledging bye. A worker
-        that missed it (it was reconnecting) gets it again in answer to whatever it sends. The
-        run is over: nothing received now reaches the core."""
-        pending = {c.rid for c in self.conns.bound()}
-        for rid in list(pending):
-            if not self._send_raw(rid, bye):
-                pending.discard(rid)
-        deadline = self.clock() + DRAIN_S
-        while pending and self.clock() < deadline:
-            if not self.sock.poll(max(1, int((deadline - self.clock()) * 1000)), zmq.POLLIN):
-                break
-            frames = self.sock.recv_multipart(copy=False)
-            rid = frames[0].bytes
-            try:
-                msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
-            except RemoteProtocolError:
-                continue
-            if isinstance(msg, Bye):
-                pending.discard(rid)
-            else:
-                self._send_raw(rid, bye)
+        """Tell every worker bye and wait (at most DRAIN_S) for their acknowledging bye. The run
+        is over: nothing received now reaches the core."""
+        self.transport.drain(bye, self.clock() + DRAIN_S)
 
     def close(self) -> None:
-        if self.arena is not None:
-            if POOL.factory == self.arena.allocate:
-                POOL.factory = None
-                POOL.clear()
-            self.arena.close()
         if self.events_file:
             self.events_file.close()
             self.events_file = None
         if self.metrics is not None:
             self.metrics.close()
-        # A short linger lets the final Bye messages reach the workers; everything else the
-        # server would have sent is re-derivable from the job ledger. Terminating the context
-        # waits for that flush (an exiting process would otherwise drop it).
-        self.sock.close(linger=1000)
-        if self.security is not None:
-            self.security.stop()
-        if self.own_ctx:
+        self.transport.close()
+        if self.own_ctx:  # terminating the context waits for the final byes to be flushed
             self.ctx.term()
 
-    # ------------------------------------------------------------------ inbound
-    def _answer_error(self, conn: Conn, err: Error) -> None:
-        """Answer a bad message, within the error rates of the connection table (one per
-        connection per 0.2 s, 100 per second in all): a flood of garbage must not turn into a flood
-        of answers (every bad message is still counted)."""
-        if self.conns.may_answer_error(conn, self.clock()):
-            self._send_raw(conn.rid, err)
+    # ------------------------------------------------------------------ the message path
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        """One message: the transport validates it (ps/transport.py), the journal records it, the
+        core handles it, its commands go out."""
+        now = self.clock()
+        item = self.transport.receive(frames, now, self.status_frames)
+        if isinstance(item, Count):
+            self._count(item.kind)
+        elif item is not None and self._record(item, now):
+            self._execute(self.core.handle(item.wid, item.msg, now, item.key, item.refusal))
+            self.transport.handled(item, now)
 
-    def _refuse(self, conn: Conn, wid: str, refusal: str, now: float, kind: str = "") -> None:
-        """A hello refused by the daemon: counted (and journaled), answered ``err REFUSED``, and,
-        for a ``kind`` of refusal an operator should hear of, logged at most once per 10 s."""
-        self._count("refused")
-        if kind:
-            self.refusals.warning(kind, now, "refused hello from worker %s: %s", wid[:64], refusal)
-        self._answer_error(conn, Error(ErrorCode.REFUSED, refusal))
-
-    def _hello_refusal(self, conn: Conn, hello: Hello, key: str) -> tuple[str, str] | None:
-        """Why the daemon refuses this hello, as (kind for the log or "", text), or None."""
-        wid = hello.worker_id
-        if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
-            return "", "routing id already bound to another worker"
-        if key and key in self.banned_keys:
-            return "", "this key is quarantined"
-        w = self.core.workers.get(wid)
-        if w is not None:
-            return ("", "worker id in use with another key") if w.key != key else None
-        # A new join: the caps.
-        if len(self.core.workers) >= self.max_workers:
-            return "max_workers", f"too many workers ({self.max_workers}; serve --max-workers)"
-        if key and self.conns.workers_of_key(key) >= self.max_workers_per_key:
-            return "max_workers_per_key", (f"key {key} already has {self.max_workers_per_key} workers "
-                                           "(serve --max-workers-per-key)")
-        return None
+    def _record(self, item: Inbound, now: float) -> bool:
+        """Write-ahead: False if it could not be journaled (the state directory cannot be
+        written): then it is not accepted and the core never sees it."""
+        return self.persist is None or self.persist.record_message(
+            self.core, item.wid, item.msg, item.frames, now, item.key, wire=item.wire,
+            refused=item.refusal is not None)
 
     def _count(self, kind: str) -> None:
         """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
         if self._journal("count", kind=kind):
             setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
 
-    def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        now = self.clock()
-        rid = frames[0].bytes
-        conn = self.conns.get(rid, now)  # created on the connection's first message
-        body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= 512 else None  # a heartbeat is one frame
-        if body is not None and self.conns.repeat_heartbeat(conn, body, now):
-            return  # a repeat of the heartbeat handed on moments ago: it would change nothing
-        try:
-            msg = decode(frames[1:], max_array_bytes=self.max_array_bytes,
-                         payload=lambda xfer, n: self.conns.take_transfer(conn, xfer, n))
-            if isinstance(msg, Part):  # kept by the connection table (bounded), only after hello
-                if conn.wid is None:
-                    raise RemoteProtocolError("part from a connection that has not said hello")
-                self.conns.add_part(conn, msg, now)
-                self.parts_in += 1
-                return
-        except RemoteProtocolError as e:
-            self.invalid_messages += 1
-            self._count("invalid")
-            log.debug("invalid message from %r: %s", rid[:32], e)
-            code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
-            self._answer_error(conn, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
-            return
-        self.bytes_in += sum(len(f) for f in frames)
-        if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
-            if self.conns.status_ask(conn, msg.token, now):
-                self._send_frames(rid, self.status_frames(msg.token))
-            return
-        key = ""
-        if self.security is not None:
-            from ps.security import fingerprint
-
-            user = frames[1].get("User-Id")  # the z85 public key CURVE authenticated
-            key = fingerprint(user) if user else ""
-        if isinstance(msg, Hello):
-            wid = msg.worker_id
-            refused = self._hello_refusal(conn, msg, key)
-            if refused:
-                self._refuse(conn, wid, refused[1], now, kind=refused[0])
-                return
-            self.conns.bind(conn, wid, key)  # a record bound to wid before loses it
-            conn.parts = msg.parts
-            if self.arena is not None:
-                self.arena.forget_worker(wid)
-                conn.shm_capable = bool(msg.shm and (self.shm_any or msg.host_id == self.host_id))
-        else:
-            wid = conn.wid
-            if wid is None:
-                if not isinstance(msg, Bye):
-                    self._count("stray" if isinstance(msg, (Heartbeat, Ready)) else "invalid")
-                    self._answer_error(conn, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
-                return
-            if conn.key != key:  # another key took this routing id over
-                self._count("invalid")
-                self._answer_error(conn, Error(ErrorCode.REFUSED, "key does not match the worker's"))
-                return
-        frames_in = frames[1:]
-        if isinstance(msg, Ready):
-            if msg.shm and conn.shm_capable:
-                conn.shm_ready = True
-            else:
-                if conn.shm_capable:
-                    log.info("worker %s cannot open the shared memory: TCP for it", wid)
-                conn.shm_ready = False
-        refusal, wire = None, None
-        if isinstance(msg, Reply):
-            if msg.xfer:  # its arrays came in parts: the journal gets them with the message, as sent
-                msg = dataclasses.replace(msg, xfer=0)
-                frames_in = encode(msg) if self.persist is not None else frames_in
-            if msg.in_shm:  # the gradients are in the slots lent for this job (float32)
-                grads = None if msg.grads or self.arena is None else self.arena.gradients(wid, msg.job_id)
-                msg = dataclasses.replace(msg, grads=grads or (), in_shm=False)  # none: the core refuses it
-                frames_in = encode(msg) if self.persist is not None else frames_in
-                wire = "f32" if self.wire_dtype != "f32" else None
-            elif self.wire_dtype != "f32":
-                msg, refusal = reply_from_wire(msg, self.wire_dtype)  # the journal keeps the wire frames
-        if self.persist is not None and not self.persist.record_message(self.core, wid, msg, frames_in, now, key,
-                                                                        wire=wire, refused=refusal is not None):
-            return  # not journaled (the state directory cannot be written): not accepted, the core never sees it
-        self._execute(self.core.handle(wid, msg, now, key, refusal))
-        self.conns.handed_on(conn, body if isinstance(msg, Heartbeat) else None, now)
-        if isinstance(msg, Bye):
-            self._forget(wid)
-        elif isinstance(msg, Hello):  # joined (or not): a live worker's record never expires
-            self.conns.set_live(conn, conn.wid == wid and wid in self.core.workers, now)
-
-    # ------------------------------------------------------------------ outbound
     def _execute(self, cmds: list) -> None:
         for c in cmds:
             if isinstance(c, Send):
-                if not self._send(c.worker_id, c.msg):
+                if not self.transport.send(c.worker_id, c.msg):
                     self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):
                 conn = self.conns.by_wid.get(c.worker_id)
                 if conn is not None and conn.key:
-                    self.banned_keys.add(conn.key)  # it cannot come back under a new id
+                    self.transport.banned_keys.add(conn.key)  # it cannot come back under a new id
                 self._forget(c.worker_id)
-        core = self.core
-        if self.arena is not None and (self.arena.lent or self.arena.copies or self.arena.free_grad):
-            self.arena.sweep(core.store, core.ledger, core.workers)
-        if self.wire_cache:
-            for iid in [i for i in self.wire_cache if i not in core.store]:
-                del self.wire_cache[iid]
+        self.transport.sweep()
         self._flush_events()
-
-    def _send(self, wid: str, msg: Any) -> bool:
-        conn = self.conns.by_wid.get(wid)
-        if conn is None:
-            return False
-        rid = conn.rid
-        if isinstance(msg, Error) and wid not in self.core.workers:
-            self._answer_error(conn, msg)  # to a written-off worker (UNKNOWN_WORKER): rate-limited
-            return True
-        if isinstance(msg, Job):
-            msg = self._job_arrays(conn, msg)
-            if conn.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
-                self.next_xfer += 1
-                messages = split(msg, self.next_xfer)  # large arrays: parts, then the job
-                for frames in messages:
-                    if not self._send_frames(rid, frames):
-                        return False
-                self.parts_out += len(messages) - 1
-                return True
-        elif isinstance(msg, Welcome):
-            msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
-                                      shm=self.arena.prefix if conn.shm_capable else "")
-        return self._send_raw(rid, msg)
-
-    def _job_arrays(self, conn: Conn, job: Job) -> Job:
-        """Transport of a job's iterates: shared-memory slots for same-host workers, else the
-        frames the core chose, converted to the wire dtype."""
-        if conn.shm_ready:
-            wid = conn.wid
-            store = self.core.store
-            refs = tuple(self.arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
-            n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
-            if len(self.shm_used) < MAX_SHM_LISTED:
-                self.shm_used.add(wid)
-            return dataclasses.replace(job, point_ids=(), points=(), refs=refs,
-                                       grad_slots=self.arena.lend(wid, job.job_id, n))
-        if self.wire_dtype != "f32" and job.points:
-            return dataclasses.replace(job, points=tuple(self._wire_iterate(i, p)
-                                                         for i, p in zip(job.point_ids, job.points, strict=True)))
-        return job
-
-    def _wire_iterate(self, iid: int, x: np.ndarray) -> np.ndarray:
-        """An iterate converted to the wire dtype once per version (cached while it is stored)."""
-        held = self.wire_cache.get(iid)
-        if held is None:
-            held = self.wire_cache[iid] = to_wire(x, self.wire_dtype)
-        return held
-
-    def _send_raw(self, rid: bytes, msg: Any) -> bool:
-        return self._send_frames(rid, encode(msg))
-
-    def _send_frames(self, rid: bytes, frames: list) -> bool:
-        try:
-            self.sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            self.send_failures += 1
-            return False
-        except zmq.ZMQError as e:
-            if e.errno == errno.EHOSTUNREACH:
-                self.send_failures += 1
-                return False
-            raise
 
     def _journal(self, op: str, **body: Any) -> bool:
         """Write-ahead: record a core input before the core sees it (see ps/persist.py). False:
@@ -601,29 +334,16 @@ class Daemon:
         """The worker said bye or was quarantined or revoked: its connection's record goes."""
         self.conns.forget(wid)
 
-    def _heartbeat_some(self) -> None:
-        """Send this period's heartbeat to the next HB_SLICE workers of the queue: a period's
-        heartbeats go out a slice per pass of the loop, between batches of messages, so thousands
-        of workers do not hold the others' replies back for the time of one long burst."""
-        frames = encode(Heartbeat(boot=self.core.server_boot))  # the same bytes for every worker
-        workers, queue = self.core.workers, self.hb_queue
-        for _ in range(min(HB_SLICE, len(queue))):
-            conn = self.conns.by_rid.get(queue.popleft())
-            if conn is None or conn.wid not in workers:
-                continue  # gone, or declared dead meanwhile (its record is kept a while)
-            if not self._send_frames(conn.rid, frames):
-                self._unreachable(conn.wid)
-
     def _revoke(self, allowed: set[str]) -> None:
         """Workers whose key left the allow-list are dropped now (CURVE only checks keys at the
         handshake, so their open connections would otherwise live on) and their keys banned."""
         for conn in self.conns.bound():
             wid, key = conn.wid, conn.key
             if key and key not in allowed:
-                self.banned_keys.add(key)
+                self.transport.banned_keys.add(key)
                 if wid in self.core.workers:
                     log.warning("worker %s: key %s revoked, disconnecting it", wid, key)
-                    self._send(wid, Bye("revoked"))
+                    self.transport.send(wid, Bye("revoked"))
                     now = self.clock()
                     if self._journal("remove", wid=wid, now=now, reason="revoked"):
                         self._execute(self.core.remove_worker(wid, now, reason="revoked"))
@@ -746,13 +466,10 @@ class Daemon:
         return {"endpoint": self.endpoint, "version": self.core.version, "stopped": self.stopping,
                 "elapsed_s": self.clock() - self.started_at, "counters": c, "outstanding": self.core.outstanding,
                 "accounted": self.core.accounted(), "evaluations": self.evaluations,
-                "invalid_messages": self.invalid_messages, "send_failures": self.send_failures,
+                "invalid_messages": self.transport.invalid_messages, "send_failures": self.transport.send_failures,
                 "connections": {k[len("conn."):]: v for k, v in self.conns.figures().items()},
                 "store_peak": self.core.store_peak,
-                "transport": {"wire_dtype": self.wire_dtype, "shm": self.arena.prefix if self.arena else "",
-                              "shm_workers": sorted(self.shm_used),
-                              "shm_iterate_copies": self.arena.copies_made if self.arena else 0,
-                              "parts_in": self.parts_in, "parts_out": self.parts_out}}
+                "transport": self.transport.figures()}
 
 
 def write_outputs(out_dir: str, daemon: Daemon) -> None:

@@ -318,23 +318,7 @@ class Simulator:
                 break
             t, _, kind, payload = heapq.heappop(self.heap)
             self.now = t
-            if kind == "finish":
-                idx, token, d = payload
-                self._finish(self.workers[idx], token, d)
-            elif kind == "heartbeat":
-                self._heartbeats()
-                self._push(t + self.heartbeat_s, "heartbeat", None)
-            elif kind == "round":
-                self._deliver(core.on_tick(t))
-                self._push(t + self.cfg.round_period_s, "round", None)
-            elif kind == "join":
-                self._join(self.workers[payload])
-            elif kind == "crash":
-                w = self.workers[payload.worker]
-                self._kill(w)
-                if payload.rejoin_after is not None:
-                    w.boot += 1
-                    self._push(t + payload.rejoin_after, "join", w.index)
+            self._event(t, kind, payload)
             self._collect()
             v = core.version
             if v != last_v:
@@ -361,6 +345,27 @@ class Simulator:
         self.trace.final_t = self.now
         self.trace.store_peak = core.store_peak
         return self.trace
+
+    def _event(self, t: float, kind: str, payload: Any) -> None:
+        """One simulated event at time ``t``: a job finished, heartbeats, a round's clock, a
+        worker joining or crashing."""
+        if kind == "finish":
+            idx, token, d = payload
+            self._finish(self.workers[idx], token, d)
+        elif kind == "heartbeat":
+            self._heartbeats()
+            self._push(t + self.heartbeat_s, "heartbeat", None)
+        elif kind == "round":
+            self._deliver(self.core.on_tick(t))
+            self._push(t + self.cfg.round_period_s, "round", None)
+        elif kind == "join":
+            self._join(self.workers[payload])
+        elif kind == "crash":
+            w = self.workers[payload.worker]
+            self._kill(w)
+            if payload.rejoin_after is not None:
+                w.boot += 1
+                self._push(t + payload.rejoin_after, "join", w.index)
 
     def _collect(self) -> None:
         for ev in self.core.drain_events():

@@ -47,8 +47,8 @@ from protocol.messages import (
     Reply,
     Welcome,
 )
+from protocol.shm import ShmReader, host_id, shm_dir_usable
 from protocol.wire import from_wire, to_wire
-from ps.shm import ShmReader, host_id, shm_dir_usable
 from worker.identity import claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 
@@ -311,39 +311,59 @@ class Worker:
                 log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
 
     def _on_welcome(self, w: Welcome) -> None:
+        """A welcome: load the problem it names (if allowed and not loaded yet), settle what we
+        hold against its run (another run: drop all; the same run from a new server process:
+        resend), take its transport (wire dtype, parts, shared memory) and timing, say ready."""
         key = (w.problem, tuple(sorted(w.problem_options.items())))
         refusal = worker_refusal(w.problem, self.allowed)
         if refusal is not None:  # never import what a server names unless our command line allows it
-            if self.compute is not None:
-                self.compute.close()
-                self.compute = None
+            self._close_compute()
             self.problem_key, self.loaded, self.welcomed = key, False, True  # welcomed: bye on the way out
             self._load_failed(refusal)
             return
         if key != self.problem_key:
-            if self.compute is not None:
-                self.compute.close()
-                self.compute = None
-            spec, options, device, threads = w.problem, dict(w.problem_options), self.cfg.device, self.cfg.threads
+            self._start_loading(key, w)
+        self._settle_run(w)
+        self.server_boot = w.server_boot
+        self.wire = w.wire_dtype
+        self.parts_ok = w.parts
+        self.shm = self._open_shm(w) if w.shm else None
+        self.hb_interval = w.heartbeat_interval_s
+        self.liveness = w.liveness_timeout_s
+        self.welcomed = True
+        if self.loaded:  # same problem as before (e.g. a server restart): ready at once
+            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
+        self._send_results()
 
-            overrides = dict(self.cfg.problem_overrides)
+    def _close_compute(self) -> None:
+        if self.compute is not None:
+            self.compute.close()
+            self.compute = None
 
-            def load():
-                if overrides:  # refused (a failed load) unless the factory declares them worker-local
-                    from problems.loader import merge_worker_options
-                    problem = self._load_problem(spec, merge_worker_options(spec, options, overrides), device=device)
-                else:
-                    problem = self._load_problem(spec, options, device=device)
-                if threads and "torch" in sys.modules:  # only torch problems pay for importing torch
-                    sys.modules["torch"].set_num_threads(threads)
-                return problem
+    def _start_loading(self, key: tuple, w: Welcome) -> None:
+        """A new problem: its compute thread loads it (the worker's own options merged in)."""
+        self._close_compute()
+        spec, options, device, threads = w.problem, dict(w.problem_options), self.cfg.device, self.cfg.threads
+        overrides = dict(self.cfg.problem_overrides)
 
-            self.problem_key = key
-            self.loaded = False
-            self.compute = ComputeThread(load, self.cfg.delay, finish=self._finish)
-            self.cache.items.clear()
-            self.jobs.clear()
-            self.waiting.clear()
+        def load():
+            if overrides:  # refused (a failed load) unless the factory declares them worker-local
+                from problems.loader import merge_worker_options
+                problem = self._load_problem(spec, merge_worker_options(spec, options, overrides), device=device)
+            else:
+                problem = self._load_problem(spec, options, device=device)
+            if threads and "torch" in sys.modules:  # only torch problems pay for importing torch
+                sys.modules["torch"].set_num_threads(threads)
+            return problem
+
+        self.problem_key = key
+        self.loaded = False
+        self.compute = ComputeThread(load, self.cfg.delay, finish=self._finish)
+        self.cache.items.clear()
+        self.jobs.clear()
+        self.waiting.clear()
+
+    def _settle_run(self, w: Welcome) -> None:
         if w.run_id != self.run_id:
             # Another run (a fresh server): nothing we hold belongs to it. A resumed run keeps its
             # run id, and then our unanswered jobs and unsent replies are still wanted.
@@ -363,27 +383,19 @@ class Worker:
             # Gradients left in the old server's shared memory travel as frames now.
             self.unsent = [r for r in (self._detach(r, w.wire_dtype) for r in resend) if r is not None]
             self.recent.clear()
-        self.server_boot = w.server_boot
-        self.wire = w.wire_dtype
-        self.parts_ok = w.parts
-        self.shm = None
-        if w.shm:
-            try:
-                reader = ShmReader(w.shm)
-                why = reader.probe(w.server_boot)
-            except ValueError as e:
-                why = str(e)
-            if why is None:
-                self.shm = reader
-                log.info("same-host path: iterates and gradients through shared memory %s", w.shm)
-            else:
-                log.warning("same-host path unavailable (%s): using TCP", why)
-        self.hb_interval = w.heartbeat_interval_s
-        self.liveness = w.liveness_timeout_s
-        self.welcomed = True
-        if self.loaded:  # same problem as before (e.g. a server restart): ready at once
-            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
-        self._send_results()
+
+    def _open_shm(self, w: Welcome) -> ShmReader | None:
+        """The server's shared memory (the same-host path), if its probe succeeds from here."""
+        try:
+            reader = ShmReader(w.shm)
+            why = reader.probe(w.server_boot)
+        except ValueError as e:
+            why = str(e)
+        if why is None:
+            log.info("same-host path: iterates and gradients through shared memory %s", w.shm)
+            return reader
+        log.warning("same-host path unavailable (%s): using TCP", why)
+        return None
 
     def _on_job(self, job: Job) -> None:
         if self.compute is None:

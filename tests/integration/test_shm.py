@@ -29,7 +29,7 @@ HOSTILE = textwrap.dedent("""
     import numpy as np, zmq
     from protocol.codec import decode, encode
     from protocol.messages import Hello, Job, Ready, Reply, Welcome
-    from ps.shm import ShmReader, host_id
+    from protocol.shm import ShmReader, host_id
     endpoint, mode = sys.argv[1], sys.argv[2]
     ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.linger = 1000; s.connect(endpoint)
     s.send_multipart(encode(Hello(worker_id="hostile-" + mode, boot=7, credit=1, host_id=host_id(), shm=True)))

@@ -30,11 +30,23 @@ def test_layering_pure_modules_import_no_io():
 
 
 def test_layering_only_the_shells_import_zmq():
+    """Exactly these modules touch ZeroMQ: the two ends' transports and the commands that open a
+    socket of their own (the supervisor's front speaks ZMTP itself, without zmq)."""
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
              for p in (ROOT / d).glob("*.py") if "zmq" in imported_modules(p)}
-    # ps/supervise.py is a shell too: the supervisor in front of the daemon (issue 13 points 1-2).
-    shells = {"ps/daemon.py", "worker/link.py", "ps/cli.py", "ps/security.py", "ps/status.py", "ps/supervise.py"}
-    assert users <= shells, users
+    shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "ps/cli.py", "ps/security.py", "ps/status.py",
+              "ps/supervise.py"}
+    assert users == shells, users ^ shells
+
+
+def test_layering_the_worker_depends_on_protocol_not_on_the_server():
+    """worker/ imports protocol/, problems/ and algorithms/ code, never ps/ (the server package)."""
+    for p in (ROOT / "worker").glob("*.py"):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            assert not any(n == "ps" or n.startswith("ps.") for n in names), f"{p.relative_to(ROOT)} imports {names}"
 
 
 def test_layering_no_pickle_anywhere():

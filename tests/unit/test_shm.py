@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from algorithms._pool import MIN_POOLED_BYTES, ArrayPool, step_into
-from ps.shm import ShmArena, ShmReader, remove_stale
+from protocol.shm import ShmArena, ShmReader, remove_stale
 
 D = MIN_POOLED_BYTES // 4 + 3
 
@@ -120,7 +120,7 @@ def test_close_unlinks_everything_and_stale_files_of_dead_servers_go(tmp_path):
     assert len(a.files()) == 3  # probe, gradient, iterate
     a.close()
     assert os.listdir(tmp_path) == []
-    from ps.shm import _pid_namespace
+    from protocol.shm import _pid_namespace
 
     ns = _pid_namespace().to_bytes(8, "little")
     dead = 2**22 + 12345  # above any pid_max: no such process

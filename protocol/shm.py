@@ -34,7 +34,6 @@ import logging
 import mmap
 import os
 import re
-import socket
 import weakref
 from collections import OrderedDict
 from typing import Any, Iterable
@@ -56,7 +55,7 @@ def host_id() -> str:
                 return mid
     except OSError:
         pass
-    return socket.gethostname()[:64]
+    return os.uname().nodename[:64]  # gethostname(), without the socket module
 
 
 def shm_dir_usable(directory: str = SHM_DIR) -> bool:
