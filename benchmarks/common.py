@@ -10,8 +10,6 @@ of the timed interval [t0, t1].
 from __future__ import annotations
 
 import math
-import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -131,22 +129,9 @@ def free_port() -> int:
 
 def reap_popen(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
     """SIGTERM each process group still running, wait ``grace`` s, then SIGKILL; always wait."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
+    from ps.children import reap
+
+    reap(procs, grace)
 
 
 def reap_mp(procs: list, grace: float = 5.0) -> None:

@@ -22,13 +22,14 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ps.children import reap, spawn
 
 
 @dataclass
@@ -121,9 +122,7 @@ class Chaos:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, *args: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "ps", *args], stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        p = spawn(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.children.append(p)
         return p
 
@@ -157,20 +156,8 @@ class Chaos:
         return p
 
     def _reap(self) -> None:
+        reap(self.children, 10.0)
         for p in self.children:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGCONT)
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 10
-        for p in self.children:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
             for s in (p.stdout, p.stderr):
                 s.close()
 

@@ -6,15 +6,14 @@ one-line message and exit code 2 (usage) or 1, never a traceback. Real bugs keep
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
-import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -24,6 +23,15 @@ from problems.loader import BUILTIN_PROBLEMS
 from problems.trust import ENV_ALLOW_PROBLEM
 from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
 from ps.paths import check_output_file, output_dir, output_file, usage_check
+from ps.server import (
+    ServeOptions,
+    StateOptions,
+    TrainingSpec,
+    log_progress,
+    make_daemon,
+    serve_until_stopped,
+    start_metrics,
+)
 from ps.supervise import ServeCommand
 
 try:
@@ -44,42 +52,6 @@ def _parse_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
             raise click.BadParameter(f"expected KEY=VALUE, got {v!r}", param_hint=what)
         out[key.strip()] = val.strip()
     return out
-
-
-@dataclass
-class TrainingSpec:
-    """What to train: problem, algorithm and their settings (from flags and an optional TOML file)."""
-
-    problem: str
-    problem_options: dict[str, Any] = field(default_factory=dict)
-    algorithm: str = "ordered-momentum"
-    settings: dict[str, Any] = field(default_factory=dict)
-    max_steps: int | None = None  # the run's step limit: the default decay_steps of an lr schedule
-
-    def build(self, device: str = "cpu"):
-        """Load the problem and build (and bind) the algorithm; user errors become ClickExceptions.
-
-        ``settings`` is completed with what the run's context provides (``decay_steps`` from
-        ``max_steps``), so that recording it lets resume and replay rebuild the same algorithm.
-        """
-        import algorithms
-        from algorithms.registry import complete_settings
-        from problems import load_problem
-
-        try:
-            problem = load_problem(self.problem, self.problem_options, device=device)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--problem/--problem-opt") from None
-        try:
-            self.settings = complete_settings(algorithms.ALGORITHMS, self.algorithm, self.settings,
-                                              max_steps=self.max_steps)
-            alg = algorithms.build(self.algorithm, self.settings)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
-        bind = getattr(alg, "bind", None)
-        if bind is not None:  # the problem's lmo_mask, if any, says which blocks get LMO steps
-            alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))
-        return problem, alg
 
 
 def training_spec(problem: str | None, problem_opt: tuple[str, ...], algorithm: str | None,
@@ -335,187 +307,22 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/supervise.py)
         raise SystemExit(supervise.supervise(bind, state_dir))
     bind = supervise.daemon_bind(bind)
-    daemon = _make_daemon(spec, bind, batch_size=batch_size, max_steps=max_steps, max_time=max_time,
-                          target_loss=target_loss, eval_every=eval_every, liveness_timeout=liveness_timeout,
-                          heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
-                          seed=seed, events=events,
-                          state=StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads,
-                                             max_journal_bytes, repair)
-                          if state_dir else None, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
-                          caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key},
-                          allowed=_allowed(allow_problem, allow_algorithm).naming(problem=spec.problem,
-                                                                                 algorithm=spec.algorithm))
+    opts = ServeOptions(batch_size=batch_size, max_steps=max_steps, max_time=max_time, target_loss=target_loss,
+                        eval_every=eval_every, liveness_timeout=liveness_timeout,
+                        heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
+                        seed=seed, events=events, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
+                        caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key})
+    state = StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes,
+                         repair) if state_dir else None
+    daemon = make_daemon(spec, bind, opts, state=state, allowed=_allowed(allow_problem, allow_algorithm).naming(
+        problem=spec.problem, algorithm=spec.algorithm))
     daemon.install_signal_handlers()
     if metrics_port is not None:
-        try:
-            daemon.enable_metrics(metrics_port, metrics_addr)
-        except OSError as e:
-            daemon.close()
-            raise click.ClickException(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {e}") from None
-        logging.getLogger("latecomer.server").info("metrics on http://%s:%d/metrics", metrics_addr,
-                                                   daemon.metrics.port)  # the bound port (port 0: the OS's choice)
+        start_metrics(daemon, metrics_port, metrics_addr)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
-
-    def progress(d, ev):
-        if ev is not None:
-            logging.getLogger("latecomer.server").info(
-                "step %d  %s  workers %d  applied %d lost %d", d.core.version,
-                "  ".join(f"{k} {v:.4g}" for k, v in ev.items() if k not in ("t", "version")),
-                len(d.core.workers), d.core.counters.applied, d.core.counters.lost)
-
-    daemon.on_progress = progress
-    try:
-        reason = daemon.run()
-    finally:
-        from ps.daemon import write_outputs
-        for d in (out, state_dir):
-            if d:
-                try:
-                    write_outputs(d, daemon)
-                except OSError as e:  # e.g. a full disk: the journal and checkpoints still hold the run
-                    logging.getLogger("latecomer.server").error("cannot write summary.json and final_x.npy in %s: "
-                                                                "%s", d, e.strerror or e)
-        if daemon.persist is not None:
-            daemon.persist.close()  # server.pid goes with the lock (a clean exit)
-        daemon.close()
+    daemon.on_progress = log_progress
+    reason = serve_until_stopped(daemon, [d for d in (out, state_dir) if d])
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
-
-
-@dataclass(frozen=True)
-class StateOptions:
-    """``serve --state DIR`` and its persistence settings."""
-
-    state_dir: str
-    checkpoint_every: int = 1000
-    checkpoint_interval_s: float = 30.0
-    fsync: str = "batch"
-    log_payloads: bool = False
-    max_journal_bytes: int = 1 << 30  # ps.persist.DEFAULT_MAX_JOURNAL_BYTES
-    repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
-
-
-def _make_daemon(spec: TrainingSpec, bind: str, *, batch_size: int, max_steps, max_time, target_loss, eval_every,
-                 liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, on_progress=None,
-                 state: StateOptions | None = None, keys_dir: str | None = None, shm: str = "auto",
-                 wire_dtype: str = "f32", allowed=None, caps: dict | None = None):
-    import zmq
-
-    from ps.core import CoreConfig, ServerCore
-    from ps.daemon import Daemon, StopCondition
-
-    persistence = None
-    boot = secrets.randbits(63)
-    if state is not None:
-        core, problem, persistence, spec = _open_state(state, spec, batch_size=batch_size,
-                                                       liveness_timeout=liveness_timeout,
-                                                       heartbeat_interval=heartbeat_interval, min_workers=min_workers,
-                                                       round_period=round_period, seed=seed, boot=boot,
-                                                       wire_dtype=wire_dtype, allowed=allowed)
-        wire_dtype = persistence.wire_dtype
-        events = events or os.path.join(state.state_dir, "events.jsonl")
-    else:
-        problem, alg = spec.build()
-        cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
-                         batch_size=batch_size, heartbeat_interval_s=heartbeat_interval,
-                         liveness_timeout_s=liveness_timeout, min_workers=min_workers, round_period_s=round_period,
-                         seed=seed, run_id=secrets.randbits(63) + 1)
-        core = ServerCore(alg, problem.init_params(seed), cfg, server_boot=boot, now=time.monotonic())
-    try:
-        return Daemon(core, problem, bind, stop=StopCondition(max_steps, max_time, target_loss), eval_every=eval_every,
-                      events_path=events, on_progress=on_progress, persistence=persistence, keys_dir=keys_dir,
-                      shm=shm, wire_dtype=wire_dtype, **(caps or {}))
-    except ValueError as e:  # unusable keys
-        if persistence is not None:
-            persistence.close()
-        raise click.BadParameter(str(e), param_hint="--keys") from None
-    except zmq.ZMQError as e:
-        if persistence is not None:
-            persistence.close()
-        raise click.ClickException(f"cannot bind {bind}: {e}") from None
-
-
-def _core_config(run: dict[str, Any]):
-    from ps.core import CoreConfig
-    from ps.persist import StateError
-
-    try:
-        return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
-    except (KeyError, TypeError, ValueError) as e:
-        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None
-
-
-def _open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
-                **core_kw):
-    """Start a new run in an empty state directory, or resume the one it holds.
-
-    A resumed run's problem and algorithm come from its run.json: a user callable there is
-    loaded only if ``allowed`` (the command line: problems/trust.py) trusts it; else one line
-    saying what to add."""
-    from problems.trust import Allowed, UntrustedError, check_run
-    from ps.core import ServerCore
-    from ps.persist import Journal, Persistence, StateLock, read_run, recover, write_run
-
-    d = state.state_dir
-    os.makedirs(d, exist_ok=True)
-    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/persist.py)
-    run = read_run(d, complete=True)
-    log = logging.getLogger("latecomer.server")
-    if run is None:
-        problem, alg = spec.build()
-        run = {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
-               "algorithm": spec.algorithm, "settings": dict(spec.settings), "format": 1, "wire_dtype": wire_dtype,
-               "core": {"problem": spec.problem, "problem_options": dict(problem.options or spec.problem_options),
-                        "batch_size": core_kw["batch_size"], "heartbeat_interval_s": core_kw["heartbeat_interval"],
-                        "liveness_timeout_s": core_kw["liveness_timeout"], "min_workers": core_kw["min_workers"],
-                        "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],
-                        "run_id": secrets.randbits(63) + 1}}
-        write_run(d, run)
-        now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
-        core = ServerCore(alg, problem.init_params(run["core"]["seed"]), _core_config(run), server_boot=boot, now=now)
-        journal = Journal(d, next_lsn=0, fsync=state.fsync)
-        journal.append("start", run=run, now=now)
-        log.info("new run in %s", d)
-    else:
-        try:
-            check_run(run, allowed or Allowed().naming(problem=spec.problem, algorithm=spec.algorithm),
-                      os.path.join(d, "run.json"), problem_hint="--allow-problem {spec} (or --problem {spec})",
-                      algorithm_hint="--allow-algorithm {spec} (or --algorithm {spec})")
-        except UntrustedError as e:
-            raise click.ClickException(str(e)) from None
-        resumed = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
-                               algorithm=run["algorithm"], settings=run["settings"])
-        if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
-            log.warning("%s holds a run of %s on %s: resuming it (the command-line problem and algorithm are "
-                        "ignored)", d, resumed.algorithm, resumed.problem)
-        if run["wire_dtype"] != wire_dtype:
-            log.warning("%s holds a run with --wire-dtype %s: resuming it with that", d, run["wire_dtype"])
-        spec = resumed
-        problem, alg = spec.build()
-        cfg = _core_config(run)
-        _deterministic_oracle()
-        core, last, n = recover(lambda now=0.0: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot,
-                                                           now=now),
-                                lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem,
-                                repair=state.repair)
-        core.server_boot = boot
-        journal = Journal(d, next_lsn=last + 1, fsync=state.fsync)
-        now = time.monotonic()
-        journal.append("restart", now=now)
-        core.issuing = True
-        core.rebase_clock(now)
-        log.info("resumed %s at step %d (%d journal records replayed)", d, core.version, n)
-    persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
-                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads,
-                              max_journal_bytes=state.max_journal_bytes, lock=lock)
-    persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
-    return core, problem, persistence, spec
-
-
-def _deterministic_oracle() -> None:
-    """Recomputing gradients must give the workers' bits: torch problems run single-threaded,
-    as workers do by default (``latecomer work --threads 1``)."""
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
 
 
 # --------------------------------------------------------------------------- work
@@ -596,9 +403,10 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
 # --------------------------------------------------------------------------- run (embedded default)
 
 def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ps", "work", "--server", endpoint, "--worker-id", wid,
-           "--delay", f"{delay:g}", "--give-up", "10", *extra]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    from ps.children import spawn
+
+    return spawn("work", "--server", endpoint, "--worker-id", wid, "--delay", f"{delay:g}", "--give-up", "10", *extra,
+                 stderr=subprocess.PIPE)
 
 
 @main.command()
@@ -632,9 +440,9 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     events_path = os.path.join(out, "events.jsonl")
     if os.path.exists(events_path):
         os.remove(events_path)
-    daemon = _make_daemon(spec, "tcp://127.0.0.1:0", batch_size=batch_size, max_steps=steps, max_time=None,
-                          target_loss=None, eval_every=eval_every, liveness_timeout=3.0, heartbeat_interval=0.5,
-                          min_workers=workers, round_period=None, seed=seed, events=events_path)
+    daemon = make_daemon(spec, "tcp://127.0.0.1:0", ServeOptions(
+        batch_size=batch_size, max_steps=steps, eval_every=eval_every, min_workers=workers, seed=seed,
+        events=events_path))
     daemon.install_signal_handlers()
     from tqdm import tqdm
 
@@ -647,18 +455,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     bar = tqdm(total=steps, desc=f"{spec.algorithm} on {spec.problem}", unit="step", disable=not progress,
                dynamic_ncols=True)
 
-    def on_progress(d, ev):
-        bar.n = min(d.core.version, steps)
-        post = {"workers": len(d.core.workers)}
-        if d.evaluations:
-            last = d.evaluations[-1]
-            post["loss"] = f"{last['loss']:.4f}"
-            if "accuracy" in last:
-                post["acc"] = f"{last['accuracy']:.3f}"
-        bar.set_postfix(post, refresh=False)
-        bar.refresh()
-
-    daemon.on_progress = on_progress
+    daemon.on_progress = functools.partial(_bar_progress, bar, steps)
     try:
         reason = daemon.run()
     finally:
@@ -667,18 +464,27 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         from ps.daemon import write_outputs
         write_outputs(out, daemon)
         daemon.close()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
+        from ps.children import reap
+        reap(procs, 5.0, terminate=False)  # they got the bye: they exit by themselves
     from ps.report import age_stats, plot_run, read_events
 
     ev = read_events(events_path)
     plot_path = plot_run(daemon.evaluations, ev, os.path.join(out, "convergence.png"),
                          title=f"{spec.algorithm} on {spec.problem}, {workers} workers")
     click.echo(_run_summary(daemon, spec, workers, delay_list, reason, age_stats(ev), plot_path))
+
+
+def _bar_progress(bar: Any, steps: int, d: Any, ev: dict | None) -> None:
+    """``run``'s progress bar: steps, workers, the latest loss (and accuracy)."""
+    bar.n = min(d.core.version, steps)
+    post = {"workers": len(d.core.workers)}
+    if d.evaluations:
+        last = d.evaluations[-1]
+        post["loss"] = f"{last['loss']:.4f}"
+        if "accuracy" in last:
+            post["acc"] = f"{last['accuracy']:.3f}"
+    bar.set_postfix(post, refresh=False)
+    bar.refresh()
 
 
 def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], reason: str, ages: dict,

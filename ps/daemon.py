@@ -36,8 +36,9 @@ from ps.connections import (
     ConnectionLimits,
 )
 from ps.core import Disconnect, Send, ServerCore
+from ps.inputs import CoreInputs
 from ps.persist import EventLog, Persistence
-from ps.transport import Count, Inbound, ServerTransport
+from ps.transport import Count, ServerTransport
 from worker.compute import describe_layout
 
 log = logging.getLogger("latecomer.server")
@@ -116,6 +117,7 @@ class Daemon:
                  limits: ConnectionLimits | None = None) -> None:
         self.core = core
         self.persist = persistence
+        self.inputs = CoreInputs(core, persistence)  # every core input, journaled first (ps/inputs.py)
         self.problem = problem
         self.stop = stop or StopCondition()
         self.eval_every = eval_every
@@ -218,8 +220,8 @@ class Daemon:
             self.reload_keys = False
             if self.security is not None:
                 self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
-        if now >= self._core_deadline() and self._journal("tick", now=now):
-            self._execute(core.on_tick(now))
+        if now >= self._core_deadline():
+            self._execute(self.inputs.tick(now) or [])
         self.conns.expire(now)
         for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
             self.transport.send_frames(rid, self.status_frames(token))
@@ -257,8 +259,7 @@ class Daemon:
         return self.stopping is not None
 
     def _shutdown(self) -> None:
-        self._journal("stop_issuing")
-        self.core.issuing = False
+        self.inputs.stop_issuing()
         if self.persist is not None:
             self.persist.checkpoint(self.core)
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
@@ -284,27 +285,18 @@ class Daemon:
 
     # ------------------------------------------------------------------ the message path
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        """One message: the transport validates it (ps/transport.py), the journal records it, the
-        core handles it, its commands go out."""
+        """One message: the transport validates it (ps/transport.py), the journaling core records
+        it and feeds the core (ps/inputs.py), the core's commands go out."""
         now = self.clock()
         item = self.transport.receive(frames, now, self.status_frames)
         if isinstance(item, Count):
-            self._count(item.kind)
-        elif item is not None and self._record(item, now):
-            self._execute(self.core.handle(item.wid, item.msg, now, item.key, item.refusal))
-            self.transport.handled(item, now)
-
-    def _record(self, item: Inbound, now: float) -> bool:
-        """Write-ahead: False if it could not be journaled (the state directory cannot be
-        written): then it is not accepted and the core never sees it."""
-        return self.persist is None or self.persist.record_message(
-            self.core, item.wid, item.msg, item.frames, now, item.key, wire=item.wire,
-            refused=item.refusal is not None)
-
-    def _count(self, kind: str) -> None:
-        """A message that never reaches the core still counts (and is journaled, so replay agrees)."""
-        if self._journal("count", kind=kind):
-            setattr(self.core.counters, kind, getattr(self.core.counters, kind) + 1)
+            self.inputs.count(item.kind)
+        elif item is not None:
+            cmds = self.inputs.message(item.wid, item.msg, now, item.key, item.refusal, frames=item.frames,
+                                       wire=item.wire)
+            if cmds is not None:  # None: not journaled (the disk is full): not accepted, the core never saw it
+                self._execute(cmds)
+                self.transport.handled(item, now)
 
     def _execute(self, cmds: list) -> None:
         for c in cmds:
@@ -318,11 +310,6 @@ class Daemon:
                 self._forget(c.worker_id)
         self.transport.sweep()
         self._flush_events()
-
-    def _journal(self, op: str, **body: Any) -> bool:
-        """Write-ahead: record a core input before the core sees it (see ps/persist.py). False:
-        it could not be recorded (paused, the disk is full), so the core must not see it."""
-        return self.persist is None or self.persist.append(op, **body)
 
     def _core_deadline(self) -> float:
         """When the core next needs a tick; never while paused (no input reaches the core then)."""
@@ -345,8 +332,7 @@ class Daemon:
                     log.warning("worker %s: key %s revoked, disconnecting it", wid, key)
                     self.transport.send(wid, Bye("revoked"))
                     now = self.clock()
-                    if self._journal("remove", wid=wid, now=now, reason="revoked"):
-                        self._execute(self.core.remove_worker(wid, now, reason="revoked"))
+                    self._execute(self.inputs.remove(wid, now, "revoked") or [])
                 self._forget(wid)
 
     def _unreachable(self, wid: str) -> None:
@@ -355,8 +341,7 @@ class Daemon:
         timeout. Its record is kept a while, so a reply it still sends is recognised as late."""
         if wid in self.core.workers:
             now = self.clock()
-            if self._journal("remove", wid=wid, now=now, reason="unreachable"):
-                self._execute(self.core.remove_worker(wid, now, reason="unreachable"))
+            self._execute(self.inputs.remove(wid, now, "unreachable") or [])
 
     def _flush_events(self) -> None:
         events = self.core.drain_events()
@@ -444,7 +429,7 @@ class Daemon:
             ages = [v - self.core.ledger[j].created_at for j in w.outstanding if j in self.core.ledger]
             state = "benched" if w.benched else "loading" if not w.ready else "failing" if w.failed_in_a_row else "ok"
             rows.append((w.worker_id, w.device, w.jobs_done, w.compute_s / w.jobs_done if w.jobs_done else 0.0,
-                         now - w.last_seen, len(w.outstanding), max(ages) if ages else 0, state, w.failed,
+                         max(0.0, now - w.last_seen), len(w.outstanding), max(ages) if ages else 0, state, w.failed,
                          error_text(w.last_error, error_chars) if w.last_error and error_chars else ""))
         return WORKER_COLUMNS, tuple(rows)
 

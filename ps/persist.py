@@ -65,6 +65,8 @@ from typing import Any, Callable, Iterator
 import msgpack
 import numpy as np
 
+from ps.inputs import CoreInputs
+
 log = logging.getLogger("latecomer.persist")
 
 CKPT_MAGIC = b"LATECKPT1\n"
@@ -1365,7 +1367,7 @@ class Persistence:
             return
         paused_s, why = t - self.paused_at, self.paused
         self.paused = None
-        core.rebase_clock(now)  # as apply_record does for the "resume" record
+        CoreInputs(core).resumed(now)  # what replaying the "resume" record does
         log.warning("the state directory %s is writable again after %.1f s paused (%s; %d messages were not "
                     "accepted meanwhile): training resumes", self.state_dir, paused_s, why, self.not_accepted)
 
@@ -1429,42 +1431,9 @@ def reply_from_wire(msg: Any, wire_dtype: str) -> tuple[Any, Any]:
 
 
 def apply_record(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:
-    """Feed one journal record to the core, exactly as the daemon did. Returns its commands.
-
-    ``wire_dtype``: the run's (:func:`run_wire_dtype`); journaled reply frames are converted
-    from it and recomputed gradients are quantized to it, as on the live run.
-    """
-    from protocol.codec import decode
-
-    b = rec.body
-    op = rec.op
-    if op == "msg":
-        msg, refusal = reply_from_wire(decode(b["frames"]), b.get("wire", wire_dtype))
-        return core.handle(b["wid"], msg, b["now"], b.get("key", ""), refusal)
-    if op == "reply":
-        wire = b["reply"].get("wire", wire_dtype)
-        return core.handle(b["wid"], recompute_reply(core, b["wid"], b["reply"], problem, wire), b["now"])
-    if op == "tick":
-        return core.on_tick(b["now"])
-    if op == "remove":
-        return core.remove_worker(b["wid"], b["now"], reason=b["reason"])
-    if op == "count":
-        counts = core.counters.as_dict()
-        if b["kind"] not in counts:
-            raise ValueError(f"no counter {b['kind']!r:.40}")
-        setattr(core.counters, b["kind"], counts[b["kind"]] + 1)
-    elif op == "invalid":  # older journals
-        core.counters.invalid += 1
-    elif op == "stop_issuing":
-        core.issuing = False
-    elif op == "restart":
-        core.issuing = True
-        core.rebase_clock(b["now"])
-    elif op == "resume":  # the state directory could be written again after a pause (disk full)
-        core.rebase_clock(b["now"])
-    elif op not in ("start", "checkpoint"):
-        raise ValueError(f"unknown journal record {op!r} at LSN {rec.lsn}")
-    return []
+    """Feed one journal record to the core, exactly as the daemon did (ps/inputs.py: the live
+    run and replay call the same methods). Returns its commands."""
+    return CoreInputs(core).apply(rec, problem, wire_dtype)
 
 
 def apply_checked(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:

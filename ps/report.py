@@ -413,6 +413,29 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return format(x, spec)
 
 
+def _worker_lines(table: dict[str, dict[str, Any]]) -> list[str]:
+    """The Workers table: per worker its jobs by outcome, job times, ages and busy share."""
+    lines = ["## Workers", "",
+              "| worker | device | joins | issued | applied | dropped | lost | failed | cancelled | rejected | "
+              "mean job time (ms) | age mean | age median | age p90 | age max | busy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for wid in sorted(table, key=lambda w: (len(w), w)):
+        r = table[wid]
+        a = np.array(r["ages"], dtype=float)
+        st = [float(a.mean()), float(np.median(a)), float(np.percentile(a, 90)), float(a.max())] if a.size else \
+            [float("nan")] * 4
+        jt = float(np.mean(r["job_times"]) * 1000) if r["job_times"] else float("nan")
+        busy = f"{100 * r['busy_s'] / r['span_s']:.0f}%" if r["span_s"] > 0 else "-"
+        lines.append(f"| {wid} | {r['device'] or '-'} | {r['joins']} | {r['issued']} | {r['applied']} | "
+                     f"{r['dropped']} | {r['lost']} | {r['failed']} | {r['cancelled']} | {r['rejected']} | "
+                     f"{_fmt(jt, '.1f')} | "
+                     f"{_fmt(st[0], '.2f')} | {_fmt(st[1], '.0f')} | {_fmt(st[2], '.0f')} | {_fmt(st[3], '.0f')} | "
+                     f"{busy} |")
+    lines += ["", "Job time: from `issued` to the reply being applied or dropped, as the server saw it. Busy: the "
+              "share of time since the worker first appeared during which it held at least one job.", ""]
+    return lines
+
+
 def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | None, figures: Sequence[str],
                     source: str) -> str:
     counts: dict[str, int] = {}
@@ -445,24 +468,7 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
     lines += ["", f"Ages of applied replies (all workers): mean {_fmt(ages['mean'], '.2f')}, median "
               f"{_fmt(ages['p50'], '.0f')}, p90 {_fmt(ages['p90'], '.0f')}, max {_fmt(ages['max'], '.0f')}", ""]
     table = worker_table(events)
-    lines += ["## Workers", "",
-              "| worker | device | joins | issued | applied | dropped | lost | failed | cancelled | rejected | "
-              "mean job time (ms) | age mean | age median | age p90 | age max | busy |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for wid in sorted(table, key=lambda w: (len(w), w)):
-        r = table[wid]
-        a = np.array(r["ages"], dtype=float)
-        st = [float(a.mean()), float(np.median(a)), float(np.percentile(a, 90)), float(a.max())] if a.size else \
-            [float("nan")] * 4
-        jt = float(np.mean(r["job_times"]) * 1000) if r["job_times"] else float("nan")
-        busy = f"{100 * r['busy_s'] / r['span_s']:.0f}%" if r["span_s"] > 0 else "-"
-        lines.append(f"| {wid} | {r['device'] or '-'} | {r['joins']} | {r['issued']} | {r['applied']} | "
-                     f"{r['dropped']} | {r['lost']} | {r['failed']} | {r['cancelled']} | {r['rejected']} | "
-                     f"{_fmt(jt, '.1f')} | "
-                     f"{_fmt(st[0], '.2f')} | {_fmt(st[1], '.0f')} | {_fmt(st[2], '.0f')} | {_fmt(st[3], '.0f')} | "
-                     f"{busy} |")
-    lines += ["", "Job time: from `issued` to the reply being applied or dropped, as the server saw it. Busy: the "
-              "share of time since the worker first appeared during which it held at least one job.", ""]
+    lines += _worker_lines(table)
     failing = [wid for wid in sorted(table, key=lambda w: (len(w), w)) if table[wid]["last_error"]]
     if failing:
         lines += ["## Worker errors", "", "| worker | failed jobs | benched | last error |", "|---|---|---|---|"]

@@ -425,9 +425,10 @@ def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
     replay_run (latecomer replay) and recovery without a checkpoint must give its bits."""
     import time
 
-    from ps.cli import StateOptions, TrainingSpec, _open_state
     from ps.persist import recover, run_start
     from ps.replay import replay_run
+    from ps.server import StateOptions, TrainingSpec
+    from ps.server import open_state as _open_state
 
     d = str(tmp_path / "state")
     spec = TrainingSpec(problem="quadratic", problem_options={"d": 16}, algorithm="storm-vr",

@@ -1,0 +1,279 @@
+"""Building a server from its options: a new run, or the run a state directory holds.
+
+The commands (ps/cli.py) parse their options and call :func:`make_daemon`; what it takes is
+:class:`ServeOptions` (the run's settings) and :class:`StateOptions` (``--state`` and its
+persistence). A new state directory gets its run.json and a ``start`` record; one that holds
+a run is recovered (checkpoint plus journal tail, ps/persist.py) and journals a ``restart``.
+Errors a person can fix are one-line ``click`` exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import click
+
+log = logging.getLogger("latecomer.server")
+
+
+@dataclass
+class TrainingSpec:
+    """What to train: problem, algorithm and their settings (from flags and an optional TOML file)."""
+
+    problem: str
+    problem_options: dict[str, Any] = field(default_factory=dict)
+    algorithm: str = "ordered-momentum"
+    settings: dict[str, Any] = field(default_factory=dict)
+    max_steps: int | None = None  # the run's step limit: the default decay_steps of an lr schedule
+
+    def build(self, device: str = "cpu"):
+        """Load the problem and build (and bind) the algorithm; user errors become ClickExceptions.
+
+        ``settings`` is completed with what the run's context provides (``decay_steps`` from
+        ``max_steps``), so that recording it lets resume and replay rebuild the same algorithm.
+        """
+        import algorithms
+        from algorithms.registry import complete_settings
+        from problems import load_problem
+
+        try:
+            problem = load_problem(self.problem, self.problem_options, device=device)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--problem/--problem-opt") from None
+        try:
+            self.settings = complete_settings(algorithms.ALGORITHMS, self.algorithm, self.settings,
+                                              max_steps=self.max_steps)
+            alg = algorithms.build(self.algorithm, self.settings)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
+        bind = getattr(alg, "bind", None)
+        if bind is not None:  # the problem's lmo_mask, if any, says which blocks get LMO steps
+            alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))
+        return problem, alg
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What a run is served with, besides its problem and algorithm (``serve``'s options)."""
+
+    batch_size: int = 1
+    max_steps: int | None = None
+    max_time: float | None = None
+    target_loss: float | None = None
+    eval_every: int = 0
+    liveness_timeout: float = 3.0
+    heartbeat_interval: float = 0.5
+    min_workers: int = 1
+    round_period: float | None = None
+    seed: int = 0
+    events: str | None = None
+    keys_dir: str | None = None
+    shm: str = "auto"
+    wire_dtype: str = "f32"
+    caps: dict = field(default_factory=dict)  # max_workers, max_workers_per_key
+
+    def core_kw(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "liveness_timeout": self.liveness_timeout,
+                "heartbeat_interval": self.heartbeat_interval, "min_workers": self.min_workers,
+                "round_period": self.round_period, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """``serve --state DIR`` and its persistence settings."""
+
+    state_dir: str
+    checkpoint_every: int = 1000
+    checkpoint_interval_s: float = 30.0
+    fsync: str = "batch"
+    log_payloads: bool = False
+    max_journal_bytes: int = 1 << 30  # ps.persist.DEFAULT_MAX_JOURNAL_BYTES
+    repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
+
+
+def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: StateOptions | None = None,
+                allowed: Any = None, on_progress: Callable | None = None):
+    """The daemon for ``spec`` on ``bind``: a fresh run, or with
+    ``state`` the run its directory holds (new or resumed)."""
+    import zmq
+
+    from ps.core import CoreConfig, ServerCore
+    from ps.daemon import Daemon, StopCondition
+
+    persistence, boot = None, secrets.randbits(63)
+    wire_dtype, events = opts.wire_dtype, opts.events
+    if state is not None:
+        core, problem, persistence, spec = open_state(state, spec, boot=boot, wire_dtype=wire_dtype, allowed=allowed,
+                                                      **opts.core_kw())
+        wire_dtype = persistence.wire_dtype
+        events = events or os.path.join(state.state_dir, "events.jsonl")
+    else:
+        problem, alg = spec.build()
+        cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
+                         batch_size=opts.batch_size, heartbeat_interval_s=opts.heartbeat_interval,
+                         liveness_timeout_s=opts.liveness_timeout, min_workers=opts.min_workers,
+                         round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1)
+        core = ServerCore(alg, problem.init_params(opts.seed), cfg, server_boot=boot, now=time.monotonic())
+    try:
+        return Daemon(core, problem, bind, stop=StopCondition(opts.max_steps, opts.max_time, opts.target_loss),
+                      eval_every=opts.eval_every, events_path=events, on_progress=on_progress,
+                      persistence=persistence, keys_dir=opts.keys_dir, shm=opts.shm, wire_dtype=wire_dtype,
+                      **opts.caps)
+    except ValueError as e:  # unusable keys
+        if persistence is not None:
+            persistence.close()
+        raise click.BadParameter(str(e), param_hint="--keys") from None
+    except zmq.ZMQError as e:
+        if persistence is not None:
+            persistence.close()
+        raise click.ClickException(f"cannot bind {bind}: {e}") from None
+
+
+def core_config(run: dict[str, Any]):
+    from ps.core import CoreConfig
+    from ps.persist import StateError
+
+    try:
+        return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None
+
+
+def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
+               **core_kw):
+    """Start a new run in an empty state directory, or resume the one it holds. Returns the
+    core, the problem, the Persistence and the spec (a resumed run's, from its run.json).
+
+    A resumed run's problem and algorithm come from its run.json: a user callable there is
+    loaded only if ``allowed`` (the command line: problems/trust.py) trusts it; else one line
+    saying what to add."""
+    from ps.persist import Persistence, StateLock, read_run
+
+    d = state.state_dir
+    os.makedirs(d, exist_ok=True)
+    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/persist.py)
+    run = read_run(d, complete=True)
+    if run is None:
+        run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw)
+    else:
+        core, problem, journal, spec = _resume_run(state, spec, run, boot, wire_dtype, allowed)
+    persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
+                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads,
+                              max_journal_bytes=state.max_journal_bytes, lock=lock)
+    persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
+    return core, problem, persistence, spec
+
+
+def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict):
+    """run.json, then the core and the journal's start record (with the core's creation time)."""
+    from ps.core import ServerCore, restart_grace_s
+    from ps.persist import Journal, write_run
+
+    d = state.state_dir
+    problem, alg = spec.build()
+    options = dict(problem.options or spec.problem_options)
+    run = {"problem": spec.problem, "problem_options": options, "algorithm": spec.algorithm,
+           "settings": dict(spec.settings), "format": 1, "wire_dtype": wire_dtype,
+           "core": {"problem": spec.problem, "problem_options": options, "batch_size": core_kw["batch_size"],
+                    "heartbeat_interval_s": core_kw["heartbeat_interval"],
+                    "liveness_timeout_s": core_kw["liveness_timeout"], "min_workers": core_kw["min_workers"],
+                    "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],
+                    "run_id": secrets.randbits(63) + 1,
+                    # pinned: a later version's backoff constants must not change how this run replays
+                    "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"])}}
+    write_run(d, run)
+    now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
+    core = ServerCore(alg, problem.init_params(run["core"]["seed"]), core_config(run), server_boot=boot, now=now)
+    journal = Journal(d, next_lsn=0, fsync=state.fsync)
+    journal.append("start", run=run, now=now)
+    log.info("new run in %s", d)
+    return run, core, problem, journal
+
+
+def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, wire_dtype: str, allowed: Any):
+    """The run the directory holds, if the command line trusts what it names: recovered, with a
+    ``restart`` record journaled and fed to the core."""
+    from problems.trust import Allowed, UntrustedError, check_run
+    from ps.core import ServerCore
+    from ps.inputs import CoreInputs
+    from ps.persist import Journal, recover
+
+    d = state.state_dir
+    try:
+        check_run(run, allowed or Allowed().naming(problem=spec.problem, algorithm=spec.algorithm),
+                  os.path.join(d, "run.json"), problem_hint="--allow-problem {spec} (or --problem {spec})",
+                  algorithm_hint="--allow-algorithm {spec} (or --algorithm {spec})")
+    except UntrustedError as e:
+        raise click.ClickException(str(e)) from None
+    resumed = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
+                           algorithm=run["algorithm"], settings=run["settings"])
+    if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
+        log.warning("%s holds a run of %s on %s: resuming it (the command-line problem and algorithm are "
+                    "ignored)", d, resumed.algorithm, resumed.problem)
+    if run["wire_dtype"] != wire_dtype:
+        log.warning("%s holds a run with --wire-dtype %s: resuming it with that", d, run["wire_dtype"])
+    problem, alg = resumed.build()
+    cfg = core_config(run)
+    deterministic_oracle()
+    core, last, n = recover(lambda now=0.0: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot,
+                                                       now=now),
+                            lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem,
+                            repair=state.repair)
+    core.server_boot = boot
+    journal = Journal(d, next_lsn=last + 1, fsync=state.fsync)
+    now = time.monotonic()
+    journal.append("restart", now=now)
+    CoreInputs(core).restarted(now)  # what replaying the "restart" record does
+    log.info("resumed %s at step %d (%d journal records replayed)", d, core.version, n)
+    return core, problem, journal, resumed
+
+
+def deterministic_oracle() -> None:
+    """Recomputing gradients must give the workers' bits: torch problems run single-threaded,
+    as workers do by default (``latecomer work --threads 1``)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def start_metrics(daemon: Any, port: int, addr: str) -> None:
+    """``--metrics-port``: the Prometheus endpoint, its bound port logged (port 0: the OS's choice)."""
+    try:
+        daemon.enable_metrics(port, addr)
+    except OSError as e:
+        daemon.close()
+        raise click.ClickException(f"cannot serve metrics on {addr}:{port}: {e}") from None
+    log.info("metrics on http://%s:%d/metrics", addr, daemon.metrics.port)
+
+
+def log_progress(daemon: Any, ev: dict[str, float] | None) -> None:
+    """``serve``'s progress: a log line per evaluation."""
+    if ev is not None:
+        core = daemon.core
+        log.info("step %d  %s  workers %d  applied %d lost %d", core.version,
+                 "  ".join(f"{k} {v:.4g}" for k, v in ev.items() if k not in ("t", "version")),
+                 len(core.workers), core.counters.applied, core.counters.lost)
+
+
+def serve_until_stopped(daemon: Any, out_dirs: list[str]) -> str:
+    """Run the daemon to its end, then write summary.json and final_x.npy into each of
+    ``out_dirs`` (a full disk is logged: the journal and checkpoints still hold the run) and
+    close it (server.pid goes with the state lock: a clean exit). Returns why it stopped."""
+    from ps.daemon import write_outputs
+
+    try:
+        return daemon.run()
+    finally:
+        for d in out_dirs:
+            try:
+                write_outputs(d, daemon)
+            except OSError as e:
+                log.error("cannot write summary.json and final_x.npy in %s: %s", d, e.strerror or e)
+        if daemon.persist is not None:
+            daemon.persist.close()
+        daemon.close()
