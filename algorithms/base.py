@@ -31,7 +31,10 @@ __all__ = [
 class JobSpec:
     """A job as the algorithm asks for it; the driver adds job id, seed and worker.
 
-    ``points`` are the arrays for ``iterate_ids``, same order, read-only.
+    ``points`` are the arrays for ``iterate_ids``, same order, read-only. An iterate id is the
+    version at which that iterate was (or is) the model, so never above the current version:
+    the core trusts a worker's cached ids only up to its own version (after a restart, higher
+    ids came from an old server process's unjournaled tail).
     ``batch_size`` None means the driver's default batch size.
     """
 

@@ -58,6 +58,7 @@ from protocol.messages import (
 
 MAX_CLOSED_REMEMBERED = 65536  # settled job ids remembered to tell "late" from "unknown"
 MAX_CREDIT = 64  # jobs one worker may hold at once, whatever credit it asks for (`latecomer work --credit` <= 64)
+MAX_JOB_ID_SKIP = 1 << 20  # how far a rejoining worker's seen job ids may move the counter (_skip_job_ids)
 
 
 # --------------------------------------------------------------------------- commands
@@ -694,7 +695,7 @@ class ServerCore:
         if isinstance(msg, Ready):
             if msg.credit:
                 w.credit = self._grant(msg.credit)
-            w.holds = set(msg.holds)
+            w.holds = self._trusted_holds(msg.holds)
             if not w.ready:
                 w.ready = True
                 self.round_blocked = False
@@ -729,7 +730,13 @@ class ServerCore:
             out += self.remove_worker(worker_id, now, reason="restarted")  # new incarnation = new join
             old = None
         same_run = hello.run_id == self.cfg.run_id  # else its cache and jobs belong to another run
-        holds = set(hello.holds) if same_run else set()
+        # An iterate id names the iterate of that version: one above ours (or a job id above our
+        # next) came from an old server process whose last records were never journaled; this
+        # process makes those ids again, with other values. Such iterates are not trusted, and the
+        # job ids skip past what the worker saw, so no new job shares an id with one it holds.
+        holds = self._trusted_holds(hello.holds) if same_run else set()
+        if same_run:
+            self._skip_job_ids(max([hello.seen, *hello.busy]))
         if old is None:
             w = self.workers[worker_id] = WorkerInfo(
                 worker_id=worker_id, boot=hello.boot, credit=self._grant(hello.credit), device=hello.device,
@@ -759,6 +766,19 @@ class ServerCore:
             heartbeat_interval_s=self.cfg.heartbeat_interval_s,
             liveness_timeout_s=self.cfg.liveness_timeout_s)))
         return out + self._dispatch(now)
+
+    def _trusted_holds(self, ids: Any) -> set[int]:
+        """The iterates a worker says it caches that are this process's: ids up to our version."""
+        v = self.version
+        return {i for i in ids if i <= v}
+
+    def _skip_job_ids(self, seen: int) -> None:
+        """Job ids start past ``seen`` (the highest a rejoining worker of this run saw or holds),
+        at most MAX_JOB_ID_SKIP ahead: after a restart the worker may have seen ids that this
+        process, resumed from the journal's durable prefix, would issue again. The hello is
+        journaled, so replay skips the same way."""
+        if self.next_job_id <= seen < self.next_job_id + MAX_JOB_ID_SKIP:
+            self.next_job_id = seen + 1
 
     def on_reply(self, w: WorkerInfo, reply: Reply, now: float,
                  refusal: tuple[ErrorCode, str] | None = None) -> list[Command]:
@@ -799,7 +819,7 @@ class ServerCore:
         w.jobs_done += 1
         w.compute_s += reply.compute_s
         if reply.holds:
-            w.holds = set(reply.holds)
+            w.holds = self._trusted_holds(reply.holds)
         w.outstanding.discard(entry.job_id)
         self._reindex(w)
         grads = tuple(g if g.dtype == self.dtype else g.astype(self.dtype) for g in reply.grads)
