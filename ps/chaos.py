@@ -25,11 +25,11 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ps.children import reap, spawn
+from ps.report import read_events
 
 
 @dataclass
@@ -81,19 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _events(path: str) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                out.append(json.loads(line))
-    except FileNotFoundError:
-        pass
-    return out
 
 
 class Chaos:
@@ -235,7 +222,7 @@ class Chaos:
         t_kill = time.monotonic()
         rep.server_kills += 1
         rep.logged_at_crash = replay_run(self.state).version
-        self.applied_before = max((e["version"] for e in _events(self.events_path) if e["ev"] == "applied"),
+        self.applied_before = max((e["version"] for e in read_events(self.events_path) if e["ev"] == "applied"),
                                   default=0)
         self.log(f"  killed the server (-9) at step {rep.logged_at_crash}; restarting it")
         server = self._server()
@@ -249,7 +236,7 @@ class Chaos:
         c = rep.counters = summary["counters"]
         rep.outstanding = summary["outstanding"]
         rep.version = summary["version"]
-        ev = _events(self.events_path)
+        ev = read_events(self.events_path)
         rep.checks["every issued job accounted for"] = (
             c["issued"] == c["applied"] + c["dropped"] + c["lost"] + c["failed"] + c["cancelled"] + c["rejected"]
             + rep.outstanding)

@@ -25,6 +25,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from worker.keys import client_keys, load_public, load_secret  # noqa: F401 (load_public: for the CLI)
+
 log = logging.getLogger("latecomer.security")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -71,25 +73,6 @@ def revoke_worker(keys_dir: str, name: str) -> None:
     if not os.path.exists(path):
         raise FileNotFoundError(f"no authorized key named {name!r}")
     os.remove(path)
-
-
-def load_secret(path: str) -> tuple[bytes, bytes]:
-    """(public, secret) from a ``*.key_secret`` file; a clear error if it is not one."""
-    try:
-        pub, sec = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read key pair {path}: {e}") from None
-    if not sec:
-        raise ValueError(f"{path} holds no secret key (give the .key_secret file)")
-    return pub, sec
-
-
-def load_public(path: str) -> bytes:
-    try:
-        pub, _ = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read public key {path}: {e}") from None
-    return pub
 
 
 class _LoggingAuthenticator(ThreadAuthenticator):
@@ -144,10 +127,7 @@ class ServerSecurity:
 
 def apply_client(sock: zmq.Socket, key_secret_path: str, server_key_path: str) -> None:
     """CURVE client side for a worker's DEALER."""
-    pub, sec = load_secret(key_secret_path)
-    sock.curve_publickey = pub
-    sock.curve_secretkey = sec
-    sock.curve_serverkey = load_public(server_key_path)
+    sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(key_secret_path, server_key_path)
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import secrets
 
 import zmq
-import zmq.auth
 
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Status, StatusRequest
 from ps.endpoints import needs_ipv6
+from worker.keys import client_keys
 
 
 def fetch_status(server: str, *, timeout_s: float = 5.0, key_secret: str | None = None,
@@ -21,12 +21,7 @@ def fetch_status(server: str, *, timeout_s: float = 5.0, key_secret: str | None 
     sock.linger = 0
     try:
         if key_secret and server_key:
-            try:
-                pub, sec = zmq.auth.load_certificate(key_secret)
-                srv, _ = zmq.auth.load_certificate(server_key)
-            except (OSError, ValueError) as e:
-                raise ValueError(f"cannot read the keys: {e}") from None
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = pub, sec, srv
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = client_keys(key_secret, server_key)
         sock.ipv6 = needs_ipv6(server)
         sock.connect(server)
         token = secrets.randbits(63)

@@ -534,18 +534,9 @@ def _with_holds(r: Reply, holds: tuple[int, ...]) -> Reply:
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:
     """(public, secret, server public) for CURVE; ValueError with the culprit if unusable."""
-    import zmq.auth
+    from worker.keys import client_keys
 
-    if not (cfg.key_secret and cfg.server_key):
-        raise ValueError("CurveZMQ needs both the worker's key pair and the server's public key")
-    try:
-        pub, sec = zmq.auth.load_certificate(cfg.key_secret)
-        server, _ = zmq.auth.load_certificate(cfg.server_key)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the keys: {e}") from None
-    if not sec:
-        raise ValueError(f"{cfg.key_secret} holds no secret key (give the .key_secret file)")
-    return pub, sec, server
+    return client_keys(cfg.key_secret, cfg.server_key)
 
 
 def _printable(text: str) -> str:

@@ -34,8 +34,8 @@ def test_layering_only_the_shells_import_zmq():
     socket of their own (the supervisor's front speaks ZMTP itself, without zmq)."""
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
              for p in (ROOT / d).glob("*.py") if "zmq" in imported_modules(p)}
-    shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "ps/server.py", "ps/security.py", "ps/status.py",
-              "ps/supervise.py"}
+    shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "worker/keys.py", "ps/server.py", "ps/security.py",
+              "ps/status.py", "ps/supervise.py"}
     assert users == shells, users ^ shells
 
 
