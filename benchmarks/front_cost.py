@@ -30,7 +30,7 @@ def _cpu(p: psutil.Process) -> float:
 
 def one(d: int, supervised: bool, seconds: float) -> tuple[float, float, float]:
     """(updates/s, daemon CPU s per update, front CPU s per update) of one run."""
-    from ps.status import fetch_status
+    from ps.ops.status import fetch_status
 
     args = [sys.executable, "-m", "ps", "serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic",
             "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", "lr=1e-9", "--eval-every", "0",

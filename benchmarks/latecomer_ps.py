@@ -117,7 +117,7 @@ def wire_bytes(d: int, variant: str = "latecomer") -> int:
 
 
 def _status(endpoint: str, keys: str | None):
-    from ps.status import fetch_status
+    from ps.ops.status import fetch_status
 
     kw = {}
     if keys:

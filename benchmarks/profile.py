@@ -45,7 +45,7 @@ def top_frames(raw_path: str, top: int) -> tuple[list[tuple[float, str]], float]
 
 
 def _applied(status_endpoint: str) -> int:
-    from ps.status import fetch_status
+    from ps.ops.status import fetch_status
 
     return int(fetch_status(status_endpoint, timeout_s=5.0).info.get("counter.applied", 0))
 

@@ -95,7 +95,7 @@ def _files(pid: int) -> int:
 
 
 def _status(endpoint: str) -> dict:
-    from ps.status import fetch_status
+    from ps.ops.status import fetch_status
 
     return fetch_status(endpoint, timeout_s=10.0).info
 

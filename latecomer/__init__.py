@@ -36,8 +36,8 @@ _EXPORTS: dict[str, str] = {
     "GradResult": "problems.base:GradResult",
     "load_problem": "problems.loader:load_problem",
     "worker_local": "problems.loader:worker_local",
-    "state_dict": "ps.export:state_dict",
-    "load_state_dict": "ps.export:load_state_dict",
+    "state_dict": "ps.ops.export:state_dict",
+    "load_state_dict": "ps.ops.export:load_state_dict",
     "Algorithm": "algorithms.base:Algorithm",
     "JobSpec": "algorithms.base:JobSpec",
     "Result": "algorithms.base:Result",
@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from problems.loader import load_problem, worker_local  # noqa: F401
     from problems.torch_problem import TorchProblem, job_seed  # noqa: F401
     from protocol.messages import JobKind  # noqa: F401
-    from ps.export import load_state_dict, state_dict  # noqa: F401
+    from ps.ops.export import load_state_dict, state_dict  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -159,7 +159,8 @@ def _finite(ctx, param, value):
 class _LazyGroup(click.Group):
     """Commands from other packages are imported only when invoked: `latecomer work` stays light."""
 
-    LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench", "export": "ps.export:export"}
+    LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench",
+            "export": "ps.ops.export:export"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -466,7 +467,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         daemon.close()
         from ps.children import reap
         reap(procs, 5.0, terminate=False)  # they got the bye: they exit by themselves
-    from ps.report import age_stats, plot_run, read_events
+    from ps.ops.report import age_stats, plot_run, read_events
 
     ev = read_events(events_path)
     plot_path = plot_run(daemon.evaluations, ev, os.path.join(out, "convergence.png"),
@@ -535,7 +536,7 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
              batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
     from ps.core import CoreConfig
-    from ps.report import plot_run, write_trace_csv
+    from ps.ops.report import plot_run, write_trace_csv
     from ps.sim import Crash, DelayModel, Simulator
 
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="quadratic",
@@ -605,7 +606,7 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
 @click.option("--json", "as_json", is_flag=True, help="Print the raw figures as JSON.")
 def status(server, key_secret, server_key, watch, interval, timeout, as_json) -> None:
     """Show a running server's workers, jobs, ages, step rate and loss (a read-only request)."""
-    from ps.status import fetch_status, render_status
+    from ps.ops.status import fetch_status, render_status
 
     if bool(key_secret) != bool(server_key):
         raise click.UsageError("CurveZMQ needs both --key and --server-key")
@@ -752,7 +753,7 @@ def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed
         figs = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "accuracy", "grad_norm_sq") if k in last)
         click.echo(f"  {name:24s} steps {tr.counters['updates']:6d}  {figs}")
     if out:
-        from ps.report import write_trace_csv
+        from ps.ops.report import write_trace_csv
 
         os.makedirs(out, exist_ok=True)
         for name, tr in rows:
@@ -806,7 +807,7 @@ def stop(state_dir, timeout) -> None:
               help="State directory of the server (default: a new temporary one).")
 def chaos(duration, workers, kills, seed, state_dir) -> None:
     """Kill, freeze and restart random workers and once the server; then judge the run."""
-    from ps.chaos import Chaos
+    from ps.ops.chaos import Chaos
 
     if state_dir and os.path.exists(os.path.join(state_dir, "run.json")):
         raise click.BadParameter(f"{state_dir} already holds a run", param_hint="--state")
@@ -845,7 +846,7 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
     """Start workers on the hosts of a hosts file over ssh (or stop them again with --stop)."""
     import shlex
 
-    from ps import launch as lm
+    from ps.ops import launch as lm
 
     try:
         if stop_:
@@ -896,7 +897,7 @@ def launch(hosts_file, server, launch_file, stop_, ssh, remote_cmd, worker_args,
               help="The event log (default STATE_DIR/events.jsonl).")
 def report(state_dir, out, events_path) -> None:
     """Plots and a markdown summary of a run from its state (or --out) directory's events.jsonl."""
-    from ps.report import make_report
+    from ps.ops.report import make_report
 
     out = out or os.path.join(state_dir, "report")
     try:

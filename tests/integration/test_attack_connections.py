@@ -31,7 +31,7 @@ from protocol.messages import (
     Welcome,
 )
 from ps.cli import main
-from ps.status import fetch_status
+from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
 pytestmark = pytest.mark.slow

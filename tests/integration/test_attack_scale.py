@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.fake_workers import FakePool
 from ps.core import MAX_CREDIT
-from ps.status import fetch_status
+from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
 pytestmark = pytest.mark.slow

@@ -32,7 +32,7 @@ import zmq
 
 from protocol.codec import encode
 from protocol.messages import MAX_HEADER_BYTES, StatusRequest
-from ps.status import fetch_status
+from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 from tests.integration.zmtp_raw import ZmtpClient, command, frame_header
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from ps.report import make_report
+from ps.ops.report import make_report
 from tests.integration.test_worker_lifecycle import free_port
 from tests.integration.util import read_events, wait_events, wait_exit, wait_line
 

@@ -14,8 +14,8 @@ import click
 import pytest
 import yaml
 
-from ps import launch as lm
 from ps.cli import main
+from ps.ops import launch as lm
 from ps.security import is_loopback_endpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

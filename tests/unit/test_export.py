@@ -16,7 +16,7 @@ import algorithms
 from problems.trust import Allowed
 from ps.cli import main
 from ps.core import CoreConfig, ServerCore
-from ps.export import load_state_dict, locate, state_dict
+from ps.ops.export import load_state_dict, locate, state_dict
 from ps.persist import write_checkpoint, write_run
 
 torch.set_num_threads(1)

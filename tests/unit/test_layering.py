@@ -33,15 +33,15 @@ def test_layering_only_the_shells_import_zmq():
     """Exactly these modules touch ZeroMQ: the two ends' transports and the commands that open a
     socket of their own (the supervisor's front speaks ZMTP itself, without zmq)."""
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
-             for p in (ROOT / d).glob("*.py") if "zmq" in imported_modules(p)}
+             for p in (ROOT / d).rglob("*.py") if "zmq" in imported_modules(p)}
     shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "worker/keys.py", "ps/server.py", "ps/security.py",
-              "ps/status.py", "ps/supervise.py"}
+              "ps/ops/status.py", "ps/supervise.py"}
     assert users == shells, users ^ shells
 
 
 def test_layering_the_worker_depends_on_protocol_not_on_the_server():
     """worker/ imports protocol/, problems/ and algorithms/ code, never ps/ (the server package)."""
-    for p in (ROOT / "worker").glob("*.py"):
+    for p in (ROOT / "worker").rglob("*.py"):
         tree = ast.parse(p.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
@@ -51,5 +51,5 @@ def test_layering_the_worker_depends_on_protocol_not_on_the_server():
 
 def test_layering_no_pickle_anywhere():
     for d in ("ps", "worker", "protocol", "algorithms", "problems"):
-        for p in (ROOT / d).glob("*.py"):
+        for p in (ROOT / d).rglob("*.py"):
             assert "pickle" not in imported_modules(p), p

@@ -538,7 +538,7 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
 
 
 def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
-    from ps.export import locate
+    from ps.ops.export import locate
     from ps.persist import write_run
 
     d = str(tmp_path)

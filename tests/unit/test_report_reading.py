@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
-from ps.report import make_report, read_events
+from ps.ops.report import make_report, read_events
 
 
 def good_events():

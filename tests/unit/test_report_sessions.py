@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ps.report import make_report, session_table, split_sessions
+from ps.ops.report import make_report, session_table, split_sessions
 
 
 def md_table(md: str, header: str) -> list[list[str]]:

@@ -16,8 +16,8 @@ from protocol.codec import decode
 from protocol.messages import Error, ErrorCode, Hello, Job, JobKind, Ready, Status
 from ps.core import CoreConfig, ServerCore
 from ps.metrics import SnapshotCollector
-from ps.report import render_markdown, worker_table
-from ps.status import render_status
+from ps.ops.report import render_markdown, worker_table
+from ps.ops.status import render_status
 from worker.compute import BadGradient, describe_layout, run_job
 from worker.runner import ComputeThread, DelaySpec, FailureLog
 

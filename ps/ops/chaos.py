@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps.children import reap, spawn
-from ps.report import read_events
+from ps.ops.report import read_events
 
 
 @dataclass
