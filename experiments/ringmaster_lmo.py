@@ -261,6 +261,12 @@ def _run_recipes(out_dir: str, quick: bool, seed: int, progress: bool) -> tuple[
         spec = c[r.group.split(",")[0]]
         runs += common.execute([r], metric=spec["metric"], progress=progress, desc=f"ringmaster-lmo {r.group}",
                                eval_interval=spec["horizon"] / spec["points"])
+    return report_recipes(out_dir, c, runs, seed, quick)
+
+
+def report_recipes(out_dir: str, c: dict, runs: list[common.Run], seed: int,
+                   quick: bool) -> tuple[str, list[str], str, dict]:
+    """CSV, plots and tables of the recipe runs (``c``: :func:`recipes`)."""
     best = {(r.group, r.method): r for r in runs}
     csv_path = common.write_curves_csv(os.path.join(out_dir, "recipes.csv"), runs, best, COLUMNS)
     pngs, headline = [], {}
@@ -274,21 +280,24 @@ def _run_recipes(out_dir: str, quick: bool, seed: int, progress: bool) -> tuple[
         for g in groups:
             lines = [(f"{m} ({best[(g, m)].label})", *common.curve(best[(g, m)], metric)) for m in RECIPE_METHODS]
             panels.append((f"{g}: {metric}", lines))
-            if metric != "loss":  # the char transformer: validation alongside
+            if metric != "loss":  # the char transformer: validation alongside, and a zoom
                 panels.append((f"{g}: validation loss",
                                [(m, *common.curve(best[(g, m)], "loss")) for m in RECIPE_METHODS]))
+                below = [ln for ln in lines if len(ln[2]) and ln[2][-1] < ln[2][0]]
+                if len(below) < len(lines):
+                    panels.append((f"{g}: {metric}, zoom: runs ending below the start", below))
         opts = spec["opts"]
         if spec["problem"] == "charlm":
             title = (f"Authors' NanoChat recipe, scaled: char transformer depth {opts['layers']}, width "
-                     f"{opts['d_model']}, {opts['heads']} heads, '{opts['package']}' text, n={spec['n']}, "
+                     f"{opts['d_model']}, {opts['heads']} heads, '{opts['package']}' sources, n={spec['n']}, "
                      f"batch {spec['batch']}")
             ylabel, logy = "cross-entropy (nats/char)", False
         else:
-            title = f"Group's quadratic recipe: d={opts['d']}, n={spec['n']}, τ_i = 1+√i, noise √(i+1)"
+            title = f"Group's quadratic recipe, d={opts['d']}, n={spec['n']}"
             ylabel, logy = "f(x) − f*", True
         slug = "recipe-charlm" if spec["problem"] == "charlm" else "recipe-quadratic"
         pngs.append(common.plot_panels(os.path.join(out_dir, f"{slug}.png"), panels, xlabel="simulated time (s)",
-                                       ylabel=ylabel, suptitle=title, logy=logy, ncols=2))
+                                       ylabel=ylabel, suptitle=title, logy=logy, ncols=3))
         md += (f"## {rname} ({metric} at {spec['horizon']:g} s; n = {spec['n']}, options "
                f"{', '.join(f'{k}={v}' for k, v in opts.items())})\n\n")
         for g in groups:
