@@ -279,13 +279,13 @@ def report_recipes(out_dir: str, c: dict, runs: list[common.Run], seed: int,
         panels = []
         for g in groups:
             lines = [(f"{m} ({best[(g, m)].label})", *common.curve(best[(g, m)], metric)) for m in RECIPE_METHODS]
-            panels.append((f"{g}: {metric}", lines))
+            panels.append((f"{g.split(', ')[1]} delays: {metric}", lines))
             if metric != "loss":  # the char transformer: validation alongside, and a zoom
-                panels.append((f"{g}: validation loss",
+                panels.append((f"{g.split(', ')[1]} delays: validation loss",
                                [(m, *common.curve(best[(g, m)], "loss")) for m in RECIPE_METHODS]))
                 below = [ln for ln in lines if len(ln[2]) and ln[2][-1] < ln[2][0]]
                 if len(below) < len(lines):
-                    panels.append((f"{g}: {metric}, zoom: runs ending below the start", below))
+                    panels.append((f"{g.split(', ')[1]}: {metric}, zoom on runs ending below the start", below))
         opts = spec["opts"]
         if spec["problem"] == "charlm":
             title = (f"Authors' NanoChat recipe, scaled: char transformer depth {opts['layers']}, width "
