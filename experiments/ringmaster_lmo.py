@@ -31,10 +31,10 @@ method with the official code's own hyper-parameters, nothing tuned (issue 15 it
     Ringmaster Muon γ = 1, R = 2; parameter-agnostic η = 5; Rennala Muon γ = 1, B = 2;
     delay-adaptive Muon γ = 1), scaled to a 2-core CPU: width 48 (theirs 192; Newton–Schulz on
     the 192-wide matrices costs 1.8 s per update here), 97 characters of the ``email``
-    package's sources (364 KB) for NanoChat's BPE vocabulary and FineWeb shards, windows of 32
-    characters for sequences of 2048 tokens, 4 windows per gradient (their device batch), time
-    unit one fastest-worker gradient (theirs: the measured gradient time), linear delays only
-    (the profile of their quoted plot). Metric: ``train_loss``, the cross-entropy on 64 fixed
+    package's sources (364 KB) for NanoChat's 8192-token BPE vocabulary and climbmix shards,
+    windows of 32 characters for sequences of 2048 tokens, 4 windows per gradient (their device
+    batch), time unit one fastest-worker gradient (theirs: the measured gradient time), linear
+    delays only (the profile of their quoted plot). Metric: ``train_loss``, the cross-entropy on 64 fixed
     training windows (theirs: the latest minibatch loss), ``loss`` (validation) alongside.
 (d) ``quadratic recipe``: the group's quadratic script (d = 1729, n = 6174 workers, σ = 0.01
     scalar noise, τ_i = 1 + √i for i = 0..n−1 plus half-normal noise of scale √(i+1), i.e.
