@@ -145,8 +145,8 @@ def test_sync_sgd_waits_for_every_worker_once_per_round():
 
 
 def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_path):
-    """About 3 s per quick run: the quadratic (sign, l2, Muon on the 1×d vector) and the char
-    transformer (sign, Muon)."""
+    """About 9 s per quick run (grids and the authors' recipes): the quadratic (sign, l2, Muon on
+    the 1×d vector) and the char transformer (sign, Muon)."""
     run = experiments.get("ringmaster-lmo")
     a = run(str(tmp_path / "a"), quick=True, seed=5, progress=False)
     _check_outputs(a, "ringmaster-lmo")
