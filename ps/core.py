@@ -870,8 +870,11 @@ class ServerCore:
         """An ``err`` from a joined worker (other than MISSING_ITERATE). COMPUTE_FAILED for a job
         outstanding at it: the job is settled as failed (:meth:`_fail`). PROBLEM_UNAVAILABLE: the
         worker cannot load the problem (it is leaving; an event carries its reason). Any other
-        code naming a job outstanding at it: the job is written off as lost. Either way its
-        credit slot frees up and the algorithm is told; an err naming no such job settles nothing."""
+        code naming a job outstanding at it: the job is written off as lost, and it counts toward
+        the worker's failures in a row like a failed job (so an err per job cannot make the server
+        send a job, with its iterate, per 50-byte err without bound: benched after
+        ``max_failed_jobs``). Either way its credit slot frees up and the algorithm is told; an err
+        naming no such job settles nothing."""
         entry = self.ledger.get(err.job_id) if err.job_id is not None else None
         mine = entry is not None and entry.worker_id == w.worker_id and not entry.received
         if err.code == ErrorCode.COMPUTE_FAILED and mine:
@@ -883,9 +886,12 @@ class ServerCore:
         else:
             self.events.append({"ev": "worker_error", "worker_id": w.worker_id, "code": int(err.code),
                                 "message": err.message, "job_id": err.job_id})
-        if mine:
-            self._write_off(w, [entry.job_id], "worker_error", now)  # frees its credit
-        return self._dispatch(now)
+        if not mine:
+            return self._dispatch(now)
+        self._write_off(w, [entry.job_id], "worker_error", now)  # frees its credit
+        w.failed_in_a_row += 1
+        w.last_error = f"{err.code.name}: {err.message}"
+        return self._maybe_bench(w, w.last_error, now) + self._dispatch(now)
 
     def _fail(self, w: WorkerInfo, entry: LedgerEntry, message: str, now: float) -> list[Command]:
         """``w`` could not compute this job: settled as failed, the algorithm told (on_lost, as for
@@ -903,6 +909,10 @@ class ServerCore:
         self.events.append({"ev": "failed", "job_id": entry.job_id, "worker_id": w.worker_id,
                             "created_at": entry.created_at, "seed": entry.seed, "message": message,
                             "worker_failed": w.failed, "in_a_row": w.failed_in_a_row, "t": now})
+        return self._maybe_bench(w, message, now)
+
+    def _maybe_bench(self, w: WorkerInfo, message: str, now: float) -> list[Command]:
+        """Bench ``w`` if it has failed ``max_failed_jobs`` jobs in a row (see :meth:`_fail`)."""
         k = self.cfg.max_failed_jobs
         if not k or w.benched or w.failed_in_a_row < k:
             return []

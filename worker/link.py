@@ -160,8 +160,14 @@ class Worker:
         s.setsockopt(zmq.IMMEDIATE, 1)
         s.setsockopt(zmq.RECONNECT_IVL, round(RECONNECT_IVL_S * 1000))
         s.setsockopt(zmq.RECONNECT_IVL_MAX, round(RECONNECT_IVL_MAX_S * 1000))
-        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        # No ZMTP heartbeats (PINGs): the protocol's own heartbeats and the liveness timeout tell a
+        # silent server, and a PING queued behind a full receive pipe on a reset connection is what
+        # makes libzmq 4.3.5 abort (SECURITY.md, "the libzmq abort"), on either end. TCP keepalive
+        # closes a connection whose server vanished without a FIN.
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
+        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
+        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         if self.curve is not None:
             s.curve_publickey, s.curve_secretkey, s.curve_serverkey = self.curve

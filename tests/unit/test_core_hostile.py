@@ -79,3 +79,35 @@ def test_core_bye_from_a_stranger_changes_nothing():
     workers = dict(core.workers)
     assert core.handle("ghost", Bye("x"), 1.0) == []
     assert core.workers.keys() == workers.keys()
+
+
+def test_errs_naming_its_own_jobs_bench_a_worker_like_failures():
+    """Amplification (issue 13): an ``err`` (any code but COMPUTE_FAILED and MISSING_ITERATE)
+    naming a job the worker holds writes it off and frees the credit, which used to buy the next
+    job, iterate and all, for every 50-byte err without bound. Such errs count toward the
+    failures in a row: after max_failed_jobs (5) the worker is benched and gets no more jobs."""
+    from protocol.messages import Error, ErrorCode
+    from ps.core import CoreConfig, ServerCore
+    from tests.unit.test_core import jobs_in, make_core
+
+    core: ServerCore = make_core()
+    assert CoreConfig().max_failed_jobs == 5
+    job = jobs_in(join_one(core))[0][1]
+    sent = 0
+    for i in range(20):
+        cmds = core.handle("w1", Error(ErrorCode.REFUSED, "no", job_id=job.job_id), 0.1 + i)
+        nxt = jobs_in(cmds)
+        if not nxt:
+            break
+        sent += 1
+        job = nxt[0][1]
+    assert sent == 4 and core.workers["w1"].benched, "5 errs, 4 new jobs, then benched"
+    assert core.counters.lost == 5 and core.counters.failed == 0 and core.accounted()
+    assert core.workers["w1"].last_error == "REFUSED: no"
+
+
+def join_one(core):
+    from protocol.messages import Hello, Ready
+
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=1), 0.0)
+    return core.handle("w1", Ready(credit=1), 0.0)
