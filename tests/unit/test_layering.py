@@ -53,3 +53,16 @@ def test_layering_no_pickle_anywhere():
     for d in ("ps", "worker", "protocol", "algorithms", "problems"):
         for p in (ROOT / d).rglob("*.py"):
             assert "pickle" not in imported_modules(p), p
+
+
+def test_no_function_in_the_server_or_the_worker_is_longer_than_60_lines():
+    """A reader can follow each function of ps/ and worker/ (issue 14): none is longer than 60
+    lines, docstring included."""
+    long = []
+    for d in ("ps", "worker"):
+        for p in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
