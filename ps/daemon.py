@@ -10,6 +10,7 @@ docs/ARCHITECTURE.md follows one reply along this path.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -43,7 +44,14 @@ from worker.compute import describe_layout
 
 log = logging.getLogger("latecomer.server")
 
-MAX_BATCH = 256  # messages handled per poll wake-up before timers are checked again
+BACKLOG_SLICE = 16  # backlogged messages handled before the socket is looked at again (Daemon._receive_batch)
+BATCH_S = 0.005  # ... for at most this long before the loop's timers run
+MAX_BACKLOG = 4096  # messages received ahead of handling, at most ...
+MAX_BACKLOG_BYTES = 64 << 20  # ... and bytes
+
+
+def _nbytes(frames: list) -> int:
+    return sum(len(f) for f in frames)
 
 
 def server_heartbeat_period(cfg: Any) -> float:
@@ -144,6 +152,9 @@ class Daemon:
         self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
         self.events_dirty = False
         self.stopping: str | None = None
+        self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled (_receive_batch)
+        self.backlogged: dict[bytes, int] = {}  # routing id -> its messages in the backlog
+        self.backlog_bytes = 0
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
@@ -187,7 +198,7 @@ class Daemon:
         self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:
-                if poller.poll(self._timeout_ms(self.clock())):
+                if poller.poll(self._timeout_ms(self.clock())) or self.backlog:
                     self._receive_batch()
                 self._timers(self.clock())
                 self._check_stop()
@@ -197,19 +208,73 @@ class Daemon:
 
     def _timeout_ms(self, now: float) -> int:
         """How long the loop may wait for a message: until the first of its deadlines, at most 100 ms."""
-        deadline = min(now if self.transport.hb_queue else self.next_hb, self._core_deadline(),
+        deadline = min(now if self.transport.hb_queue or self.backlog else self.next_hb, self._core_deadline(),
                        self.next_progress + 0.2, self.conns.next_deadline(),
                        now + self.persist.sync_due_in() if self.persist is not None else math.inf)
         return max(0, min(100, math.ceil((deadline - now) * 1000)))
 
     def _receive_batch(self) -> None:
-        """At most MAX_BATCH messages, each: receive -> journal -> core -> send (:meth:`_on_frames`)."""
-        for _, frames in zip(range(MAX_BATCH), self.transport.pending(), strict=False):
-            self._on_frames(frames)
-            if self.training_started_at is None and self.core.started:
-                self.training_started_at = self.clock()
-            if self._check_stop():
+        """Receive -> journal -> core -> send (:meth:`_on_frames`), scheduled so that thousands of
+        connections cannot starve the workers that do the training. Everything the socket holds
+        is received at once (receiving costs a few µs; handling a message, tens): messages of
+        workers that have answered jobs are handled now, in arrival order; the others (hellos,
+        readys, heartbeats of idle or new workers, anything from an unknown connection) wait in a
+        backlog, handled BACKLOG_SLICE at a time, the socket looked at again between slices (for
+        at most BATCH_S, then the loop's timers run). A connection with messages in the
+        backlog has all its later ones queued behind them, so each connection's messages are
+        handled in the order it sent them. The backlog is bounded (MAX_BACKLOG messages,
+        MAX_BACKLOG_BYTES): past it, messages wait in libzmq's queues (its high-water marks)."""
+        deadline = self.clock() + BATCH_S
+        while True:
+            for frames in self._receive_all():
+                self._handle(frames)
+                if self.stopping is not None:
+                    return
+            if not self.backlog:
+                return
+            for _ in range(min(BACKLOG_SLICE, len(self.backlog))):
+                self._handle(self._unqueue())
+                if self.stopping is not None:
+                    return
+            if self.clock() >= deadline:
+                return
+
+    def _unqueue(self) -> list:
+        frames = self.backlog.popleft()
+        rid = frames[0].bytes
+        left = self.backlogged[rid] - 1
+        if left:
+            self.backlogged[rid] = left
+        else:
+            del self.backlogged[rid]
+        self.backlog_bytes -= _nbytes(frames)
+        return frames
+
+    def _receive_all(self) -> list:
+        """What the socket holds (within the backlog's bounds): the urgent messages, returned,
+        and the rest appended to the backlog."""
+        urgent, by_rid, workers, now = [], self.conns.by_rid, self.core.workers, self.clock()
+        for frames in self.transport.pending():
+            rid = frames[0].bytes
+            c = by_rid.get(rid)
+            if rid not in self.backlogged and self.transport.is_repeat(c, frames, now):
+                continue  # a heartbeat repeat: dropped unread (ps/connections.py)
+            w = workers.get(c.wid) if c is not None and c.live else None
+            if w is not None and w.jobs_done and rid not in self.backlogged:
+                urgent.append(frames)
+            else:
+                self.backlog.append(frames)
+                self.backlogged[rid] = self.backlogged.get(rid, 0) + 1
+                self.backlog_bytes += _nbytes(frames)
+            if len(urgent) + len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES:
                 break
+        return urgent
+
+    def _handle(self, frames: list) -> None:
+        self._on_frames(frames)
+        if self.training_started_at is None and self.core.started:
+            self.training_started_at = self.clock()
+        self._check_stop()
 
     def _timers(self, now: float) -> None:
         """After each batch: key reloads, the core's tick, the connection table's expiries and

@@ -211,6 +211,12 @@ class ServerTransport:
             except zmq.Again:
                 return
 
+    def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
+        """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
+        before it is queued: dropped then, it costs a bytes comparison and nothing else."""
+        return (conn is not None and conn.hb_raw is not None and len(frames) == 2
+                and len(frames[1]) <= SMALL_MESSAGE and self.conns.repeat_heartbeat(conn, frames[1].bytes, now))
+
     def receive(self, frames: list, now: float, status: Callable[[int], list]) -> Inbound | Count | None:
         """One ROUTER message: what the core is to be fed (:class:`Inbound`), a message that only
         counts (:class:`Count`), or None (a part, a heartbeat repeat, a ``status?`` answered with

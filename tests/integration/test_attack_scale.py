@@ -51,12 +51,19 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     cost a free-worker search and deadline scans over the whole table (now indexes, ps/core.py),
     every heartbeat was decoded, journaled and handed to the core, and the server sent each
     worker a heartbeat every 0.5 s in one burst of 4,000. Now a heartbeat that repeats the one
-    handed on less than a third of the liveness timeout ago is dropped unread
-    (Connections.repeat_heartbeat: two thirds of theirs), the server heartbeats each worker once
-    per max(interval, liveness/3) = 1 s (server_heartbeat_period), in slices between batches of
-    messages. Their joining (4,000 hellos, readys and jobs in about 3 s) is part of the 14 s
-    attack window. Measured here (rate during / before): 0.65-0.69; with the repeats handed on,
-    0.40; with the server heartbeating every 0.5 s, 0.59; with both and a burst per period, 0.15.
+    handed on less than a third of the liveness timeout ago is dropped unread, before it is
+    even queued (Connections.repeat_heartbeat: two thirds of theirs), the server heartbeats each
+    worker once per max(interval, liveness/3) = 1 s (server_heartbeat_period), in slices between
+    batches of messages, and the daemon handles the messages of workers that answer jobs before
+    the others (Daemon._receive_batch: the 4,000 joins otherwise starved the real workers to 0-10
+    updates/s for the 3-6 s they took, libzmq's fair queue putting each reply behind a message
+    of every joining connection). Their joining is part of the 14 s attack window.
+
+    Measured here (rate during / before), on this shared VM whose speed varies about 2x over a
+    day: at a fast time, 0.65-0.69 with the repeats dropped and the heartbeat period (0.40 with
+    the repeats handed on, 0.59 with the server heartbeating every 0.5 s, 0.15 as before); at a
+    slow time, when the same code gave 0.37 (and the code before the transport refactor 0.30)
+    and a CI run failed at 0.42, 0.56-0.67 with the scheduling.
 
     RSS bound 250 MiB: each connection costs libzmq its pipe and stream buffers (tens of KiB),
     plus the worker's record and its job; 4,000 of them measured at about 140 MiB."""

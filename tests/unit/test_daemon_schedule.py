@@ -1,0 +1,77 @@
+"""The daemon's scheduling of what it receives (Daemon._receive_batch): messages of workers
+that answer jobs first, the rest from a bounded backlog, each connection's messages in the
+order it sent them, heartbeat repeats dropped before they are queued."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import algorithms
+from problems import load_problem
+from ps.core import CoreConfig, ServerCore
+from ps.daemon import Daemon
+
+
+class F:
+    """A stand-in for a zmq.Frame: its bytes and length."""
+
+    def __init__(self, b: bytes) -> None:
+        self.bytes = b
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+
+def daemon_with(messages):
+    problem = load_problem("quadratic", {"d": 4})
+    core = ServerCore(algorithms.build("asgd", {"lr": 0.1}), np.zeros(4, np.float32), CoreConfig())
+    d = Daemon(core, problem, "tcp://127.0.0.1:0", shm="off")
+    handled = []
+    d._on_frames = lambda frames: handled.append((frames[0].bytes, frames[1].bytes))
+    it = iter(messages)  # what the socket holds: received once
+    d.transport.pending = lambda: it
+    return d, core, handled
+
+
+def bind(d, core, rid: bytes, wid: str, jobs_done: int) -> None:
+    """Make ``rid`` the live connection of a joined worker that has answered ``jobs_done`` jobs."""
+    from protocol.messages import Hello
+
+    core.handle(wid, Hello(worker_id=wid, boot=1, credit=1), 0.0)
+    c = d.conns.get(rid, 0.0)
+    d.conns.bind(c, wid, "")
+    d.conns.set_live(c, True, 0.0)
+    core.workers[wid].jobs_done = jobs_done
+
+
+def test_workers_that_answer_jobs_go_first_and_each_connection_keeps_its_order():
+    msgs = [[F(b"new"), F(b"hello")], [F(b"idle"), F(b"hb1")], [F(b"real"), F(b"reply1")],
+            [F(b"new"), F(b"ready")], [F(b"real"), F(b"reply2")], [F(b"idle"), F(b"hb2")]]
+    d, core, handled = daemon_with(msgs)
+    try:
+        bind(d, core, b"real", "real", jobs_done=3)
+        bind(d, core, b"idle", "idle", jobs_done=0)
+        d._receive_batch()
+        assert handled[:2] == [(b"real", b"reply1"), (b"real", b"reply2")], "the training worker first"
+        rest = handled[2:]
+        assert [m for r, m in rest if r == b"new"] == [b"hello", b"ready"]
+        assert [m for r, m in rest if r == b"idle"] == [b"hb1", b"hb2"]
+        assert not d.backlog and not d.backlogged and d.backlog_bytes == 0
+    finally:
+        d.close()
+
+
+def test_a_connection_with_backlogged_messages_stays_behind_them():
+    """A worker that became urgent while its earlier messages wait keeps its order: the new
+    message joins the backlog behind them."""
+    d, core, handled = daemon_with([])
+    try:
+        bind(d, core, b"w", "w", jobs_done=1)
+        d.backlog.append([F(b"w"), F(b"old")])
+        d.backlogged[b"w"] = 1
+        it = iter([[F(b"w"), F(b"new")]])
+        d.transport.pending = lambda: it
+        d._receive_batch()
+        assert handled == [(b"w", b"old"), (b"w", b"new")]
+    finally:
+        d.close()
