@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from typing import Callable
 
 import numpy as np
@@ -75,23 +76,150 @@ class ArrayPool:
 POOL = ArrayPool()
 
 
+# Cache blocking. The vector kernels below walk their arrays BLOCK elements at a time and do,
+# per block, exactly the numpy ufunc calls (same operands, same order) that the plain form does
+# over the whole arrays: the ufuncs are elementwise, so every element is rounded the same way and
+# the results are bit-identical; what changes is that a block's intermediate (y after the
+# multiply, the scratch of add_scaled, g for the finiteness dot) is still in cache when the next
+# operation reads it. Below BLOCKED_MIN elements, or for arrays that are not equal-length 1-D
+# vectors, the plain whole-array form runs. Sizes measured with benchmarks/kernels.py on the
+# 2-core test machine (512 KiB L2 per core, 32 MiB L3, memory ~9 GB/s): blocks of 32K-256K
+# float32 were within the machine's noise of each other at d = 1e6-1e7, 32K the slowest (the
+# Python cost per block is about 2-4 us: the ufunc calls, the slices, the BLAS dot); 128K
+# (512 KiB per float32 array, the block's x, g and y in L3) was the best or tied.
+BLOCK = 131072
+BLOCKED_MIN = 2 * BLOCK
+
+
+_local = threading.local()  # per-thread block scratch (a fresh 256-512 KiB malloc per call would fault pages)
+
+
+def _scratch(dtype: np.dtype) -> np.ndarray:
+    """A BLOCK-element scratch array of ``dtype`` for this thread (contents arbitrary)."""
+    cache = _local.__dict__.setdefault("scratch", {})
+    t = cache.get(dtype.str)
+    if t is None or t.shape[0] != BLOCK:
+        t = cache[dtype.str] = np.empty(BLOCK, dtype)
+    return t
+
+
+def _blocked(n: int, *arrays: np.ndarray) -> bool:
+    return n >= BLOCKED_MIN and all(a.ndim == 1 and a.shape[0] == n for a in arrays)
+
+
 def step_into(x: np.ndarray, lr: float, d: np.ndarray) -> np.ndarray:
     """A new read-only iterate ``x - lr·d`` in a pooled buffer.
 
     Bit-identical to ``x - np.asarray(lr, x.dtype) * d`` (fl(x + fl(-lr·d)), and negation is
-    exact), with no temporary: d is read once, x once, the result written once (twice through
-    the cache).
+    exact), with no temporary: per block of BLOCK elements ``np.multiply(d, -lr, out=y)`` then
+    ``np.add(x, y, out=y)``, so d and x are read once and y written once, its block still in
+    cache for the add.
     """
     y = POOL.empty(x.shape, x.dtype)
-    np.multiply(d, np.asarray(-lr, x.dtype), out=y)
-    np.add(x, y, out=y)
+    c = np.asarray(-lr, x.dtype)
+    n = x.shape[0] if x.ndim == 1 else 0
+    if _blocked(n, d):
+        for i in range(0, n, BLOCK):
+            j = i + BLOCK
+            yb = y[i:j]
+            np.multiply(d[i:j], c, out=yb)
+            np.add(x[i:j], yb, out=yb)
+    else:
+        np.multiply(d, c, out=y)
+        np.add(x, y, out=y)
+    y.setflags(write=False)
+    return y
+
+
+def finite(g: np.ndarray) -> bool:
+    """True iff every element of the floating-point array ``g`` is finite (no NaN, no ±Inf).
+
+    Exact, and the same test as ``math.isfinite(np.dot(g, g)) or np.isfinite(g).all()``: one BLAS
+    pass over g, whose dot with itself is finite unless g holds NaN/Inf or the sum of squares
+    overflows; only then is g looked at element by element (so a huge but finite g is still True).
+    Any shape (the dot is taken over ``g.reshape(-1)``)."""
+    v = g.reshape(-1)
+    return math.isfinite(np.dot(v, v)) or bool(np.isfinite(v).all())
+
+
+def step_into_checked(x: np.ndarray, lr: float, g: np.ndarray) -> np.ndarray | None:
+    """``step_into(x, lr, g)`` if ``finite(g)``, else None; one pass over g instead of two.
+
+    Contract: returns None exactly when g holds a NaN or an Inf (the test of :func:`finite`,
+    exact: a finite g whose sum of squares overflows still steps). Otherwise returns a new
+    read-only pooled array bit-identical to ``step_into(x, lr, g)`` (and so to
+    ``x - np.asarray(lr, x.dtype) * g``, computed with the same dtype rules: pass g already in
+    x's dtype if that is what the algorithm would see). x is never written; on None the partly
+    written buffer is dropped, and the pool hands it out again. Blocked like step_into: per block
+    the dot of g's block with itself (and, only if that is not finite, ``np.isfinite`` of the
+    block) while the block is in cache, then the multiply and the add. Stops at the first block
+    that is not finite. Shapes other than equal-length 1-D vectors, and short ones, run
+    ``finite`` then ``step_into``.
+    """
+    n = x.shape[0] if x.ndim == 1 else 0
+    if not _blocked(n, g):
+        return step_into(x, lr, g) if finite(g) else None
+    y = POOL.empty(x.shape, x.dtype)
+    c = np.asarray(-lr, x.dtype)
+    isfinite = math.isfinite
+    for i in range(0, n, BLOCK):
+        j = i + BLOCK
+        gb = g[i:j]
+        if not isfinite(np.dot(gb, gb)) and not np.isfinite(gb).all():
+            return None  # y's last reference goes with this frame: the pool reuses it
+        yb = y[i:j]
+        np.multiply(gb, c, out=yb)
+        np.add(x[i:j], yb, out=yb)
     y.setflags(write=False)
     return y
 
 
 def add_scaled(m: np.ndarray, a: float, g: np.ndarray) -> None:
-    """``m += a·g`` in place, through a pooled scratch buffer instead of a fresh temporary;
-    bit-identical to ``m += np.asarray(a, m.dtype) * g``."""
+    """``m += a·g`` in place, without an array-sized temporary; bit-identical to
+    ``m += np.asarray(a, m.dtype) * g``: per block ``np.multiply(g, a, out=t)`` into a block-sized
+    scratch then ``m += t`` (the plain form below BLOCKED_MIN, through a pooled scratch)."""
+    c = np.asarray(a, m.dtype)
+    n = m.shape[0] if m.ndim == 1 else 0
+    if _blocked(n, g) and (g is m or not np.may_share_memory(m, g)):
+        t = _scratch(m.dtype)
+        for i in range(0, n, BLOCK):
+            j = i + BLOCK
+            mb = m[i:j]
+            tb = t[:mb.shape[0]]
+            np.multiply(g[i:j], c, out=tb)
+            np.add(mb, tb, out=mb)
+        return
     t = POOL.empty(m.shape, m.dtype)
-    np.multiply(g, np.asarray(a, m.dtype), out=t)
+    np.multiply(g, c, out=t)
     m += t
+
+
+def momentum_step(x: np.ndarray, lr: float, m: np.ndarray, c: float, a: float, g: np.ndarray) -> np.ndarray:
+    """``m *= c; add_scaled(m, a, g); return step_into(x, lr, m)`` in one blocked pass.
+
+    Bit-identical to those three calls (``m *= np.asarray(c, m.dtype)``, then
+    ``m += np.asarray(a, m.dtype) * g``, then ``x - np.asarray(lr, x.dtype) * m``): per block the
+    same five ufunc calls in that order, so m's block is read and written once and the new
+    iterate's block written once. m is updated in place; the new read-only iterate is returned
+    in a pooled buffer. Falls back to the three calls below BLOCKED_MIN, for other shapes, or
+    when m shares memory with x or g."""
+    n = m.shape[0] if m.ndim == 1 else 0
+    if not (_blocked(n, x, g) and not np.may_share_memory(m, g) and not np.may_share_memory(m, x)):
+        m *= np.asarray(c, m.dtype)
+        add_scaled(m, a, g)
+        return step_into(x, lr, m)
+    cm, ca, cl = np.asarray(c, m.dtype), np.asarray(a, m.dtype), np.asarray(-lr, x.dtype)
+    y = POOL.empty(x.shape, x.dtype)
+    t = _scratch(m.dtype)
+    for i in range(0, n, BLOCK):
+        j = i + BLOCK
+        mb = m[i:j]
+        tb = t[:mb.shape[0]]
+        yb = y[i:j]
+        np.multiply(mb, cm, out=mb)
+        np.multiply(g[i:j], ca, out=tb)
+        np.add(mb, tb, out=mb)
+        np.multiply(mb, cl, out=yb)
+        np.add(x[i:j], yb, out=yb)
+    y.setflags(write=False)
+    return y
