@@ -29,11 +29,20 @@ Everything else (the greeting's version and security mechanism, CURVE, the proto
 daemon's: the front forwards the daemon's bytes untouched and parses only what it must.
 Per connection the front holds at most ``CHUNK`` bytes in each direction (it reads a side
 only when what it read before has been written to the other side).
+
+On Linux the bytes that need no parsing (everything the daemon sends, and the body of a frame
+whose header the front has read) move with ``splice(2)`` through one pipe the front shares
+between all connections, so they are never copied into the process: at most ``CHUNK`` bytes
+are spliced from a socket into the pipe, then at once from the pipe to the other socket; what
+that socket does not take is read out of the pipe into the connection's buffer, so the pipe is
+empty between calls and holds no connection's bytes. Where splice is missing or refused
+(``EINVAL`` for a socket type), the front reads and writes through its own buffer instead.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import select
@@ -53,6 +62,10 @@ DRAIN_S = 10.0  # after a client went: how long to wait for the daemon to close 
 MAX_COMMAND_BYTES = 64 * 1024  # a NULL-mechanism command (READY with metadata, PING, ...)
 CURVE_OVERHEAD = 64  # a CURVE MESSAGE box around a frame: command name, nonce, MAC, flags
 CUT_LOG_INTERVAL_S = 1.0  # one log line per this interval for cut connections (the rest counted)
+SPLICE_MIN = 16 * 1024  # a frame body at least this long still to pass is spliced, not read
+SPLICE_ROUNDS = 4  # splices of CHUNK bytes one connection's direction may take per event
+_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
+_NO_SPLICE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # refused: read instead
 
 
 class Cut(Exception):
@@ -204,7 +217,7 @@ class Front:
     """
 
     def __init__(self, listener: socket.socket, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, splice: bool = True) -> None:
         self.listener = listener
         listener.setblocking(False)
         self.limits = limits
@@ -221,6 +234,8 @@ class Front:
         self.accept_paused_until = 0.0
         self.draining: set[_Pair] = set()
         self.view = memoryview(bytearray(CHUNK))  # every read lands here; only an unsent rest is copied
+        self.pipe: tuple[int, int] | None = _open_pipe() if splice else None  # shared, empty between calls
+        self.spliced = 0  # bytes moved by splice (both directions)
 
     # ---------------------------------------------------------------- set-up
     def watch(self, fd: int, callback: Callable[[], None]) -> None:
@@ -302,6 +317,7 @@ class Front:
     def close(self) -> None:
         self.set_backend(None)
         self.ep.close()
+        self._no_splice(None)
 
     # ---------------------------------------------------------------- connections
     def _accept(self) -> None:
@@ -359,6 +375,8 @@ class Front:
 
     def _read_client(self, p: _Pair) -> None:
         parser = p.parser
+        if parser.skip >= SPLICE_MIN and self.pipe is not None and self._splice_body(p):
+            return
         try:
             n = p.c.recv_into(self.view, CHUNK)
         except OSError as e:
@@ -398,7 +416,98 @@ class Front:
             p.up = bytes(p.up[n:]) if n < len(p.up) else b""  # the rest leaves the shared buffer
         self._mask(p)
 
+    def _splice_body(self, p: _Pair) -> bool:
+        """Splice the next bytes of a frame body to the daemon (never past the body: the next
+        header is read, and parsed, in userspace). False: splice was refused."""
+        parser = p.parser
+        for _ in range(SPLICE_ROUNDS):
+            want = min(parser.skip, CHUNK)
+            n = self._splice_in(p.cfd, want)
+            if n is None:
+                return False
+            if n < 0:
+                break
+            if not n:
+                self._client_gone(p)
+                return True
+            parser.skip -= n  # a body changes nothing the bounds count
+            self.spliced += n
+            p.up, failed = self._splice_out(p.dfd, n)
+            if failed:
+                self._daemon_gone(p)
+                return True
+            if p.up or n < want or parser.skip < SPLICE_MIN:
+                break
+        self._mask(p)
+        return True
+
+    def _splice_in(self, fd: int, count: int) -> int | None:
+        """Splice at most ``count`` bytes from ``fd`` into the (empty) pipe: how many (0: EOF or
+        an error, the side is gone), -1 for nothing yet, None where splice is refused."""
+        try:
+            return os.splice(fd, self.pipe[1], count, flags=_SPLICE_FLAGS)
+        except OSError as e:
+            if e.errno in _SOFT_ERRORS:
+                return -1
+            if e.errno in _NO_SPLICE:
+                self._no_splice(e)
+                return None
+            return 0
+
+    def _splice_out(self, fd: int, n: int) -> tuple[bytes, bool]:
+        """Move the ``n`` bytes in the pipe to ``fd``. Returns what ``fd`` did not take (read
+        back out of the pipe, which is empty again) and whether writing ``fd`` failed."""
+        sent, failed, refused = 0, False, None
+        try:
+            sent = os.splice(self.pipe[0], fd, n, flags=_SPLICE_FLAGS)
+        except OSError as e:
+            if e.errno in _NO_SPLICE:
+                refused = e
+            elif e.errno not in _SOFT_ERRORS:
+                failed = True
+        rest = b""
+        while len(rest) < n - sent:  # the pipe holds exactly these bytes: each read returns some
+            chunk = os.read(self.pipe[0], n - sent - len(rest))
+            if not chunk:
+                raise RuntimeError("the front's pipe held fewer bytes than were spliced into it")
+            rest += chunk
+        if refused is not None:
+            self._no_splice(refused)
+        return rest, failed
+
+    def _no_splice(self, e: OSError | None) -> None:
+        """Stop splicing (every connection goes on through the front's buffer)."""
+        if e is not None:
+            log.warning("splice refused (%s): relaying through the front's buffer", os.strerror(e.errno))
+        if self.pipe is not None:
+            for fd in self.pipe:
+                os.close(fd)
+            self.pipe = None
+
+    def _splice_down(self, p: _Pair) -> bool:
+        """Splice what the daemon sent to the client. False: splice was refused."""
+        for _ in range(SPLICE_ROUNDS):
+            n = self._splice_in(p.dfd, CHUNK)
+            if n is None:
+                return False
+            if n < 0:
+                break
+            if not n:
+                self._daemon_gone(p)
+                return True
+            self.spliced += n
+            p.down, failed = self._splice_out(p.cfd, n)
+            if failed:
+                self._client_gone(p)
+                return True
+            if p.down or n < CHUNK:
+                break
+        self._mask(p)
+        return True
+
     def _read_daemon(self, p: _Pair) -> None:
+        if p.c is not None and self.pipe is not None and self._splice_down(p):
+            return
         try:
             n = p.d.recv_into(self.view, CHUNK)
         except OSError as e:
@@ -491,6 +600,23 @@ class Front:
                     pass
                 s.close()
                 setattr(p, attr, None)
+
+
+def _open_pipe() -> tuple[int, int] | None:
+    """The pipe the front splices through (non-blocking, ``CHUNK`` bytes where the system lets
+    a pipe grow that far); None without splice."""
+    if not hasattr(os, "splice"):
+        return None
+    try:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning("no pipe to splice through (%s): relaying through the front's buffer", e)
+        return None
+    try:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, CHUNK)
+    except (OSError, AttributeError):
+        pass  # a smaller pipe moves less per call
+    return r, w
 
 
 def _keepalive(s: socket.socket) -> None:

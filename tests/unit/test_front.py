@@ -3,8 +3,12 @@ against a plain Unix socket standing in for the daemon."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -12,7 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ps.front import Cut, Front, InboundParser, Limits, endpoint_of, listen
+from ps import front as front_module
+from ps.front import CHUNK, SPLICE_MIN, Cut, Front, InboundParser, Limits, endpoint_of, listen
 from tests.integration.zmtp_raw import COMMAND, LONG, MORE, command, frame_header, greeting, ready
 
 LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100_000, max_frames=17,
@@ -81,7 +86,7 @@ def test_under_curve_frames_are_bounded_one_by_one():
 class Relay:
     """A Front between a TCP listener and a Unix socket we hold the other end of (the daemon)."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, splice: bool = True, limits: Limits = LIMITS) -> None:
         self.backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path = str(tmp_path / "d.sock")
         self.backend.bind(self.path)
@@ -89,8 +94,18 @@ class Relay:
         self.backend.settimeout(5)
         self.listener = listen("tcp://127.0.0.1:0")
         self.endpoint = endpoint_of(self.listener, "tcp://127.0.0.1:0")
-        self.front = Front(self.listener, LIMITS)
+        self.front = Front(self.listener, limits, splice=splice)
         self.front.set_backend(self.path)
+        self.stop = threading.Event()
+        self.resume()
+
+    def pause(self) -> None:
+        """Stop the loop (between two events: nothing is half-relayed) to look at the front."""
+        self.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+    def resume(self) -> None:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
@@ -115,9 +130,9 @@ class Relay:
         self.backend.close()
 
 
-@pytest.fixture
-def relay(tmp_path):
-    r = Relay(tmp_path)
+@pytest.fixture(params=[True, False], ids=["splice", "buffer"])
+def relay(tmp_path, request):
+    r = Relay(tmp_path, splice=request.param)
     try:
         yield r
     finally:
@@ -132,12 +147,12 @@ def wait_until(cond, timeout: float = 5.0) -> None:
 
 
 def recv_exactly(s: socket.socket, n: int) -> bytes:
-    buf = b""
+    buf = bytearray()
     while len(buf) < n:
-        chunk = s.recv(n - len(buf))
+        chunk = s.recv(min(n - len(buf), 1 << 20))
         assert chunk, f"closed after {len(buf)} of {n} bytes"
         buf += chunk
-    return buf
+    return bytes(buf)
 
 
 def test_bytes_pass_both_ways_untouched(relay):
@@ -201,3 +216,133 @@ def test_all_unfinished_messages_together_are_bounded(relay):
     assert relay.front.pending == 50_000
     for s in (c1, c2, d1, d2, d3):
         s.close()
+
+
+# --------------------------------------------------------------------------- splice
+
+def spliced_is_used(relay) -> bool:
+    return relay.front.pipe is not None
+
+
+def pipe_is_empty(front: Front) -> bool:
+    if front.pipe is None:
+        return True
+    held = struct.unpack("i", fcntl.ioctl(front.pipe[0], termios.FIONREAD, b"\0\0\0\0"))[0]
+    return held == 0
+
+
+def send_in_thread(s: socket.socket, data: bytes) -> threading.Thread:
+    t = threading.Thread(target=s.sendall, args=(data,), daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "buffer"])
+def test_large_frames_pass_intact_both_ways(tmp_path, splice):
+    """The body of a large frame is spliced (without splice: copied) once its header is parsed,
+    and the headers after it are parsed again: the bytes arrive in order, unchanged."""
+    big = Limits(b"NULL", 8_000_000, 8_100_000, 17, 16_000_000)
+    relay = Relay(tmp_path, splice=splice, limits=big)
+    try:
+        c, d = relay.client()
+        frame = os.urandom(4_000_000)
+        up = wire([[b"h" * 100, frame], [b"x" * 5000], [b"h" * 100, frame[::-1]]])
+        t = send_in_thread(c, up)
+        assert recv_exactly(d, len(up)) == up
+        t.join(5)
+        down = os.urandom(3 * CHUNK + 12_345)
+        t = send_in_thread(d, down)
+        assert recv_exactly(c, len(down)) == down
+        t.join(5)
+        relay.pause()
+        p = next(iter(relay.front.pairs.values()))
+        assert (p.parser.skip, p.parser.header_need, p.parser.unfinished, p.parser.frames) == (0, 0, 0, 0)
+        assert relay.front.pending == 0
+        if splice:  # all of down and each big body but what the read of its header took
+            assert relay.front.spliced >= len(down) + 2 * (len(frame) - CHUNK)
+            assert pipe_is_empty(relay.front)
+        else:
+            assert relay.front.spliced == 0
+    finally:
+        relay.close()
+
+
+def test_a_bound_is_cut_after_a_spliced_body(relay):
+    """The header after a spliced body is parsed: the second 60,000-byte frame of one message
+    passes max_message_bytes and the client is cut; what the daemon got is exactly what came before."""
+    c, d = relay.client()
+    head = greeting() + ready() + frame_header(60_000, MORE)
+    c.sendall(head + bytes(100))
+    recv_exactly(d, len(head) + 100)
+    body = os.urandom(59_900)  # skip >= SPLICE_MIN: spliced
+    c.sendall(body)
+    assert recv_exactly(d, len(body)) == body
+    assert relay.front.spliced == (len(body) if spliced_is_used(relay) else 0)
+    c.sendall(frame_header(60_000, MORE) + bytes(SPLICE_MIN))
+    with pytest.raises(ConnectionResetError):
+        while c.recv(65536):
+            pass
+    assert d.recv(65536) == b""  # EOF: nothing of the frame that broke the bound
+    d.close()
+    assert relay.front.cut == 1
+    wait_until(lambda: relay.front.pending == 0)
+
+
+def test_a_side_that_does_not_read_leaves_at_most_chunk_in_the_front(relay):
+    """A daemon (or client) that does not read: what its socket did not take is held in the
+    connection's buffer, at most CHUNK bytes, and the shared pipe is empty; then all of it passes."""
+    c, d = relay.client()
+    up = wire([[os.urandom(70_000)] for _ in range(60)])  # 4.2 MB: more than the sockets hold
+    t_up = send_in_thread(c, up)
+    down = os.urandom(16_000_000)  # the kernel's TCP buffers on loopback take several MB
+    t_down = send_in_thread(d, down)
+    p = next(iter(relay.front.pairs.values()))
+    wait_until(lambda: p.up and p.down)  # both directions are stopped at a side that does not read
+    relay.pause()
+    assert 0 < len(p.up) <= CHUNK and 0 < len(p.down) <= CHUNK
+    assert pipe_is_empty(relay.front)
+    relay.resume()
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("down", recv_exactly(c, len(down))), daemon=True)
+    reader.start()
+    assert recv_exactly(d, len(up)) == up
+    reader.join(10)
+    assert got["down"] == down
+    t_up.join(5)
+    t_down.join(5)
+
+
+@pytest.mark.parametrize("where", ["in", "out"])
+def test_a_refused_splice_falls_back_to_the_buffer(tmp_path, monkeypatch, where):
+    """EINVAL (a socket type splice does not serve) from the socket into the pipe, or from the
+    pipe to the socket (bytes are in the pipe then: they are read back out): the front stops
+    splicing and relays the same bytes through its buffer."""
+    real = os.splice
+    calls = []
+
+    def refusing(src, dst, count, *args, **kw):
+        calls.append((src, dst))
+        into_pipe = relay.front.pipe is not None and dst == relay.front.pipe[1]
+        if into_pipe == (where == "in"):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(src, dst, count, *args, **kw)
+
+    monkeypatch.setattr(front_module.os, "splice", refusing)
+    relay = Relay(tmp_path, splice=True)
+    try:
+        assert relay.front.pipe is not None
+        c, d = relay.client()
+        down = os.urandom(CHUNK + 1000)
+        t = send_in_thread(d, down)
+        assert recv_exactly(c, len(down)) == down
+        t.join(5)
+        up = wire([[os.urandom(60_000)] for _ in range(5)])
+        c.sendall(up)
+        assert recv_exactly(d, len(up)) == up
+        assert relay.front.pipe is None and calls
+        if where == "in":
+            assert relay.front.spliced == 0
+        else:  # the first splice into the pipe worked; its bytes were read back and sent from the buffer
+            assert 0 < relay.front.spliced <= CHUNK
+    finally:
+        relay.close()
