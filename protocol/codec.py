@@ -7,6 +7,11 @@ is handed to pyzmq; no copy on receive: ``np.frombuffer`` over the frame's buffe
 ``decode`` is where trust stops. It accepts anything (bytes, memoryviews, zmq.Frame objects)
 and either returns a fully validated message or raises :class:`RemoteProtocolError`, never
 anything else. No pickle, no ``np.dtype()`` on peer strings.
+
+Both directions try the fast path first (protocol/fastcodec.py: msgspec structs for ``job``,
+``reply``, ``hb`` and ``ready``), which accepts or declines and never decides an error; what
+it declines goes through :func:`decode_reference` / :func:`encode_reference`, the schema
+below, which define the result.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import msgpack
 import numpy as np
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError, UnsupportedVersion
+from protocol.fastcodec import decode_fast, encode_fast
 from protocol.messages import (
     ALLOWED_DTYPES,
     DEFAULT_MAX_ARRAY_BYTES,
@@ -267,6 +273,12 @@ def encode(msg: Any) -> list[Any]:
     Raises:
         LocalProtocolError: the message is not valid (a bug in the caller).
     """
+    fast = encode_fast(msg)  # job, reply, hb, ready: the same bytes, checked in C (protocol/fastcodec.py)
+    return fast if fast is not None else encode_reference(msg)
+
+
+def encode_reference(msg: Any) -> list[Any]:
+    """What :func:`encode` returns, by the schema alone (the fast path's reference)."""
     cls = type(msg)
     schema = _SCHEMA.get(cls)
     if schema is None:
@@ -416,6 +428,20 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
     Raises:
         RemoteProtocolError: for anything that is not a valid message, and only that.
     """
+    try:
+        n = len(frames)
+    except TypeError:
+        raise RemoteProtocolError("frames is not a sequence") from None
+    if not 1 <= n <= 1 + MAX_ARRAYS:
+        raise RemoteProtocolError(f"message has {n} frames (1..{1 + MAX_ARRAYS} allowed)")
+    msg = decode_fast(frames, max_array_bytes)  # job, reply, hb, ready, when valid (protocol/fastcodec.py)
+    return msg if msg is not None else decode_reference(frames, max_array_bytes=max_array_bytes, payload=payload)
+
+
+def decode_reference(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES,
+                     payload: Callable[[int, int], Any] | None = None) -> Any:
+    """What :func:`decode` returns or raises, by the schema alone: every rule of PROTOCOL.md
+    §10 and the error that names the first one broken (the fast path's reference)."""
     try:
         n = len(frames)
     except TypeError:
