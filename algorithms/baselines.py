@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
-from algorithms._pool import add_scaled, step_into
+from algorithms._pool import momentum_step, step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 
 
@@ -126,12 +126,9 @@ class NaiveMomentumASGD(PerReplyAlgorithm):
 
     def apply(self, state: MomentumState, results: Sequence[Result]):
         applied, ages = [], []
-        dt = state.m.dtype
         for r in results:
             ages.append(state.version - r.created_at)
-            state.m *= np.asarray(1.0 - self.beta, dt)
-            add_scaled(state.m, self.beta, r.grads[0])
-            state.x = step_into(state.x, self.lr, state.m)
+            state.x = momentum_step(state.x, self.lr, state.m, 1.0 - self.beta, self.beta, r.grads[0])
             state.version += 1
             applied.append(r.job_id)
         return state, Outcome(applied=tuple(applied), updated=bool(applied), ages=tuple(ages))

@@ -12,7 +12,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from algorithms._common import frozen, grad_job
-from algorithms._pool import add_scaled, step_into
+from algorithms._pool import add_scaled, momentum_step, step_into
 from algorithms.base import JobSpec, Outcome, Result, check_hyper
 from algorithms.baselines import PerReplyAlgorithm, check_choice
 from protocol.messages import JobKind
@@ -108,9 +108,13 @@ class OrderedMomentum(PerReplyAlgorithm):
         else:
             for r in results:
                 age = state.version - r.created_at
-                state.m *= np.asarray(1.0 - self.beta, dt)
-                add_scaled(state.m, self._weight(age, dt), r.grads[0])
-                self._step(state, [(age, r.grads[0])])
+                if not self.catch_up:  # the three passes below in one (bit-identical)
+                    state.x = momentum_step(state.x, self.lr, state.m, 1.0 - self.beta, self._weight(age, dt),
+                                            r.grads[0])
+                else:
+                    state.m *= np.asarray(1.0 - self.beta, dt)
+                    add_scaled(state.m, self._weight(age, dt), r.grads[0])
+                    self._step(state, [(age, r.grads[0])])
                 state.version += 1
                 applied.append(r.job_id)
                 ages.append(age)

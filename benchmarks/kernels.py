@@ -4,9 +4,9 @@ Milliseconds per call, float32, of: the plain two-pass ``step_into`` (numpy over
 as before cache blocking) against the blocked one; the core's finiteness check followed by the
 plain step (``math.isfinite(np.dot(g, g))`` then step) against the fused ``step_into_checked``;
 ``add_scaled`` plain against blocked; the momentum update ``m *= c; add_scaled(m, a, g);
-step_into(x, lr, m)`` with the plain helpers against the fused ``momentum_step``; and the ``vector passes`` reference of benchmarks/bench.py
-(``torch.add(x, g, alpha=-lr, out=y)``, one thread; fused multiply-add, so not bit-identical and
-not used by the server). Two cache states:
+step_into(x, lr, m)`` with the plain helpers against the fused ``momentum_step``; and the
+``vector passes`` reference of benchmarks/bench.py (``torch.add(x, g, alpha=-lr, out=y)``, one
+thread; fused multiply-add, so not bit-identical and not used by the server). Two cache states:
 
 * warm: the same x, g and output buffer every call (as benchmarks/reference.py times the
   reference): everything at d <= 1e6 is in L3;

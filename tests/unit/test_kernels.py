@@ -231,3 +231,30 @@ def test_refused_step_hands_its_buffer_back(small_block, pool, monkeypatch):
         momentum_step(x, 0.1, np.ones_like(x), 0.5, 0.5, x)
     add_scaled(np.ones_like(x), 0.5, x)
     assert pool.allocated == 3  # results dropped at once: the same buffers come round
+
+
+def test_the_momentum_methods_step_as_the_plain_formulas_say(small_block):
+    """The call sites that use momentum_step (momentum ASGD, ordered momentum per reply), at a
+    size that takes the blocked path, against the update written out with whole-array numpy."""
+    from algorithms.base import Result
+    from algorithms.baselines import NaiveMomentumASGD
+    from algorithms.ordered import OrderedMomentum
+    from protocol.messages import JobKind
+
+    d, lr, beta = 5 * SMALL_B + 9, 0.01, 0.3
+    for alg in (NaiveMomentumASGD(lr=lr, beta=beta), OrderedMomentum(lr=lr, beta=beta)):
+        rng = np.random.default_rng(8)
+        state, _ = alg.init(_vec(rng, d, np.float32), seed=0)
+        x, m = state.x.copy(), state.m.copy()
+        for k in range(6):
+            age = k % 3 if k >= 2 else 0
+            g = _vec(rng, d, np.float32)
+            r = Result(job_id=k, worker_id="w", created_at=state.version - age, kind=JobKind.GRAD,
+                       iterate_ids=(state.version - age,), grads=(g,))
+            state, _ = alg.apply(state, [r])
+            w = beta if isinstance(alg, NaiveMomentumASGD) else beta * (1.0 - beta) ** age
+            m = m * np.asarray(1.0 - beta, np.float32)
+            m = plain_add_scaled(m, w, g)
+            x = plain_step(x, lr, m)
+            _same(state.m, m)
+            _same(state.x, x)
