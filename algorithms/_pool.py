@@ -138,7 +138,7 @@ def finite(g: np.ndarray) -> bool:
     pass over g, whose dot with itself is finite unless g holds NaN/Inf or the sum of squares
     overflows; only then is g looked at element by element (so a huge but finite g is still True).
     Any shape (the dot is taken over ``g.reshape(-1)``)."""
-    v = g.reshape(-1)
+    v = g if g.ndim == 1 else g.reshape(-1)
     return math.isfinite(np.dot(v, v)) or bool(np.isfinite(v).all())
 
 
