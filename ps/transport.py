@@ -65,8 +65,9 @@ from ps.connections import (
 )
 from ps.endpoints import needs_ipv6
 from ps.persist import reply_from_wire
+from worker.sockio import recv_frames, send_frames
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
@@ -207,7 +208,7 @@ class ServerTransport:
         """What the socket holds now, one ROUTER message (its frames) at a time."""
         while self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
             try:
-                yield self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                yield recv_frames(self.sock, _NOBLOCK)
             except zmq.Again:
                 return
 
@@ -411,7 +412,7 @@ class ServerTransport:
 
     def send_frames(self, rid: bytes, frames: list) -> bool:
         try:
-            self.sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
+            send_frames(self.sock, [rid, *frames], _NOBLOCK)
             return True
         except zmq.Again:
             self.send_failures += 1
