@@ -193,7 +193,8 @@ _IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPO
 class _Pair:
     """One client connection and the front's connection to the daemon for it."""
 
-    __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask")
+    __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
+                 "short")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser) -> None:
         self.c: socket.socket | None = c
@@ -205,6 +206,7 @@ class _Pair:
         self.closing_since: float | None = None  # the client went; draining the daemon side
         self.pending = 0  # this pair's share of Front.pending
         self.cmask = self.dmask = select.EPOLLIN  # what each side is registered for
+        self.short = False  # the client sends large frames: read SPLICE_MIN at a time, splice their bodies
 
 
 class Front:
@@ -377,8 +379,10 @@ class Front:
         parser = p.parser
         if parser.skip >= SPLICE_MIN and self.pipe is not None and self._splice_body(p):
             return
+        # after a spliced body, read little more than the next headers: a large body is spliced
+        want = SPLICE_MIN if p.short and self.pipe is not None else CHUNK
         try:
-            n = p.c.recv_into(self.view, CHUNK)
+            n = p.c.recv_into(self.view, want)
         except OSError as e:
             if e.errno in _SOFT_ERRORS:
                 return
@@ -400,6 +404,8 @@ class Front:
             if delta > 0 and self.pending > self.limits.max_pending_bytes:
                 self._cut(p, f"all connections' unfinished messages passed {self.limits.max_pending_bytes} bytes")
                 return
+        if n == want and p.short and parser.skip < SPLICE_MIN:
+            p.short = False  # small frames queue up: read them CHUNK at a time again
         p.up = data
         self._write_daemon(p)
 
@@ -420,6 +426,7 @@ class Front:
         """Splice the next bytes of a frame body to the daemon (never past the body: the next
         header is read, and parsed, in userspace). False: splice was refused."""
         parser = p.parser
+        p.short = True
         for _ in range(SPLICE_ROUNDS):
             want = min(parser.skip, CHUNK)
             n = self._splice_in(p.cfd, want)
