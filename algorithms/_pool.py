@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from typing import Callable
 
 import numpy as np
@@ -91,12 +90,14 @@ BLOCK = 131072
 BLOCKED_MIN = 2 * BLOCK
 
 
-_local = threading.local()  # per-thread block scratch (a fresh 256-512 KiB malloc per call would fault pages)
+# Block scratch, one per dtype (a fresh 256-512 KiB malloc per call would fault pages). Like
+# POOL, it belongs to the one thread that runs the core (the daemon's loop, the simulator).
+_SCRATCH: dict[str, np.ndarray] = {}
 
 
 def _scratch(dtype: np.dtype) -> np.ndarray:
-    """A BLOCK-element scratch array of ``dtype`` for this thread (contents arbitrary)."""
-    cache = _local.__dict__.setdefault("scratch", {})
+    """A BLOCK-element scratch array of ``dtype`` (contents arbitrary)."""
+    cache = _SCRATCH
     t = cache.get(dtype.str)
     if t is None or t.shape[0] != BLOCK:
         t = cache[dtype.str] = np.empty(BLOCK, dtype)

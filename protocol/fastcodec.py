@@ -203,10 +203,9 @@ def decode_fast(frames: Any, max_array_bytes: int) -> Any:
 # --------------------------------------------------------------------------- encode
 
 def _w(v: Any) -> Any:
-    """A field's value as the reference encoder puts it in the header (``_wire_value``)."""
-    if isinstance(v, tuple):
-        return [_w(x) for x in v]
-    return int(v) if isinstance(v, (JobKind, ErrorCode)) else v
+    """A list of ids as the header holds it. Its items are left as they are: anything but plain
+    integers fails the struct check, and the reference encoder decides."""
+    return list(v) if type(v) is tuple else v
 
 
 def _header(msg: Any) -> dict | None:
@@ -222,7 +221,7 @@ def _header(msg: Any) -> dict | None:
             h["xfer"] = msg.xfer
         return h
     if cls is Job:
-        h = {"v": PROTOCOL_VERSION, "t": "job", "job_id": msg.job_id, "kind": _w(msg.kind),
+        h = {"v": PROTOCOL_VERSION, "t": "job", "job_id": msg.job_id, "kind": int(msg.kind) if isinstance(msg.kind, JobKind) else msg.kind,
              "created_at": msg.created_at, "iterate_ids": _w(msg.iterate_ids), "seed": msg.seed,
              "batch_size": msg.batch_size, "shard": _w(msg.shard),
              "deadline": msg.deadline, "point_ids": _w(msg.point_ids)}
