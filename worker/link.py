@@ -52,7 +52,16 @@ from protocol.wire import from_wire, to_wire
 from worker.identity import claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no enum per call
+# Plain ints: no enum per call.
+_EVENTS, _POLLIN, _RCVTIMEO = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO)
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+# pyzmq's own send (Cython), without the Python wrapper zmq.Socket.send puts around it for the
+# draft routing_id/group arguments; send_multipart adds a type check and that wrapper per frame.
+_SEND = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket.send
+# Frames below this size are copied into the message: pyzmq's zero-copy path costs a Frame, a
+# free callback and a hand-off to its garbage-collection thread per frame, more than a memcpy.
+ZEROCOPY_MIN = 1 << 20
+_F32 = np.dtype(np.float32)
 log = logging.getLogger("latecomer.worker")
 EXIT_PROBLEM_UNAVAILABLE = 3  # exit status of `latecomer work` when the server's problem cannot be loaded here
 
@@ -149,6 +158,9 @@ class Worker:
         self.stopping: str | None = None
         self.failure: str | None = None  # why the worker stops on its own failure (its problem cannot be loaded)
         self.sock: zmq.Socket | None = None
+        self.rcvtimeo = -1  # the socket's RCVTIMEO (ms), set only when it changes
+        self.poller: zmq.Poller | None = None
+        self.poller_for: tuple | None = None  # (socket, compute thread) the poller watches
 
     # ------------------------------------------------------------------ socket
     def _connect(self) -> None:
@@ -174,16 +186,18 @@ class Worker:
         s.ipv6 = self.cfg.server.startswith("tcp://[")  # an IPv6 literal (ps/endpoints.py needs_ipv6)
         s.connect(self.cfg.server)
         self.sock = s
+        self.rcvtimeo = -1
         self.welcomed = False
 
     def _send(self, msg: Any) -> bool:
+        sock = self.sock
         try:
-            if self.parts_ok and isinstance(msg, Reply) and sum(g.nbytes for g in msg.grads) > CHUNK_THRESHOLD:
+            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
                 for frames in split(msg, self.next_xfer):  # large gradients: parts, then the reply
-                    self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    _send_frames(sock, frames)
                 return True
-            self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            _send_frames(sock, encode(msg))
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
@@ -211,59 +225,96 @@ class Worker:
 
     def run(self) -> str:
         self._connect()
-        poller, poller_for = zmq.Poller(), None
-        last_contact = self.clock()  # last message from a server
-        backoff = self.cfg.backoff_s
-        next_hello = self.clock()
-        next_hb = self.clock()
+        now = self.clock()
+        self.last_contact = now  # last message from a server
+        self.backoff = self.cfg.backoff_s
+        self.next_hello = self.next_hb = now
         try:
             while self.stopping is None:
-                now = self.clock()
-                if not self.welcomed and now >= next_hello:
-                    self._hello()
-                    next_hello = now + backoff
-                    backoff = min(backoff * 2, self.cfg.backoff_max_s)
-                if self.welcomed and now >= next_hb:
-                    self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=self._busy(),
-                                         seen=self.seen))
-                    next_hb = now + self.hb_interval
-                if now - last_contact > self.liveness and self.welcomed:
-                    log.warning("server silent for %.1f s: reconnecting", now - last_contact)
-                    self._connect()
-                    next_hello = now
-                    backoff = self.cfg.backoff_s
-                if self.cfg.give_up_s is not None and now - last_contact > self.cfg.give_up_s:
-                    self.stopping = f"no server for {self.cfg.give_up_s:g} s"
+                timeout_ms = self._timers()
+                if self.stopping is not None:
                     break
-                if poller_for != (self.sock, self.compute):  # rebuilt only on reconnect or a new problem
-                    poller = zmq.Poller()
-                    poller.register(self.sock, zmq.POLLIN)
-                    if self.compute is not None:
-                        poller.register(self.compute.wake_r, zmq.POLLIN)
-                    poller_for = (self.sock, self.compute)
-                wake = min(next_hb if self.welcomed else next_hello, now + 0.1)
-                ready = dict(poller.poll(max(0, int((wake - now) * 1000)) + 1))
-                if self.sock in ready:
-                    for _ in range(64):
-                        if not self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
-                            break
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        last_contact = self.clock()
-                        self._on_frames(frames)
-                        if self.welcomed:
-                            backoff = self.cfg.backoff_s
-                if self.compute is not None and self.compute.wake_r in ready:
-                    self.compute.drain_wakeups()
-                if self.compute is not None and (self.compute.outbox or self.unsent):
+                compute = self.compute
+                # Nothing can come from the compute thread (no problem loading, no job on it, no
+                # result waiting): then a blocking receive with a timeout, one poll syscall per
+                # message, instead of a zmq_poll of the socket and the wake-up pipe (four).
+                # pending drops only after a result is in the outbox (runner.py), so this order
+                # of the two reads never misses one.
+                if compute is None or (self.loaded and compute.pending == 0 and not compute.outbox):
+                    self._receive_one(timeout_ms)
+                else:
+                    self._poll(timeout_ms)
+                    compute = self.compute
+                if compute is not None and (compute.outbox or self.unsent):
                     self._send_results()
                 if self.cfg.max_jobs is not None and self.replies_sent >= self.cfg.max_jobs:
                     self.stopping = f"did {self.replies_sent} jobs"
         finally:
             self._close()
         return self.stopping or "stopped"
+
+    def _timers(self) -> int:
+        """Hello (with backoff), heartbeat, liveness and give-up; returns the receive timeout (ms)."""
+        now = self.clock()
+        if not self.welcomed and now >= self.next_hello:
+            self._hello()
+            self.next_hello = now + self.backoff
+            self.backoff = min(self.backoff * 2, self.cfg.backoff_max_s)
+        if self.welcomed and now >= self.next_hb:
+            self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=self._busy(), seen=self.seen))
+            self.next_hb = now + self.hb_interval
+        if now - self.last_contact > self.liveness and self.welcomed:
+            log.warning("server silent for %.1f s: reconnecting", now - self.last_contact)
+            self._connect()
+            self.next_hello = now
+            self.backoff = self.cfg.backoff_s
+        if self.cfg.give_up_s is not None and now - self.last_contact > self.cfg.give_up_s:
+            self.stopping = f"no server for {self.cfg.give_up_s:g} s"
+        wake = min(self.next_hb if self.welcomed else self.next_hello, now + 0.1)
+        return max(0, int((wake - now) * 1000)) + 1
+
+    def _receive_one(self, timeout_ms: int) -> None:
+        """Wait up to ``timeout_ms`` for one message and handle it."""
+        sock = self.sock
+        if timeout_ms != self.rcvtimeo:
+            sock.set(_RCVTIMEO, timeout_ms)
+            self.rcvtimeo = timeout_ms
+        try:
+            frames = _recv_frames(sock, 0)
+        except zmq.Again:  # the timeout
+            return
+        self._on_message(frames)
+
+    def _poll(self, timeout_ms: int) -> None:
+        """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
+        if self.poller_for != (self.sock, self.compute):  # rebuilt only on reconnect or a new problem
+            self.poller = zmq.Poller()
+            self.poller.register(self.sock, zmq.POLLIN)
+            if self.compute is not None:
+                self.poller.register(self.compute.wake_r, zmq.POLLIN)
+            self.poller_for = (self.sock, self.compute)
+        ready = dict(self.poller.poll(timeout_ms))
+        sock = self.sock
+        if sock in ready:
+            for i in range(64):
+                # The poll saw a message; after it, EVENTS is cheaper than a zmq.Again.
+                if i and not sock.get(_EVENTS) & _POLLIN:
+                    break
+                try:
+                    frames = _recv_frames(sock, _NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_message(frames)
+                if sock is not self.sock:  # reconnected meanwhile
+                    break
+        if self.compute is not None and self.compute.wake_r in ready:
+            self.compute.drain_wakeups()
+
+    def _on_message(self, frames: list) -> None:
+        self.last_contact = self.clock()
+        self._on_frames(frames)
+        if self.welcomed:
+            self.backoff = self.cfg.backoff_s
 
     def _close(self) -> None:
         if self.sock is not None:
@@ -283,30 +334,31 @@ class Worker:
     def _on_frames(self, frames: list) -> None:
         try:
             msg = decode(frames, payload=self.parts.take)
-            if isinstance(msg, Part):
+            kind = type(msg)  # the message classes are final: no isinstance needed
+            if kind is Part:
                 self.parts.add(msg)
                 return
         except RemoteProtocolError as e:
             log.warning("undecodable message from server: %s", e)
             return
-        if isinstance(msg, Welcome):
-            self._on_welcome(msg)
-        elif isinstance(msg, Job):
+        if kind is Job:  # the common case first
             self._on_job(msg)
-        elif isinstance(msg, Cancel):
+        elif kind is Welcome:
+            self._on_welcome(msg)
+        elif kind is Cancel:
             ids = set(msg.job_ids)
             for jid in ids:
                 self.jobs.pop(jid, None)
                 self.waiting.pop(jid, None)
             if self.compute is not None:
                 self.compute.cancel(ids)
-        elif isinstance(msg, Heartbeat):
+        elif kind is Heartbeat:
             if self.server_boot is not None and msg.boot != self.server_boot:
                 log.warning("server restarted: saying hello again")
                 self.welcomed = False
-        elif isinstance(msg, Bye):
+        elif kind is Bye:
             self.stopping = f"server said bye: {msg.reason}"
-        elif isinstance(msg, Error):
+        elif kind is Error:
             if msg.code == ErrorCode.UNKNOWN_WORKER:
                 self.welcomed = False  # the server forgot us (restart, timeout): hello again
             elif msg.code == ErrorCode.UNSUPPORTED_VERSION:
@@ -406,65 +458,76 @@ class Worker:
     def _on_job(self, job: Job) -> None:
         if self.compute is None:
             return
-        self.seen = max(self.seen, job.job_id)
+        if job.job_id > self.seen:
+            self.seen = job.job_id
         if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
-            self.jobs[job.job_id] = job
-            self.shm_jobs[job.job_id] = [self.server_boot, None]
-            if self.shm is None or len(job.refs) != len(job.iterate_ids):
-                self.jobs.pop(job.job_id, None)
-                self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
-                return
-            try:
-                points = tuple(self.shm.view(s) for s in job.refs)
-            except (OSError, ValueError) as e:
-                self.jobs.pop(job.job_id, None)
-                self._send(Error(ErrorCode.REFUSED, _printable(f"shared memory: {e}")[:200], job_id=job.job_id))
-                return
-            self._run(job, points)
+            self._on_shm_job(job)
             return
+        cache, wire = self.cache, self.wire
         for iid, p in zip(job.point_ids, job.points, strict=True):
+            if wire == "f32" and type(p) is np.ndarray and p.dtype == _F32:  # from_wire's identity, unchecked
+                cache.put(iid, p)
+                continue
             try:
-                self.cache.put(iid, from_wire(p, self.wire))
+                cache.put(iid, from_wire(p, wire))
             except ValueError as e:
                 log.warning("job %d: %s", job.job_id, e)
                 return  # never cached: the server's ledger writes the job off as vanished
         self.jobs[job.job_id] = job
-        missing = tuple(i for i in job.iterate_ids if self.cache.get(i) is None)
-        if missing:
+        points = tuple([cache.get(i) for i in job.iterate_ids])
+        if any(p is None for p in points):
+            missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
             self.waiting[job.job_id] = job
             self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
                              iterate_ids=missing))
             return
-        self.waiting.pop(job.job_id, None)
-        points = tuple(self.cache.get(i) for i in job.iterate_ids)
+        if self.waiting:
+            self.waiting.pop(job.job_id, None)
         self._run(job, points)
-        pinned = {i for j in self.jobs.values() for i in j.iterate_ids}
-        self.cache.evict(pinned)
+        if len(cache.items) > cache.capacity:
+            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids})
+
+    def _on_shm_job(self, job: Job) -> None:
+        self.jobs[job.job_id] = job
+        self.shm_jobs[job.job_id] = [self.server_boot, None]
+        if self.shm is None or len(job.refs) != len(job.iterate_ids):
+            self.jobs.pop(job.job_id, None)
+            self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
+            return
+        try:
+            points = tuple(self.shm.view(s) for s in job.refs)
+        except (OSError, ValueError) as e:
+            self.jobs.pop(job.job_id, None)
+            self._send(Error(ErrorCode.REFUSED, _printable(f"shared memory: {e}")[:200], job_id=job.job_id))
+            return
+        self._run(job, points)
 
     def _run(self, job: Job, points: tuple) -> None:
-        if self.compute.can_inline():
-            self.compute.run_inline(job, points)
+        compute = self.compute
+        if compute.can_inline():
+            compute.run_inline(job, points, self.cache.ids())  # sent at once: the holds are now
             self._send_results()
         else:
-            self.compute.submit(job, points)
+            compute.submit(job, points)
 
-    def _finish(self, job: Job, reply: Reply) -> Reply:
-        """On the compute side, after the gradients: put them where the server reads them."""
+    def _finish(self, job: Job, grads: tuple) -> tuple[tuple, bool]:
+        """On the compute side, after the gradients: put them where the server reads them.
+        Returns the reply's gradients and whether they went to shared memory."""
         if job.grad_slots:
-            if len(reply.grads) != len(job.grad_slots):
-                raise ValueError(f"{len(reply.grads)} gradients for {len(job.grad_slots)} shared-memory slots")
-            for g, slot in zip(reply.grads, job.grad_slots, strict=True):
+            if len(grads) != len(job.grad_slots):
+                raise ValueError(f"{len(grads)} gradients for {len(job.grad_slots)} shared-memory slots")
+            for g, slot in zip(grads, job.grad_slots, strict=True):
                 dst = self.shm.view(slot, writable=True)
                 if dst.size != g.size:
                     raise ValueError(f"gradient of {g.size} values, shared-memory slot of {dst.size}")
                 np.copyto(dst, g.reshape(-1))
             held = self.shm_jobs.get(job.job_id)
             if held is not None:
-                held[1] = reply.grads  # for a resend to a restarted server
-            return dataclasses.replace(reply, grads=(), in_shm=True)
+                held[1] = grads  # for a resend to a restarted server
+            return (), True
         if self.wire != "f32":
-            return dataclasses.replace(reply, grads=tuple(to_wire(g, self.wire) for g in reply.grads))
-        return reply
+            return tuple(to_wire(g, self.wire) for g in grads), False
+        return grads, False
 
     # ------------------------------------------------------------------ outbound
     def _send_results(self) -> None:
@@ -494,7 +557,9 @@ class Worker:
                 if r is None:
                     self.unsent.pop(0)
                     continue
-            r = _with_holds(r, self.cache.ids())
+            holds = self.cache.ids()
+            if r.holds != holds:  # computed inline, the reply says it already
+                r = _with_holds(r, holds)
             if not self._send(r):
                 break
             self.unsent.pop(0)
@@ -536,6 +601,31 @@ def _with_holds(r: Reply, holds: tuple[int, ...]) -> Reply:
     """``dataclasses.replace(r, holds=holds)``, at a third of the cost (once per reply)."""
     return Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
                  compute_s=r.compute_s, holds=holds, in_shm=r.in_shm)
+
+
+def _nbytes(arrays: tuple) -> int:
+    return sum([a.nbytes for a in arrays])
+
+
+def _send_frames(sock: zmq.Socket, frames: list) -> None:
+    """``sock.send_multipart(frames, flags=NOBLOCK, copy=False)`` with less per-frame cost:
+    small frames are copied (see ZEROCOPY_MIN), large ones sent without a copy. Raises
+    zmq.Again as that would (only on the first frame: libzmq takes the rest of a message once
+    its first frame is in)."""
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        big = (len(f) if type(f) is bytes else f.nbytes) >= ZEROCOPY_MIN
+        _SEND(sock, f, _NOBLOCK if i == last else _NOBLOCK | _SNDMORE, not big)
+
+
+def _recv_frames(sock: zmq.Socket, flags: int) -> list:
+    """``sock.recv_multipart(flags, copy=False)``: frames as zmq.Frame (no copy)."""
+    f = sock.recv(flags, False)
+    frames = [f]
+    while f.more:  # the frame knows; no getsockopt(RCVMORE)
+        f = sock.recv(flags, False)
+        frames.append(f)
+    return frames
 
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:

@@ -1,9 +1,9 @@
 """The worker's compute side: an iterate cache, a delay model and a compute thread.
 
 No sockets here (``worker/link.py`` owns the DEALER). The compute thread takes jobs from a
-queue, runs :func:`worker.compute.run_job`, waits out the injected delay (interruptible by a
-cancel), and hands the reply back through a queue plus one byte on a pipe, which wakes the
-link's poll loop. Heartbeats therefore keep flowing during long computations.
+queue, runs :func:`worker.compute.compute_grads` (run_job's gradients), waits out the injected
+delay (interruptible by a cancel), and hands the reply back through a queue plus one byte on a
+pipe, which wakes the link's poll loop. Heartbeats therefore keep flowing during long computations.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from problems.base import Problem
 from protocol.messages import Job, JobKind, Reply
-from worker.compute import BadGradient, run_job
+from worker.compute import BadGradient, compute_grads
 
 log = logging.getLogger("latecomer.worker")
 
@@ -149,10 +149,11 @@ class ComputeThread:
     LOADED = -2  # outbox job id: the problem is loaded; the worker may say Ready
 
     def __init__(self, load: Callable[[], Problem], delay: DelaySpec,
-                 finish: Callable[[Job, Reply], Reply] | None = None) -> None:
+                 finish: Callable[[Job, tuple], tuple[tuple, bool]] | None = None) -> None:
         self._load = load
-        self.finish = finish  # e.g. write the gradients into shared memory (same-host path)
-        self.pending = 0  # jobs submitted to the thread and not yet finished
+        # finish(job, grads) -> (grads, in_shm): e.g. write the gradients into shared memory (same-host path)
+        self.finish = finish
+        self.pending = 0  # jobs submitted to the thread whose results are not in the outbox yet
         self.recent_s: deque[float] = deque(maxlen=INLINE_AFTER)
         self.inline_jobs = 0
         self.problem: Problem | None = None
@@ -230,34 +231,37 @@ class ComputeThread:
             reply, error = self._execute(job, points)
             with self.lock:
                 self.current = None
-                self.pending -= 1
                 dropped = job.job_id in self.cancelled
                 self.cancelled.discard(job.job_id)
             if not dropped:
                 self.outbox.append((job.job_id, reply, error))
                 os.write(self.wake_w, b"x")
+            with self.lock:  # after the outbox: pending == 0 tells the link that nothing more can come
+                self.pending -= 1
 
-    def _execute(self, job: Job, points: tuple[np.ndarray, ...]) -> tuple[Reply | None, str | None]:
+    def _execute(self, job: Job, points: tuple[np.ndarray, ...],
+                 holds: tuple[int, ...] = ()) -> tuple[Reply | None, str | None]:
         t0 = time.perf_counter()
         try:
-            reply = run_job(job, points, self.problem)
+            grads, loss, count = compute_grads(job, points, self.problem)
+            in_shm = False
             if self.finish is not None:
-                reply = self.finish(job, reply)
-            error = None
+                grads, in_shm = self.finish(job, grads)
         except Exception as e:  # a problem's bug must not kill the worker: the job fails, the server is told
-            reply, error = None, self.failures.record(job.job_id, e)
+            compute_s = time.perf_counter() - t0
+            self.recent_s.append(compute_s)
+            return None, self.failures.record(job.job_id, e)
         compute_s = time.perf_counter() - t0
         self.recent_s.append(compute_s)
-        if reply is not None:
-            if not self.no_delay:
-                cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
-                extra = self.delay.extra_s(job, compute_s, cost, self.rng)
-                if extra > 0:
-                    self.current_cancel.wait(extra)
-                compute_s = time.perf_counter() - t0
-            reply = Reply(job_id=reply.job_id, created_at=reply.created_at, grads=reply.grads, loss=reply.loss,
-                          count=reply.count, compute_s=compute_s, holds=reply.holds, in_shm=reply.in_shm)
-        return reply, error
+        if not self.no_delay:
+            cost = self.problem.sample_cost(job.seed, job.batch_size) if self.delay.data_dependent else 1.0
+            extra = self.delay.extra_s(job, compute_s, cost, self.rng)
+            if extra > 0:
+                self.current_cancel.wait(extra)
+            compute_s = time.perf_counter() - t0
+        # The one Reply of this job (run_job's would be rebuilt for compute_s).
+        return Reply(job_id=job.job_id, created_at=job.created_at, grads=grads, loss=loss, count=count,
+                     compute_s=compute_s, holds=holds, in_shm=in_shm), None
 
     # ---------------------------------------------------------------- the inline fast path
     def can_inline(self) -> bool:
@@ -268,8 +272,9 @@ class ComputeThread:
         return (self.no_delay and self.pending == 0 and self.problem is not None
                 and len(self.recent_s) == INLINE_AFTER and max(self.recent_s) < INLINE_MAX_S)
 
-    def run_inline(self, job: Job, points: tuple[np.ndarray, ...]) -> None:
-        """Compute ``job`` now, on the caller's thread; the result goes to the outbox."""
-        reply, error = self._execute(job, points)
+    def run_inline(self, job: Job, points: tuple[np.ndarray, ...], holds: tuple[int, ...] = ()) -> None:
+        """Compute ``job`` now, on the caller's thread; the result goes to the outbox. ``holds``:
+        the reply's (the link sends it at once, so it can say now what the cache holds then)."""
+        reply, error = self._execute(job, points, holds)
         self.inline_jobs += 1
         self.outbox.append((job.job_id, reply, error))
