@@ -63,7 +63,6 @@ MAX_COMMAND_BYTES = 64 * 1024  # a NULL-mechanism command (READY with metadata, 
 CURVE_OVERHEAD = 64  # a CURVE MESSAGE box around a frame: command name, nonce, MAC, flags
 CUT_LOG_INTERVAL_S = 1.0  # one log line per this interval for cut connections (the rest counted)
 SPLICE_MIN = 16 * 1024  # a frame body at least this long still to pass is spliced, not read
-SPLICE_ROUNDS = 4  # splices of CHUNK bytes one connection's direction may take per event
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 _NO_SPLICE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # refused: read instead
 
@@ -194,7 +193,7 @@ class _Pair:
     """One client connection and the front's connection to the daemon for it."""
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
-                 "short")
+                 "short", "up_full", "down_full")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser) -> None:
         self.c: socket.socket | None = c
@@ -207,6 +206,9 @@ class _Pair:
         self.pending = 0  # this pair's share of Front.pending
         self.cmask = self.dmask = select.EPOLLIN  # what each side is registered for
         self.short = False  # the client sends large frames: read SPLICE_MIN at a time, splice their bodies
+        # a splice found the daemon's (client's) socket full: read no more for it until it is
+        # writable again, so the next splice is not read back out of the pipe at once
+        self.up_full = self.down_full = False
 
 
 class Front:
@@ -364,13 +366,14 @@ class Front:
 
     def _mask(self, p: _Pair) -> None:
         """Read a side only when what was read from it has gone to the other side."""
+        wait_up, wait_down = p.up or p.up_full, p.down or p.down_full
         if p.c is not None:
-            m = (0 if p.up else select.EPOLLIN) | (select.EPOLLOUT if p.down else 0)
+            m = (0 if wait_up else select.EPOLLIN) | (select.EPOLLOUT if wait_down else 0)
             if m != p.cmask:
                 self.ep.modify(p.cfd, m)
                 p.cmask = m
         if p.d is not None:
-            m = (0 if p.down and p.c is not None else select.EPOLLIN) | (select.EPOLLOUT if p.up else 0)
+            m = (0 if wait_down and p.c is not None else select.EPOLLIN) | (select.EPOLLOUT if wait_up else 0)
             if m != p.dmask:
                 self.ep.modify(p.dfd, m)
                 p.dmask = m
@@ -420,32 +423,28 @@ class Front:
                     self._daemon_gone(p)
                     return
             p.up = bytes(p.up[n:]) if n < len(p.up) else b""  # the rest leaves the shared buffer
+        else:
+            p.up_full = False  # writable again with nothing left to write
         self._mask(p)
 
     def _splice_body(self, p: _Pair) -> bool:
         """Splice the next bytes of a frame body to the daemon (never past the body: the next
         header is read, and parsed, in userspace). False: splice was refused."""
-        parser = p.parser
         p.short = True
-        for _ in range(SPLICE_ROUNDS):
-            want = min(parser.skip, CHUNK)
-            n = self._splice_in(p.cfd, want)
-            if n is None:
-                return False
-            if n < 0:
-                break
-            if not n:
-                self._client_gone(p)
-                return True
-            parser.skip -= n  # a body changes nothing the bounds count
+        n = self._splice_in(p.cfd, min(p.parser.skip, CHUNK))
+        if n is None:
+            return False
+        if n > 0:
+            p.parser.skip -= n  # a body changes nothing the bounds count
             self.spliced += n
             p.up, failed = self._splice_out(p.dfd, n)
             if failed:
                 self._daemon_gone(p)
                 return True
-            if p.up or n < want or parser.skip < SPLICE_MIN:
-                break
-        self._mask(p)
+            p.up_full = bool(p.up)
+            self._mask(p)
+        elif not n:
+            self._client_gone(p)
         return True
 
     def _splice_in(self, fd: int, count: int) -> int | None:
@@ -493,23 +492,19 @@ class Front:
 
     def _splice_down(self, p: _Pair) -> bool:
         """Splice what the daemon sent to the client. False: splice was refused."""
-        for _ in range(SPLICE_ROUNDS):
-            n = self._splice_in(p.dfd, CHUNK)
-            if n is None:
-                return False
-            if n < 0:
-                break
-            if not n:
-                self._daemon_gone(p)
-                return True
+        n = self._splice_in(p.dfd, CHUNK)
+        if n is None:
+            return False
+        if n > 0:
             self.spliced += n
             p.down, failed = self._splice_out(p.cfd, n)
             if failed:
                 self._client_gone(p)
                 return True
-            if p.down or n < CHUNK:
-                break
-        self._mask(p)
+            p.down_full = bool(p.down)
+            self._mask(p)
+        elif not n:
+            self._daemon_gone(p)
         return True
 
     def _read_daemon(self, p: _Pair) -> None:
@@ -540,6 +535,8 @@ class Front:
                     self._client_gone(p)
                     return
             p.down = bytes(p.down[n:]) if n < len(p.down) else b""
+        else:
+            p.down_full = False
         self._mask(p)
 
     def _cut(self, p: _Pair, why: str) -> None:
@@ -573,6 +570,7 @@ class Front:
             p.c.close()
             p.c = None
         p.up = p.down = b""
+        p.up_full = p.down_full = False
         if p.d is None:
             return
         try:
