@@ -33,7 +33,6 @@ from protocol.messages import (
     MAX_LIST_LEN,
     MAX_NDIM,
     PROTOCOL_VERSION,
-    ErrorCode,
     Heartbeat,
     Job,
     JobKind,
@@ -150,13 +149,20 @@ def _arrays(metas: list, frames: Any, n: int, max_array_bytes: int) -> tuple | N
         if dtype is None:
             return None
         shape = m.shape
-        bound = dtype.itemsize * math.prod(max(s, 1) for s in shape)
+        if len(shape) == 1:  # vectors: no reshape
+            bound = dtype.itemsize * max(shape[0], 1)
+            nbytes = dtype.itemsize * shape[0]
+        else:
+            bound = dtype.itemsize * math.prod(max(s, 1) for s in shape)
+            nbytes = 0 if 0 in shape else bound
         if bound > max_array_bytes:
             return None
         buf = _frame_buffer(frames[i + 1])
-        if buf is None or len(buf) != (0 if 0 in shape else bound):
+        if buf is None or len(buf) != nbytes:
             return None
-        a = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        a = np.frombuffer(buf, dtype=dtype)
+        if len(shape) != 1:
+            a = a.reshape(shape)
         out.append(a if a.flags.aligned else a.copy())  # small frames can point into libzmq's buffer
     return tuple(out)
 
@@ -221,7 +227,8 @@ def _header(msg: Any) -> dict | None:
             h["xfer"] = msg.xfer
         return h
     if cls is Job:
-        h = {"v": PROTOCOL_VERSION, "t": "job", "job_id": msg.job_id, "kind": int(msg.kind) if isinstance(msg.kind, JobKind) else msg.kind,
+        kind = int(msg.kind) if isinstance(msg.kind, JobKind) else msg.kind
+        h = {"v": PROTOCOL_VERSION, "t": "job", "job_id": msg.job_id, "kind": kind,
              "created_at": msg.created_at, "iterate_ids": _w(msg.iterate_ids), "seed": msg.seed,
              "batch_size": msg.batch_size, "shard": _w(msg.shard),
              "deadline": msg.deadline, "point_ids": _w(msg.point_ids)}

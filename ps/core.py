@@ -35,6 +35,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from algorithms._pool import finite
 from algorithms.base import Algorithm, JobSpec, Result
 from protocol.messages import (
     HEARTBEAT_INTERVAL_S,
@@ -420,6 +421,8 @@ class ServerCore:
         server_boot: this server incarnation's id, announced in Welcome.
         now: the time of creation (for clock-driven rounds).
     """
+
+    record_issued = True  # an "issued" event per job; off where nothing reads them (ps/daemon.py)
 
     def __init__(self, algorithm: Algorithm, x0: np.ndarray, config: CoreConfig | None = None, *,
                  server_boot: int = 0, now: float = 0.0) -> None:
@@ -1000,8 +1003,7 @@ class ServerCore:
                 return ErrorCode.BAD_SHAPE, f"gradient {i}: expected shape ({self.dim},){layout}, got {g.shape}"
             if g.dtype.kind != "f":
                 return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
-            # One BLAS pass: g·g is finite unless g holds NaN/Inf (or overflows; then look exactly).
-            if not math.isfinite(np.dot(g, g)) and not np.isfinite(g).all():
+            if not finite(g):  # one BLAS pass (g·g), exact where it overflows (algorithms/_pool.py)
                 return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
         if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
             if reply.count != entry.shard[1] - entry.shard[0]:
@@ -1159,8 +1161,9 @@ class ServerCore:
         w.outstanding.add(jid)
         self._reindex(w)
         self.counters.issued += 1
-        self.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
-                            "created_at": spec.created_at, "seed": entry.seed, "t": now})
+        if self.record_issued:
+            self.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
+                                "created_at": spec.created_at, "seed": entry.seed, "t": now})
         return self._job_message(entry, w)
 
     def _job_message(self, entry: LedgerEntry, w: WorkerInfo) -> Job:

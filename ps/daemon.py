@@ -150,6 +150,7 @@ class Daemon:
         self.metrics = None  # a SnapshotCollector when --metrics-port is given
         self.next_publish = 0.0
         self.events_file = EventLog(events_path) if events_path else None  # a full disk drops events, no crash
+        core.record_issued = self.events_file is not None  # nothing else here reads them
         self.events_dirty = False
         self.stopping: str | None = None
         self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled (_receive_batch)

@@ -535,3 +535,24 @@ def test_core_bad_shape_names_the_expected_shape_and_layout():
     cmds = core.handle("w1", Reply(job_id=job.job_id, created_at=0, grads=(np.zeros(D + 1, np.float32),)), 0.1)
     err = [c.msg for c in cmds if isinstance(c.msg, Error)][0]
     assert err.code == ErrorCode.BAD_SHAPE and err.message == "gradient 0: expected shape (4,) (w (2, 2)), got (5,)"
+
+
+def test_issued_events_only_when_recorded_and_nothing_else_changes():
+    """record_issued off (the daemon without an events file) leaves out the "issued" events and
+    nothing else: the same jobs, seeds, other events and counters."""
+    runs = []
+    for record in (True, False):
+        core = make_core()
+        core.record_issued = record
+        cmds = join(core, "w1")
+        events, jobs = [], []
+        for step in range(5):
+            (_, job), = jobs_in(cmds)
+            jobs.append((job.job_id, job.seed))
+            cmds = core.handle("w1", reply_for(job), float(step + 1))
+            events += core.drain_events()
+        runs.append((jobs, events, core.counters.as_dict()))
+    (jobs_on, ev_on, c_on), (jobs_off, ev_off, c_off) = runs
+    assert jobs_on == jobs_off and c_on == c_off
+    assert sum(e["ev"] == "issued" for e in ev_on) == len(jobs_on) + 1 and not any(e["ev"] == "issued" for e in ev_off)
+    assert [e for e in ev_on if e["ev"] != "issued"] == ev_off
