@@ -347,3 +347,34 @@ def test_a_refused_splice_falls_back_to_the_buffer(tmp_path, monkeypatch, where)
             assert 0 < relay.front.spliced <= CHUNK
     finally:
         relay.close()
+
+
+@pytest.mark.parametrize("peer", ["closed", "full"])
+def test_what_a_socket_does_not_take_is_read_back_out_of_the_pipe(peer):
+    """A splice from the pipe that fails (the peer went: EPIPE) or moves nothing (the socket is
+    full: EAGAIN) leaves the pipe empty: the bytes come back to be buffered (or dropped with the side)."""
+    listener = listen("tcp://127.0.0.1:0")
+    front = Front(listener, LIMITS)
+    a, b = socket.socketpair()
+    try:
+        if front.pipe is None:
+            pytest.skip("no splice on this system")
+        a.setblocking(False)
+        if peer == "closed":
+            b.close()
+        else:
+            while True:
+                try:
+                    a.send(bytes(65536))
+                except BlockingIOError:
+                    break
+        data = os.urandom(30_000)  # fits any pipe (64 KiB at least)
+        assert os.write(front.pipe[1], data) == len(data)
+        rest, failed = front._splice_out(a.fileno(), len(data))
+        assert rest == data and failed == (peer == "closed")
+        assert pipe_is_empty(front)
+    finally:
+        a.close()
+        b.close()
+        front.close()
+        listener.close()
