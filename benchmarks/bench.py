@@ -183,9 +183,11 @@ def _best(*rows: Row | None) -> Row | None:
     return max(ok, key=lambda r: r.updates_per_s) if ok else None
 
 
-def ratio_table(rows: list[Row], ref: dict[int, float] | None = None) -> list[str]:
-    """Ratios of latecomer to the other backends (updates/s, server CPU per update) and latecomer's
-    server CPU per update over the reference vector work (``ref``: d -> seconds)."""
+def ratio_table(rows: list[Row], ref: dict[int, float] | None = None,
+                ceiling: dict[int, float] | None = None) -> list[str]:
+    """Ratios of latecomer to the other backends (updates/s, server CPU per update), latecomer's
+    server CPU per update over the reference vector work (``ref``: d -> seconds) and its
+    updates/s over the no-transport ceiling (``ceiling``: d -> seconds per update)."""
     by = {(r.backend, r.d, r.workers): r for r in rows}
     cells = sorted({(r.d, r.workers) for r in rows if r.backend in ("latecomer", "latecomer-shm")})
     if not cells:
@@ -217,16 +219,23 @@ def ratio_table(rows: list[Row], ref: dict[int, float] | None = None) -> list[st
                 "Reference: the vector work plain async SGD must do per update (read g and x, write x), timed "
                 "in the bench process as `torch.add(x, g, alpha=-lr, out=y)` on `torch.from_numpy` float32 views, "
                 "one thread, median of repetitions. Ratio = the daemon's server CPU per update / reference "
-                "(target <= 2; the TCP path also copies x and g through the kernel).", "",
+                "(target <= 2; the TCP path also copies x and g through the kernel). Ceiling: the same update with "
+                "no transport, one thread (benchmarks/reference.py `ceiling_s`: the synthetic gradient written "
+                "into the buffer the server reads, the finiteness check and the step); target for latecomer-shm: "
+                ">= 0.8 of it at d >= 1e6.", "",
                 "| d | workers | reference ms | latecomer CPU ms/upd | latecomer / ref | latecomer-shm CPU ms/upd "
-                "| latecomer-shm / ref |", "|---|---|---|---|---|---|---|"]
+                "| latecomer-shm / ref | ceiling upd/s | latecomer-shm / ceiling |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for d, w in cells:
-            r0 = ref.get(d)
+            r0, c0 = ref.get(d), (ceiling or {}).get(d)
             cols = [f"| {d:,} | {w} | {_f(r0 * 1e3 if r0 else None, '.4f')}"]
             for b in ("latecomer", "latecomer-shm"):
                 r = by.get((b, d, w))
                 c = r.cpu_s_per_update if _ok(r) else math.nan
                 cols += [_f(c * 1e3, ".3f"), _f(c / r0 if r0 else math.nan, ".1f")]
+            shm = by.get(("latecomer-shm", d, w))
+            cols += [_f(1 / c0 if c0 else math.nan, ",.0f"),
+                     _f(shm.updates_per_s * c0 if c0 and _ok(shm) else math.nan, ".2f")]
             out.append(" | ".join(cols) + " |")
     return out
 
@@ -244,7 +253,8 @@ def _cell(v: float, fmt: str, scale: float = 1.0) -> str:
 
 def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, desc: str, *,
              the_plan: list[tuple[str, list]] | None = None, credit: int = 1, estimate: float | None = None,
-             ref: dict[int, float] | None = None, plan_note: str = "") -> str:
+             ref: dict[int, float] | None = None, plan_note: str = "",
+             ceiling: dict[int, float] | None = None) -> str:
     planned = ""
     if the_plan:
         planned = ("Cells run: " + "; ".join(
@@ -283,7 +293,7 @@ def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, des
                      f"{_cell(r.rtt_p50_s, '.3f', 1e3)} | {_cell(r.rtt_p99_s, '.3f', 1e3)} | "
                      f"{_cell(r.peak_rss_bytes, ',.1f', 2**-20)} | {' '.join(f'{x:.0f}' for x in r.windows)} | "
                      f"{r.note} |")
-    lines += ratio_table(rows, ref)
+    lines += ratio_table(rows, ref, ceiling)
     return "\n".join(lines) + "\n"
 
 
@@ -366,10 +376,11 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
     t = time.monotonic()
     rows = sweep(the_plan, seconds, warmup, credit=credit, quick=quick, echo=lambda s: click.echo(s))
     elapsed = time.monotonic() - t
-    ref = None
+    ref = ceil = None
     if any(b in bl for b in ("latecomer", "latecomer-shm")):
-        from benchmarks.reference import vector_passes
-        ref = vector_passes(sorted({d for b, c in the_plan if b != SIM for d, _ in c}))
+        from benchmarks.reference import ceiling_s, vector_passes
+        ds = sorted({d for b, c in the_plan if b != SIM for d, _ in c})
+        ref, ceil = vector_passes(ds), {d: ceiling_s(d) for d in ds}
     default = (not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and credit == 1
                and bl == list(BACKENDS))
     out = out or os.path.join(REPO, "benchmarks", "RESULTS.md" if default else
@@ -378,12 +389,12 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
     if json_out:  # first: the raw rows survive whatever happens below
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
-                       "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref,
+                       "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref, "ceiling_s": ceil,
                        "rows": [r.as_dict() for r in rows]}, f, indent=1)
     note = DEFAULT_PLAN_NOTE if default else ("--quick: d in {1e3, 1e5}, 1 worker. " if quick else
                                               "Cells, interval and warm-up chosen on the command line. ")
     md = markdown(rows, seconds, warmup, elapsed, desc, the_plan=the_plan, credit=credit, estimate=est, ref=ref,
-                  plan_note=note)
+                  ceiling=ceil, plan_note=note)
     with open(out, "w", encoding="utf-8") as f:
         f.write(md)
     if plot_out or default:
@@ -392,7 +403,7 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
         plot([r.as_dict() for r in rows], plot_out, f"latecomer bench ({time.strftime('%Y-%m-%d')}): "
              "x -= lr*g on loopback; " + desc.split(";")[0])
         click.echo(f"wrote {plot_out}")
-    click.echo("\n".join(ratio_table(rows, ref)))
+    click.echo("\n".join(ratio_table(rows, ref, ceil)))
     click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 
 

@@ -48,3 +48,31 @@ def vector_pass_s(d: int, *, budget_s: float = 0.25, min_reps: int = 5, max_reps
 
 def vector_passes(sizes: list[int]) -> dict[int, float]:
     return {d: vector_pass_s(d) for d in sizes}
+
+
+def ceiling_s(d: int, *, budget_s: float = 0.25, min_reps: int = 5, max_reps: int = 1000) -> float:
+    """Median seconds of one update of the bench workload with no transport, on one thread: the
+    worker's part (the synthetic problem's gradient written into the buffer the server reads,
+    as the same-host path does) and the server's (the finiteness check and the step, with the
+    server's own kernels). 1 / this is the no-transport ceiling of updates/s."""
+    from algorithms._pool import finite, step_into
+    from problems.synthetic import make_synthetic
+
+    problem = make_synthetic(d)
+    x = problem.init_params(0)
+    gbuf = np.empty(d, np.float32)
+
+    def one(x: np.ndarray) -> np.ndarray:
+        np.copyto(gbuf, problem.grad(x, 0, 1).grad)
+        if not finite(gbuf):
+            raise AssertionError("the synthetic gradient is finite")
+        return step_into(x, LR, gbuf)
+
+    x = one(x)
+    times: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() < end):
+        t = time.perf_counter()
+        x = one(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

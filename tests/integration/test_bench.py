@@ -54,7 +54,10 @@ def test_bench_quick(tmp_path):
         assert not by[(lc, 1000)]["skipped"] and not by[(lc, 100_000)]["skipped"]
     assert {int(k) for k in data["vector_pass_s"]} == {1000, 100_000}
     assert all(0 < v < 1 for v in data["vector_pass_s"].values())
+    # the no-transport ceiling does the reference's pass and more (the gradient's copy, the check)
+    assert {int(k) for k in data["ceiling_s"]} == {1000, 100_000}
+    assert all(data["vector_pass_s"][k] < v < 1 for k, v in data["ceiling_s"].items())
     md = out.read_text()
     assert "| latecomer | 1,000 | 1 |" in md and "| simulator | 1,000 | 100 |" in md and "Machine:" in md
-    assert "## Ratios" in md and "vector passes" in md and "n/a" in md
+    assert "## Ratios" in md and "vector passes" in md and "n/a" in md and "latecomer-shm / ceiling" in md
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
