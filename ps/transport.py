@@ -337,7 +337,8 @@ class ServerTransport:
             inb.frames = encode(msg) if journaled else inb.frames
         if msg.in_shm:  # the gradients are in the slots lent for this job (float32)
             grads = None if msg.grads or self.arena is None else self.arena.gradients(inb.wid, msg.job_id)
-            msg = dataclasses.replace(msg, grads=grads or (), in_shm=False)  # none: the core refuses it
+            msg = Reply(msg.job_id, msg.created_at, grads or (), msg.loss, msg.count, msg.compute_s, msg.holds,
+                        False, msg.xfer)  # no grads: the core refuses it (a constructor: replace() costs 4x)
             inb.frames = encode(msg) if journaled else inb.frames
             inb.wire = "f32" if self.wire_dtype != "f32" else None
         elif self.wire_dtype != "f32":
@@ -393,8 +394,8 @@ class ServerTransport:
             n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
             if len(self.shm_used) < MAX_SHM_LISTED:
                 self.shm_used.add(conn.wid)
-            return dataclasses.replace(job, point_ids=(), points=(), refs=refs,
-                                       grad_slots=self.arena.lend(conn.wid, job.job_id, n))
+            return Job(job.job_id, job.kind, job.created_at, job.iterate_ids, job.seed, job.batch_size, job.shard,
+                       job.deadline, (), (), refs, self.arena.lend(conn.wid, job.job_id, n), job.xfer)
         if self.wire_dtype != "f32" and job.points:
             return dataclasses.replace(job, points=tuple(self._wire_iterate(i, p)
                                                          for i, p in zip(job.point_ids, job.points, strict=True)))

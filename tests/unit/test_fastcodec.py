@@ -222,3 +222,17 @@ def test_every_field_at_every_edge_encodes_as_the_reference_decides(base: Any) -
             fast = fastcodec.encode_fast(bad)
             if fast is not None:
                 assert ref == ("ok", fast[0]), f"{f.name}={value!r}"
+
+
+def test_the_field_orders_that_positional_constructions_rely_on() -> None:
+    """protocol/fastcodec.py and ps/transport.py build Job and Reply positionally (a constructor
+    costs a quarter of dataclasses.replace): a new or moved field must update them."""
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(Job)] == [
+        "job_id", "kind", "created_at", "iterate_ids", "seed", "batch_size", "shard", "deadline", "point_ids",
+        "points", "refs", "grad_slots", "xfer"]
+    assert [f.name for f in dataclasses.fields(Reply)] == [
+        "job_id", "created_at", "grads", "loss", "count", "compute_s", "holds", "in_shm", "xfer"]
+    assert [f.name for f in dataclasses.fields(Heartbeat)] == ["boot", "credit", "busy", "seen"]
+    assert [f.name for f in dataclasses.fields(Ready)] == ["credit", "holds", "shm"]
