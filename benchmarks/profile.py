@@ -44,6 +44,32 @@ def top_frames(raw_path: str, top: int) -> tuple[list[tuple[float, str]], float]
     return [(n / total, fr) for fr, n in own.most_common(top)], poll / total
 
 
+def inclusive(raw_path: str, root: str, top: int) -> tuple[list[tuple[float, str]], float]:
+    """(share of the busy samples under ``root``, function) for the ``top`` functions by
+    inclusive samples, and the share of the thread's samples idle in poll: only the stacks of
+    the thread that runs ``root`` (the daemon's or the worker's loop), so sleeping helper threads
+    (pyzmq's garbage collector, the malloc-trim timer) do not count as work."""
+    inc: collections.Counter = collections.Counter()
+    busy = idle = 0
+    with open(raw_path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip()
+            if not line or " " not in line:
+                continue
+            stack, n_ = line.rsplit(" ", 1)
+            frames, n = stack.split(";"), int(n_)
+            if not any(root in fr for fr in frames):
+                continue
+            if any("poll" in fr.lower() and "zmq" in fr for fr in frames[-2:]):
+                idle += n
+                continue
+            busy += n
+            for name in {fr.split(" (")[0] for fr in frames}:
+                inc[name] += n
+    busy = max(busy, 1)
+    return [(c / busy, name) for name, c in inc.most_common(top)], idle / max(busy + idle, 1)
+
+
 def _applied(status_endpoint: str) -> int:
     from ps.ops.status import fetch_status
 
@@ -106,6 +132,13 @@ def profile(dim, shm, credit, seconds, top) -> None:
                 click.echo(f"\n{name}: {100 * poll:.0f} % of samples waiting in poll; own samples:")
                 for share, fr in frames:
                     click.echo(f"  {100 * share:5.1f} %  {fr}")
+                root = "Daemon.run" if name == "server" else "Worker.run"
+                funcs, idle = inclusive(path, root, 3 * top)
+                click.echo(f"{name}, the thread of {root}: {100 * idle:.0f} % idle in poll; of its busy samples, "
+                           "inclusive (a function and what it calls):")
+                for share, fr in funcs:
+                    if share < 0.995:  # the frames every busy sample holds (main, click, the loop) say nothing
+                        click.echo(f"  {100 * share:5.1f} %  {fr}")
         finally:
             server.send_signal(signal.SIGTERM)
             reap_popen(procs[1:], grace=5)
