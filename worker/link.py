@@ -51,16 +51,10 @@ from protocol.shm import ShmReader, host_id, shm_dir_usable
 from protocol.wire import from_wire, to_wire
 from worker.identity import claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
+from worker.sockio import recv_frames, send_frames
 
 # Plain ints: no enum per call.
-_EVENTS, _POLLIN, _RCVTIMEO = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO)
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
-# pyzmq's own send (Cython), without the Python wrapper zmq.Socket.send puts around it for the
-# draft routing_id/group arguments; send_multipart adds a type check and that wrapper per frame.
-_SEND = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket.send
-# Frames below this size are copied into the message: pyzmq's zero-copy path costs a Frame, a
-# free callback and a hand-off to its garbage-collection thread per frame, more than a memcpy.
-ZEROCOPY_MIN = 1 << 20
+_EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
 _F32 = np.dtype(np.float32)
 log = logging.getLogger("latecomer.worker")
 EXIT_PROBLEM_UNAVAILABLE = 3  # exit status of `latecomer work` when the server's problem cannot be loaded here
@@ -195,9 +189,9 @@ class Worker:
             if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
                 for frames in split(msg, self.next_xfer):  # large gradients: parts, then the reply
-                    _send_frames(sock, frames)
+                    send_frames(sock, frames, _NOBLOCK)
                 return True
-            _send_frames(sock, encode(msg))
+            send_frames(sock, encode(msg), _NOBLOCK)
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
@@ -280,7 +274,7 @@ class Worker:
             sock.set(_RCVTIMEO, timeout_ms)
             self.rcvtimeo = timeout_ms
         try:
-            frames = _recv_frames(sock, 0)
+            frames = recv_frames(sock)
         except zmq.Again:  # the timeout
             return
         self._on_message(frames)
@@ -301,7 +295,7 @@ class Worker:
                 if i and not sock.get(_EVENTS) & _POLLIN:
                     break
                 try:
-                    frames = _recv_frames(sock, _NOBLOCK)
+                    frames = recv_frames(sock, _NOBLOCK)
                 except zmq.Again:
                     break
                 self._on_message(frames)
@@ -605,27 +599,6 @@ def _with_holds(r: Reply, holds: tuple[int, ...]) -> Reply:
 
 def _nbytes(arrays: tuple) -> int:
     return sum([a.nbytes for a in arrays])
-
-
-def _send_frames(sock: zmq.Socket, frames: list) -> None:
-    """``sock.send_multipart(frames, flags=NOBLOCK, copy=False)`` with less per-frame cost:
-    small frames are copied (see ZEROCOPY_MIN), large ones sent without a copy. Raises
-    zmq.Again as that would (only on the first frame: libzmq takes the rest of a message once
-    its first frame is in)."""
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        big = (len(f) if type(f) is bytes else f.nbytes) >= ZEROCOPY_MIN
-        _SEND(sock, f, _NOBLOCK if i == last else _NOBLOCK | _SNDMORE, not big)
-
-
-def _recv_frames(sock: zmq.Socket, flags: int) -> list:
-    """``sock.recv_multipart(flags, copy=False)``: frames as zmq.Frame (no copy)."""
-    f = sock.recv(flags, False)
-    frames = [f]
-    while f.more:  # the frame knows; no getsockopt(RCVMORE)
-        f = sock.recv(flags, False)
-        frames.append(f)
-    return frames
 
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:

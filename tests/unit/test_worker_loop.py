@@ -1,8 +1,9 @@
 """The worker's receive-compute-send path in one process: a test ROUTER over inproc plays the
 server. Fast jobs go inline after a run of them, their replies say what the cache holds; the
-link blocks in a receive only when nothing can come from the compute thread; small frames are
-copied at send, large ones are not; the compute thread's `pending` drops only after its result
-is in the outbox (what the link's choice between receiving and polling relies on)."""
+link blocks in a receive only when nothing can come from the compute thread; the compute
+thread's `pending` drops only after its result is in the outbox (what the link's choice between
+receiving and polling relies on); compute_grads converts gradients as run_job always did. How
+frames are sent and received: tests/unit/test_sockio.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from problems.base import GradResult
 from problems.quadratic import make_quadratic
 from protocol.codec import decode, encode
 from protocol.messages import Hello, Job, JobKind, Ready, Reply, Welcome
-from worker import link
 from worker.compute import compute_grads, run_job
 from worker.link import Worker, WorkerConfig
 from worker.runner import INLINE_AFTER, ComputeThread, DelaySpec
@@ -121,32 +121,6 @@ def test_pending_drops_only_after_the_result_is_in_the_outbox():
         assert len(rec.pending_at_append) == 5 and min(rec.pending_at_append) >= 1, rec.pending_at_append
     finally:
         ct.close()
-
-
-def test_send_frames_copies_small_frames_and_sends_large_ones_without_a_copy():
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://send-frames")
-        b.connect("inproc://send-frames")
-        small = np.arange(1 << 16, dtype=np.float32)  # 256 KiB: above pyzmq's own copy threshold (64 KiB)
-        large = np.zeros(1 << 20, np.float32)  # 4 MiB
-        assert small.nbytes < link.ZEROCOPY_MIN <= large.nbytes
-        link._send_frames(a, [b"head", small, large])
-        small[:] = -1  # after the send: the copy left before
-        large[:] = 7  # not copied: the message still points at the array
-        frames = link._recv_frames(b, 0)
-        assert [bytes(frames[0])] == [b"head"] and len(frames) == 3
-        assert np.array_equal(np.frombuffer(frames[1].buffer, np.float32), np.arange(small.size, dtype=np.float32))
-        assert np.all(np.frombuffer(frames[2].buffer, np.float32) == 7)
-        link._send_frames(a, [b"one"])  # a one-frame message, then nothing more
-        assert [bytes(f) for f in link._recv_frames(b, 0)] == [b"one"]
-        with pytest.raises(zmq.Again):
-            link._recv_frames(b, zmq.NOBLOCK)
-    finally:
-        a.close(0)
-        b.close(0)
-        ctx.term()
 
 
 class _Returns:
