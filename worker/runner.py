@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from problems.base import Problem
-from protocol.messages import Job, JobKind, Reply
+from protocol.messages import MAX_LIST_LEN, Job, JobKind, Reply
 from worker.compute import BadGradient, compute_grads
 
 log = logging.getLogger("latecomer.worker")
@@ -91,7 +91,11 @@ class IterateCache:
                 del self.items[iid]
 
     def ids(self) -> tuple[int, ...]:
-        return tuple(self.items)
+        """What a hello, ready or reply says the worker holds: the most recently used ids, at most
+        MAX_LIST_LEN (a protocol list; a larger ``--cache-size`` or many pinned ids hold more, and
+        the server then merely sends again an iterate the worker has)."""
+        ids = tuple(self.items)
+        return ids if len(ids) <= MAX_LIST_LEN else ids[-MAX_LIST_LEN:]
 
 
 def failure_text(exc: BaseException) -> str:

@@ -74,3 +74,20 @@ def test_no_inline_with_injected_delays_or_after_a_slow_job(problem):
         assert not ct.can_inline()
     finally:
         ct.close()
+
+
+def test_a_cache_larger_than_a_protocol_list_reports_its_newest_ids_and_encodes():
+    """--cache-size 300 (or many ids pinned by jobs): what a reply says the worker holds is at most
+    MAX_LIST_LEN ids, the most recently used, so the reply still encodes (it used to raise
+    LocalProtocolError and end the worker)."""
+    from protocol.codec import encode
+    from protocol.messages import MAX_LIST_LEN, Reply
+    from worker.runner import IterateCache
+
+    cache = IterateCache(300)
+    for i in range(300):
+        cache.put(i, np.zeros(2, np.float32))
+    cache.get(5)  # used again: among the newest
+    ids = cache.ids()
+    assert len(ids) == MAX_LIST_LEN and ids[-1] == 5 and set(ids) == {5} | set(range(45, 300))
+    encode(Reply(1, 0, (np.zeros(2, np.float32),), holds=ids))
