@@ -30,13 +30,15 @@ daemon's: the front forwards the daemon's bytes untouched and parses only what i
 Per connection the front holds at most ``CHUNK`` bytes in each direction (it reads a side
 only when what it read before has been written to the other side).
 
-On Linux the bytes that need no parsing (everything the daemon sends, and the body of a frame
-whose header the front has read) move with ``splice(2)`` through one pipe the front shares
-between all connections, so they are never copied into the process: at most ``CHUNK`` bytes
-are spliced from a socket into the pipe, then at once from the pipe to the other socket; what
-that socket does not take is read out of the pipe into the connection's buffer, so the pipe is
-empty between calls and holds no connection's bytes. Where splice is missing or refused
-(``EINVAL`` for a socket type), the front reads and writes through its own buffer instead.
+On Linux the bytes that need no parsing move with ``splice(2)``, not through the process: what
+the daemon sends once a read from it brought at least ``SPLICE_MIN`` bytes, and the body of a
+frame whose header the front has read while at least ``SPLICE_MIN`` bytes of it are left
+(smaller reads cost the same copied). They go through one pipe the front shares between all
+connections: at most ``CHUNK`` bytes are spliced from a socket into the pipe, then at once from
+the pipe to the other socket; what that socket does not take is read out of the pipe into the
+connection's buffer, so the pipe is empty between calls and holds no connection's bytes. Where
+splice is missing or refused (``EINVAL`` for a socket type), the front reads and writes
+through its own buffer instead.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class _Pair:
     """One client connection and the front's connection to the daemon for it."""
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
-                 "short", "up_full", "down_full")
+                 "short", "up_full", "down_full", "big_down")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser) -> None:
         self.c: socket.socket | None = c
@@ -209,6 +211,7 @@ class _Pair:
         # a splice found the daemon's (client's) socket full: read no more for it until it is
         # writable again, so the next splice is not read back out of the pipe at once
         self.up_full = self.down_full = False
+        self.big_down = False  # the daemon's last read was large: splice the next (small ones are copied)
 
 
 class Front:
@@ -497,6 +500,7 @@ class Front:
             return False
         if n > 0:
             self.spliced += n
+            p.big_down = n >= SPLICE_MIN
             p.down, failed = self._splice_out(p.cfd, n)
             if failed:
                 self._client_gone(p)
@@ -508,7 +512,7 @@ class Front:
         return True
 
     def _read_daemon(self, p: _Pair) -> None:
-        if p.c is not None and self.pipe is not None and self._splice_down(p):
+        if p.big_down and p.c is not None and self.pipe is not None and self._splice_down(p):
             return
         try:
             n = p.d.recv_into(self.view, CHUNK)
@@ -521,6 +525,7 @@ class Front:
             return
         if p.c is None:  # draining after the client went: discard
             return
+        p.big_down = n >= SPLICE_MIN
         p.down = self.view[:n]
         self._write_client(p)
 
