@@ -23,6 +23,8 @@ COPY_BELOW = 1 << 20
 
 
 def _nbytes(f: Any) -> int:
+    if type(f) is bytes:  # headers and routing ids: no attribute lookup that fails (and raises inside)
+        return len(f)
     n = getattr(f, "nbytes", None)  # numpy arrays, memoryviews
     return len(f) if n is None else n
 
