@@ -1,0 +1,349 @@
+"""The parameter vector sharded over S server shards, one decision for all (docs/ALGORITHMS.md §11).
+
+Two parts:
+
+* :func:`plan_shards` assigns whole layout blocks to S shards: contiguous runs of blocks whose
+  largest run is as small as possible, so a matrix is never split (a per-matrix LMO/Muon step
+  stays on one shard) and each shard owns one contiguous range [lo, hi) of the flat vector.
+* :class:`Sharded` is an :class:`~algorithms.base.Algorithm` around S instances of one
+  algorithm, the i-th bound to shard i's sub-layout (and its slice of ``lmo_mask``) and
+  initialized on its slice of x0. Every call goes to every shard with the same metadata (job
+  ids, kinds, created_at, iterate ids, seeds, counts) and that shard's slice of the vectors.
+  Everything scalar an algorithm decides (ages, acceptance and drops, rounds, weights, step
+  sizes, thresholds, M_k, cancels, the jobs it asks for) is a function of that metadata, so
+  every shard decides the same; :class:`Sharded` checks it (each Outcome, JobSpec header,
+  cancel list, live iterate set and version) and raises :class:`ShardDisagreement` when two
+  shards differ. The vector work (elementwise kernels, per-block Newton–Schulz) is the
+  algorithm's own code on its slice: there is one implementation of each algorithm, and the
+  unsharded algorithm is the S = 1 case.
+
+What may not be sharded this way: an algorithm whose vector work needs a reduction over the
+whole vector (a global norm, sum or sign) would compute it per shard. Such an algorithm says so
+through ``Algorithm.shard_refusal`` (``clip_norm``'s global norm, ``ringmaster-lmo`` with
+``lmo="l2"``), and :meth:`Sharded.bind` refuses it with that reason; so does an algorithm that
+does not declare its vector work per-block (a user's own, unless it overrides
+``shard_refusal``).
+
+The coordinator/shard split of a multi-process server follows the same seam: what the shards
+agree on here is what a coordinator would decide once and send them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from algorithms.base import Algorithm, JobSpec, Outcome, Result, bind_layout
+
+__all__ = ["ShardPlan", "plan_shards", "Sharded", "ShardedState", "ShardDisagreement", "shard_refusal"]
+
+
+_MERGED_KEPT = 4  # concatenated iterates kept besides the current job's (an id is asked for by many jobs)
+
+
+class ShardDisagreement(RuntimeError):
+    """Two shards decided differently: the "decided once" invariant is broken."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which whole layout blocks each shard owns.
+
+    ``blocks[i]`` = (first, stop) block indices of shard i (a contiguous run);
+    ``ranges[i]`` = (lo, hi) the flat-vector range of those blocks.
+    """
+
+    layout: tuple
+    blocks: tuple[tuple[int, int], ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def shards(self) -> int:
+        return len(self.blocks)
+
+    def sub_layout(self, i: int) -> tuple:
+        a, b = self.blocks[i]
+        return tuple(self.layout[a:b])
+
+    def sub_mask(self, i: int, lmo_mask: Sequence[bool] | None) -> tuple[bool, ...] | None:
+        if lmo_mask is None:
+            return None
+        a, b = self.blocks[i]
+        return tuple(lmo_mask)[a:b]
+
+
+def _sizes(layout: tuple) -> list[int]:
+    return [math.prod(shape) for _, shape in layout]
+
+
+def plan_shards(layout: tuple, shards: int) -> ShardPlan:
+    """Whole blocks of ``layout`` over ``shards`` shards, contiguous runs, the largest run as
+    small as possible (ties: the earliest cuts). Deterministic.
+
+    Raises:
+        ValueError: ``shards`` < 1, or more shards than blocks (a block is never split).
+    """
+    layout = tuple(layout)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"Invalid shards: {shards!r} (an integer >= 1)")
+    sizes = _sizes(layout)
+    n = len(sizes)
+    if shards > max(n, 1):
+        raise ValueError(f"cannot shard {n} layout block(s) over {shards} shards: a block is never split "
+                         f"(give at most {max(n, 1)} shards)")
+    if n == 0:
+        return ShardPlan(layout, ((0, 0),), ((0, 0),))
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # best[j][i]: the smallest largest run over blocks [0, i) cut into j runs; cut[j][i] its last cut
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(shards + 1)]
+    cut = [[0] * (n + 1) for _ in range(shards + 1)]
+    best[0][0] = 0
+    for j in range(1, shards + 1):
+        for i in range(j, n + 1):
+            for c in range(j - 1, i):
+                v = max(best[j - 1][c], prefix[i] - prefix[c])
+                if v < best[j][i]:
+                    best[j][i], cut[j][i] = v, c
+    bounds = [n]
+    for j in range(shards, 0, -1):
+        bounds.append(cut[j][bounds[-1]])
+    bounds.reverse()
+    blocks = tuple((bounds[i], bounds[i + 1]) for i in range(shards))
+    ranges = tuple((prefix[a], prefix[b]) for a, b in blocks)
+    return ShardPlan(layout, blocks, ranges)
+
+
+def shard_refusal(alg: Algorithm) -> str:
+    """Why ``alg`` cannot be sharded over whole blocks ("" when it can)."""
+    fn = getattr(alg, "shard_refusal", None)
+    if fn is None:
+        return "it does not say whether its vector work is elementwise or per layout block"
+    return fn()
+
+
+@dataclass(slots=True)
+class ShardedState:
+    """One state per shard (each the wrapped algorithm's own state over its slice)."""
+
+    parts: list
+    merged: dict = field(default_factory=dict)  # iterate id -> (the shards' arrays, their concatenation)
+
+
+def _same_spec_header(a: JobSpec, b: JobSpec) -> bool:
+    return (a.kind == b.kind and a.created_at == b.created_at and tuple(a.iterate_ids) == tuple(b.iterate_ids)
+            and a.batch_size == b.batch_size and a.shard == b.shard and a.deadline == b.deadline
+            and len(a.points) == len(b.points))
+
+
+def _same_metrics(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+            return False
+    return True
+
+
+def _same_outcome(a: Outcome, b: Outcome) -> bool:
+    return (tuple(a.applied) == tuple(b.applied) and tuple(a.dropped) == tuple(b.dropped)
+            and bool(a.updated) == bool(b.updated) and tuple(a.ages) == tuple(b.ages)
+            and _same_metrics(dict(a.metrics), dict(b.metrics)))
+
+
+@dataclass(frozen=True)
+class Sharded(Algorithm):
+    """``inner`` run on S shards of whole layout blocks, every decision checked to be the same.
+
+    Build it around an unbound algorithm (wrappers included) and let the driver bind it:
+    ``bind_layout(Sharded(alg, n_shards=S), problem.layout, problem.lmo_mask)``. Attribute reads it does
+    not answer (hyper-parameters) go to ``inner``.
+
+    Args:
+        inner: the algorithm (one implementation, run once per shard).
+        n_shards: S >= 1 (not ``shards``: ``snapshot-vr`` has a hyper-parameter of that name,
+            its FULL_GRAD data shards, which attribute reads pass on to).
+    """
+
+    inner: Algorithm
+    n_shards: int = 1
+    plan: ShardPlan | None = None  # set by bind
+    parts: tuple = ()  # the per-shard bound algorithms, set by bind
+    mask: tuple | None = None  # the lmo_mask bound with (all shards' slices together), set by bind
+
+    def __getattr__(self, item: str) -> Any:
+        if item in ("inner", "parts", "plan", "n_shards", "mask") or item.startswith("__"):
+            raise AttributeError(item)
+        return getattr(self.inner, item)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def mode(self) -> str:  # type: ignore[override]
+        return self.inner.mode
+
+    # ---- binding and the plan
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Sharded:
+        """Plan the shards over ``layout`` and bind one copy of ``inner`` to each sub-layout.
+
+        Raises:
+            ValueError: the algorithm cannot be sharded (``shard_refusal``), or the layout has
+                fewer blocks than shards.
+        """
+        mask = None if lmo_mask is None else tuple(bool(b) for b in lmo_mask)
+        if self.plan is not None and self.plan.layout == tuple(layout) and self.mask == mask:
+            return self  # already bound to it (its parts, maybe given by with_parts, are kept)
+        reason = shard_refusal(self.inner)
+        if reason and self.n_shards > 1:
+            raise ValueError(f"{self.inner.name or type(self.inner).__name__} cannot be sharded: {reason}")
+        plan = plan_shards(tuple(layout), self.n_shards)
+        parts = tuple(bind_layout(self.inner, plan.sub_layout(i), plan.sub_mask(i, lmo_mask))
+                      for i in range(plan.shards))
+        return dataclasses.replace(self, plan=plan, parts=parts, mask=mask)
+
+    def with_parts(self, parts: Sequence[Algorithm]) -> Sharded:
+        """The same plan with these per-shard algorithms (tests give one shard other settings)."""
+        if self.plan is None or len(parts) != self.plan.shards:
+            raise ValueError("with_parts needs a bound Sharded and one algorithm per shard")
+        return dataclasses.replace(self, parts=tuple(parts))
+
+    def _need_plan(self) -> ShardPlan:
+        if self.plan is None:
+            raise ValueError("Sharded must be bound to the problem's layout before init (bind_layout)")
+        return self.plan
+
+    def _slices(self) -> list[slice]:
+        return [slice(lo, hi) for lo, hi in self._need_plan().ranges]
+
+    # ---- the agreement checks
+    def _agree(self, what: str, values: Sequence[Any], same=lambda a, b: a == b) -> Any:
+        first = values[0]
+        for i, v in enumerate(values[1:], start=1):
+            if not same(first, v):
+                raise ShardDisagreement(f"{self.name}: shard {i} disagrees with shard 0 on {what}: {v!r} != {first!r}")
+        return first
+
+    def _merge(self, state: ShardedState, specs: Sequence[JobSpec | None]) -> JobSpec | None:
+        """One JobSpec from the shards' specs: the same header, the points concatenated."""
+        if len(specs) == 1 or all(s is None for s in specs):
+            return specs[0]
+        if any(s is None for s in specs):
+            raise ShardDisagreement(f"{self.name}: some shards ask for a job, others not: {specs!r}")
+        head = self._agree("the job asked for", specs, _same_spec_header)
+        points = []
+        for j, iid in enumerate(head.iterate_ids):
+            arrays = tuple(s.points[j] for s in specs)
+            known = state.merged.get(iid)
+            if known is not None and len(known[0]) == len(arrays) and all(a is b for a, b in zip(known[0], arrays)):
+                points.append(known[1])
+                continue
+            merged = np.concatenate(arrays)
+            merged.setflags(write=False)
+            state.merged[iid] = (arrays, merged)
+            points.append(merged)
+        keep = set(head.iterate_ids)
+        old = [i for i in state.merged if i not in keep]  # oldest first (insertion order)
+        for iid in old[:max(0, len(old) - _MERGED_KEPT)]:
+            del state.merged[iid]
+        return dataclasses.replace(head, points=tuple(points))
+
+    def _part_spec(self, spec: JobSpec, sl: slice) -> JobSpec:
+        return dataclasses.replace(spec, points=tuple(p[sl] for p in spec.points))
+
+    @staticmethod
+    def _part_result(r: Result, sl: slice) -> Result:
+        return dataclasses.replace(r, grads=tuple(g[sl] for g in r.grads))
+
+    # ---- Algorithm interface
+    def init(self, x0: np.ndarray, *, seed: int):
+        plan = self._need_plan()
+        x0 = np.asarray(x0)
+        if x0.ndim != 1 or (plan.layout and plan.ranges[-1][1] != x0.shape[0]):
+            raise ValueError(f"{self.name}: x0 of shape {x0.shape} does not match the sharded layout "
+                             f"({plan.ranges[-1][1]} values)")
+        parts, jobs = [], []
+        for alg, sl in zip(self.parts, self._slices(), strict=True):
+            st, js = alg.init(x0[sl], seed=seed)
+            parts.append(st)
+            jobs.append(js)
+        state = ShardedState(parts=parts)
+        n = self._agree("the number of initial jobs", [len(j) for j in jobs])
+        return state, [self._merge(state, [j[t] for j in jobs]) for t in range(n)]
+
+    def make_job(self, state: ShardedState, worker_id: str):
+        specs = []
+        for i, alg in enumerate(self.parts):
+            state.parts[i], spec = alg.make_job(state.parts[i], worker_id)
+            specs.append(spec)
+        return state, self._merge(state, specs)
+
+    def apply(self, state: ShardedState, results: Sequence[Result]):
+        outcomes = []
+        for i, (alg, sl) in enumerate(zip(self.parts, self._slices(), strict=True)):
+            state.parts[i], out = alg.apply(state.parts[i], [self._part_result(r, sl) for r in results])
+            outcomes.append(out)
+        return state, self._agree("the outcome", outcomes, _same_outcome)
+
+    def params(self, state: ShardedState) -> np.ndarray:
+        xs = [alg.params(st) for alg, st in zip(self.parts, state.parts, strict=True)]
+        return np.concatenate(xs) if len(xs) > 1 else xs[0]
+
+    def version(self, state: ShardedState) -> int:
+        return self._agree("the version", [alg.version(st) for alg, st in zip(self.parts, state.parts, strict=True)])
+
+    def cancel(self, state: ShardedState, outstanding: Sequence[Any]) -> list[int]:
+        return list(self._agree("the jobs to cancel", [list(alg.cancel(st, outstanding))
+                                                       for alg, st in zip(self.parts, state.parts, strict=True)]))
+
+    def on_issued(self, state: ShardedState, job_id: int, spec: JobSpec) -> ShardedState:
+        for i, (alg, sl) in enumerate(zip(self.parts, self._slices(), strict=True)):
+            state.parts[i] = alg.on_issued(state.parts[i], job_id, self._part_spec(spec, sl))
+        return state
+
+    def on_lost(self, state: ShardedState, job_ids: Sequence[int]) -> ShardedState:
+        for i, alg in enumerate(self.parts):
+            state.parts[i] = alg.on_lost(state.parts[i], job_ids)
+        return state
+
+    def live_iterate_ids(self, state: ShardedState) -> set[int]:
+        return set(self._agree("the live iterates", [set(alg.live_iterate_ids(st))
+                                                      for alg, st in zip(self.parts, state.parts, strict=True)]))
+
+    def metrics(self, state: ShardedState) -> dict[str, float]:
+        return dict(self._agree("the metrics", [alg.metrics(st) for alg, st in zip(self.parts, state.parts, strict=True)],
+                                _same_metrics))
+
+    def shard_refusal(self) -> str:
+        return shard_refusal(self.inner)
+
+    # ---- state save/load: one state dict per shard
+    def to_state_dict(self, state: ShardedState) -> dict[str, Any]:
+        return {f"shard{i}": alg.to_state_dict(st) for i, (alg, st) in enumerate(zip(self.parts, state.parts,
+                                                                                    strict=True))}
+
+    def from_state_dict(self, d: dict[str, Any]) -> ShardedState:
+        want = [f"shard{i}" for i in range(len(self.parts))]
+        if sorted(d) != sorted(want):
+            raise ValueError(f"{self.name}: sharded state dict keys {sorted(d)} do not match {want}")
+        state = ShardedState(parts=[alg.from_state_dict(d[k]) for alg, k in zip(self.parts, want, strict=True)])
+        self.validate_state(state)
+        return state
+
+    def state_class(self) -> type:
+        return ShardedState
+
+    def validate_state(self, state: ShardedState) -> None:
+        if not isinstance(state, ShardedState) or len(state.parts) != len(self.parts):
+            raise ValueError(f"{self.name}: not a state of {len(self.parts)} shards")
+        for alg, st in zip(self.parts, state.parts, strict=True):
+            alg.validate_state(st)
+        self.version(state)
