@@ -1,4 +1,4 @@
-"""The parameter vector sharded over S server shards, one decision for all (docs/ALGORITHMS.md §11).
+"""The parameter vector sharded over S server shards, one decision for all (docs/ALGORITHMS.md §14).
 
 Two parts:
 
