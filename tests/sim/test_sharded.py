@@ -168,3 +168,36 @@ def test_state_dict_round_trip_of_a_sharded_state(digits):
     state, _ = alg.init(digits.init_params(0), seed=0)
     back = alg.from_state_dict(alg.to_state_dict(state))
     assert alg.params(back).tobytes() == alg.params(state).tobytes() and alg.version(back) == 0
+
+
+def test_digits_full_gradient_is_the_sum_of_its_parts(digits):
+    x = digits.init_params(0)
+    n = digits.num_samples
+    whole, count, loss_sum = digits.full_grad(x, 0, n)
+    a, ca, la = digits.full_grad(x, 0, 500)
+    b, cb, lb = digits.full_grad(x, 500, n)
+    assert count == n == ca + cb and whole.shape == (digits.dim,) and whole.dtype == np.float32
+    np.testing.assert_allclose(a + b, whole, rtol=1e-4, atol=1e-5)
+    assert math.isclose(la + lb, loss_sum, rel_tol=1e-5)
+    mean = digits.grad(x, seed=0, batch_size=n).grad  # a batch of every training image: the mean gradient
+    np.testing.assert_allclose(whole / n, mean, rtol=1e-3, atol=1e-6)
+    with pytest.raises(ValueError, match="not inside"):
+        digits.full_grad(x, 0, n + 1)
+
+
+def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
+    from click.testing import CliRunner
+
+    from ps.cli import main
+
+    outs = []
+    for s in (1, 2):
+        out = tmp_path / f"s{s}"
+        r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--algorithm", "ringmaster", "--workers", "3",
+                                      "--max-steps", "40", "--shards", str(s), "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        outs.append(np.load(out / "final_x.npy"))
+    assert outs[0].dtype == np.float32 and outs[0].tobytes() == outs[1].tobytes()
+    r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--max-steps", "5", "--shards", "5",
+                                  "--out", str(tmp_path / "s5")])
+    assert r.exit_code != 0 and "never split" in r.output
