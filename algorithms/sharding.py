@@ -42,7 +42,8 @@ from algorithms.base import Algorithm, JobSpec, Outcome, Result, bind_layout
 __all__ = ["ShardPlan", "plan_shards", "Sharded", "ShardedState", "ShardDisagreement", "shard_refusal"]
 
 
-_MERGED_KEPT = 4  # concatenated iterates kept besides the current job's (an id is asked for by many jobs)
+_MERGED_KEPT = 2  # concatenated iterates kept besides the current job's (an id is asked for by many jobs; a pair
+# job reuses its older point), so a shard's iterate is concatenated once, not once per job
 
 
 class ShardDisagreement(RuntimeError):

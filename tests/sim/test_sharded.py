@@ -201,3 +201,28 @@ def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
     r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--max-steps", "5", "--shards", "5",
                                   "--out", str(tmp_path / "s5")])
     assert r.exit_code != 0 and "never split" in r.output
+
+
+@pytest.mark.parametrize("case", ["storm-vr", "ringmaster-lmo-muon"])
+def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, case, tmp_path):
+    from ps.core import ServerCore
+    from ps.persist import read_checkpoint, write_checkpoint
+
+    name, settings, _ = cases(digits.num_samples)[case]
+
+    def make():
+        cfg = CoreConfig(min_workers=N_WORKERS, liveness_timeout_s=4.0, seed=3, batch_size=16)
+        return Simulator(algorithms.build(name, settings), digits, DelayModel.named("sqrt", N_WORKERS), cfg, seed=5,
+                         shards=3, crashes=(Crash(worker=1, at=15.0, rejoin_after=6.0),), loss_prob=0.03)
+
+    plain, restored = make(), make()
+    plain.run(max_time=25.0)
+    restored.run(max_time=25.0)
+    at = restored.core.version
+    _, snap = read_checkpoint(write_checkpoint(str(tmp_path), 1, restored.core.snapshot()))
+    assert sorted(snap["alg_state"]) == ["shard0", "shard1", "shard2"], "one state per shard"
+    restored.core = ServerCore.restore(restored.core.alg, snap, restored.core.cfg, server_boot=1)
+    a, b = plain.run(max_time=60.0), restored.run(max_time=60.0)
+    assert a.final_x.tobytes() == b.final_x.tobytes()
+    assert [x[:2] for x in a.applied] == [x[:2] for x in b.applied]
+    assert restored.core.version == plain.core.version > at > 0, "updates before and after the checkpoint"
