@@ -5,17 +5,20 @@ Two parts:
 * :func:`plan_shards` assigns whole layout blocks to S shards: contiguous runs of blocks whose
   largest run is as small as possible, so a matrix is never split (a per-matrix LMO/Muon step
   stays on one shard) and each shard owns one contiguous range [lo, hi) of the flat vector.
-* :class:`Sharded` is an :class:`~algorithms.base.Algorithm` around S instances of one
-  algorithm, the i-th bound to shard i's sub-layout (and its slice of ``lmo_mask``) and
-  initialized on its slice of x0. Every call goes to every shard with the same metadata (job
-  ids, kinds, created_at, iterate ids, seeds, counts) and that shard's slice of the vectors.
-  Everything scalar an algorithm decides (ages, acceptance and drops, rounds, weights, step
-  sizes, thresholds, M_k, cancels, the jobs it asks for) is a function of that metadata, so
-  every shard decides the same; :class:`Sharded` checks it (each Outcome, JobSpec header,
-  cancel list, live iterate set and version) and raises :class:`ShardDisagreement` when two
-  shards differ. The vector work (elementwise kernels, per-block Newton–Schulz) is the
-  algorithm's own code on its slice: there is one implementation of each algorithm, and the
-  unsharded algorithm is the S = 1 case.
+* :class:`Sharded` is an :class:`~algorithms.base.Algorithm` around S + 1 instances of one
+  algorithm: a *coordinator*, run on an empty slice of the vector (every decision, no vector
+  work), and S shards, the i-th bound to shard i's sub-layout (and its slice of ``lmo_mask``)
+  and initialized on its slice of x0. Every call goes to the coordinator and to every shard
+  with the same metadata (job ids, kinds, created_at, iterate ids, seeds, counts) and that
+  instance's slice of the vectors. Everything scalar an algorithm decides (ages, acceptance and
+  drops, rounds, weights, step sizes, thresholds, M_k, cancels, the jobs it asks for) is a
+  function of that metadata, so the coordinator decides it without any vector and every shard
+  decides the same; :class:`Sharded` returns the coordinator's decision and checks every
+  shard's against it (each Outcome, JobSpec header, cancel list, live iterate set, metrics and
+  version), raising :class:`ShardDisagreement` on a difference. A decision that looked at the
+  vector would differ on the empty coordinator even with S = 1. The vector work (elementwise
+  kernels, per-block Newton–Schulz) is the algorithm's own code on its slice: there is one
+  implementation of each algorithm, and the unsharded algorithm is the S = 1 case.
 
 What may not be sharded this way: an algorithm whose vector work needs a reduction over the
 whole vector (a global norm, sum or sign) would compute it per shard. Such an algorithm says so
@@ -24,8 +27,9 @@ through ``Algorithm.shard_refusal`` (``clip_norm``'s global norm, ``ringmaster-l
 does not declare its vector work per-block (a user's own, unless it overrides
 ``shard_refusal``).
 
-The coordinator/shard split of a multi-process server follows the same seam: what the shards
-agree on here is what a coordinator would decide once and send them.
+The coordinator/shard split of a multi-process server follows the same seam: the coordinator
+process would run the algorithm on the empty slice (ledger and decisions, headers only) and send
+its decisions to the shard processes, which run it on their blocks and must agree.
 """
 
 from __future__ import annotations
@@ -131,8 +135,10 @@ def shard_refusal(alg: Algorithm) -> str:
 
 @dataclass(slots=True)
 class ShardedState:
-    """One state per shard (each the wrapped algorithm's own state over its slice)."""
+    """The coordinator's state (over an empty vector) and one state per shard (each the wrapped
+    algorithm's own state over its slice)."""
 
+    coordinator: Any
     parts: list
     merged: dict = field(default_factory=dict)  # iterate id -> (the shards' arrays, their concatenation)
 
@@ -178,9 +184,10 @@ class Sharded(Algorithm):
     plan: ShardPlan | None = None  # set by bind
     parts: tuple = ()  # the per-shard bound algorithms, set by bind
     mask: tuple | None = None  # the lmo_mask bound with (all shards' slices together), set by bind
+    coordinator: Algorithm | None = None  # inner bound to no blocks: the decisions alone, set by bind
 
     def __getattr__(self, item: str) -> Any:
-        if item in ("inner", "parts", "plan", "n_shards", "mask") or item.startswith("__"):
+        if item in ("inner", "parts", "plan", "n_shards", "mask", "coordinator") or item.startswith("__"):
             raise AttributeError(item)
         return getattr(self.inner, item)
 
@@ -209,10 +216,11 @@ class Sharded(Algorithm):
         plan = plan_shards(tuple(layout), self.n_shards)
         parts = tuple(bind_layout(self.inner, plan.sub_layout(i), plan.sub_mask(i, lmo_mask))
                       for i in range(plan.shards))
-        return dataclasses.replace(self, plan=plan, parts=parts, mask=mask)
+        return dataclasses.replace(self, plan=plan, parts=parts, mask=mask, coordinator=bind_layout(self.inner, ()))
 
     def with_parts(self, parts: Sequence[Algorithm]) -> Sharded:
-        """The same plan with these per-shard algorithms (tests give one shard other settings)."""
+        """The same plan and coordinator with these per-shard algorithms (tests give one shard
+        other settings)."""
         if self.plan is None or len(parts) != self.plan.shards:
             raise ValueError("with_parts needs a bound Sharded and one algorithm per shard")
         return dataclasses.replace(self, parts=tuple(parts))
@@ -225,21 +233,45 @@ class Sharded(Algorithm):
     def _slices(self) -> list[slice]:
         return [slice(lo, hi) for lo, hi in self._need_plan().ranges]
 
+    def _all(self, state: ShardedState):
+        """(instance, its state's index or None for the coordinator, its slice), coordinator first."""
+        yield self.coordinator, None, slice(0, 0)
+        for i, (alg, sl) in enumerate(zip(self.parts, self._slices(), strict=True)):
+            yield alg, i, sl
+
+    @staticmethod
+    def _get(state: ShardedState, i: int | None) -> Any:
+        return state.coordinator if i is None else state.parts[i]
+
+    @staticmethod
+    def _put(state: ShardedState, i: int | None, st: Any) -> None:
+        if i is None:
+            state.coordinator = st
+        else:
+            state.parts[i] = st
+
     # ---- the agreement checks
     def _agree(self, what: str, values: Sequence[Any], same=lambda a, b: a == b) -> Any:
+        """``values[0]``, the coordinator's decision, after checking each shard's (``values[1:]``)."""
         first = values[0]
-        for i, v in enumerate(values[1:], start=1):
+        for i, v in enumerate(values[1:]):
             if not same(first, v):
-                raise ShardDisagreement(f"{self.name}: shard {i} disagrees with shard 0 on {what}: {v!r} != {first!r}")
+                raise ShardDisagreement(f"{self.name}: shard {i} disagrees with the coordinator on {what}: "
+                                        f"{v!r} != {first!r}")
         return first
 
     def _merge(self, state: ShardedState, specs: Sequence[JobSpec | None]) -> JobSpec | None:
-        """One JobSpec from the shards' specs: the same header, the points concatenated."""
-        if len(specs) == 1 or all(s is None for s in specs):
-            return specs[0]
+        """One JobSpec from the coordinator's and the shards' specs: the coordinator's header
+        (each shard's checked equal), the shards' points concatenated."""
+        if all(s is None for s in specs):
+            return None
         if any(s is None for s in specs):
-            raise ShardDisagreement(f"{self.name}: some shards ask for a job, others not: {specs!r}")
+            raise ShardDisagreement(f"{self.name}: the coordinator and the shards disagree on asking for a job: "
+                                    f"{specs!r}")
         head = self._agree("the job asked for", specs, _same_spec_header)
+        specs = specs[1:]
+        if len(specs) == 1:
+            return specs[0]
         points = []
         for j, iid in enumerate(head.iterate_ids):
             arrays = tuple(s.points[j] for s in specs)
@@ -271,26 +303,28 @@ class Sharded(Algorithm):
         if x0.ndim != 1 or (plan.layout and plan.ranges[-1][1] != x0.shape[0]):
             raise ValueError(f"{self.name}: x0 of shape {x0.shape} does not match the sharded layout "
                              f"({plan.ranges[-1][1]} values)")
-        parts, jobs = [], []
-        for alg, sl in zip(self.parts, self._slices(), strict=True):
+        states, jobs = [], []
+        for alg, _, sl in self._all(None):
             st, js = alg.init(x0[sl], seed=seed)
-            parts.append(st)
+            states.append(st)
             jobs.append(js)
-        state = ShardedState(parts=parts)
+        state = ShardedState(coordinator=states[0], parts=states[1:])
         n = self._agree("the number of initial jobs", [len(j) for j in jobs])
         return state, [self._merge(state, [j[t] for j in jobs]) for t in range(n)]
 
     def make_job(self, state: ShardedState, worker_id: str):
         specs = []
-        for i, alg in enumerate(self.parts):
-            state.parts[i], spec = alg.make_job(state.parts[i], worker_id)
+        for alg, i, _ in self._all(state):
+            st, spec = alg.make_job(self._get(state, i), worker_id)
+            self._put(state, i, st)
             specs.append(spec)
         return state, self._merge(state, specs)
 
     def apply(self, state: ShardedState, results: Sequence[Result]):
         outcomes = []
-        for i, (alg, sl) in enumerate(zip(self.parts, self._slices(), strict=True)):
-            state.parts[i], out = alg.apply(state.parts[i], [self._part_result(r, sl) for r in results])
+        for alg, i, sl in self._all(state):
+            st, out = alg.apply(self._get(state, i), [self._part_result(r, sl) for r in results])
+            self._put(state, i, st)
             outcomes.append(out)
         return state, self._agree("the outcome", outcomes, _same_outcome)
 
@@ -299,43 +333,47 @@ class Sharded(Algorithm):
         return np.concatenate(xs) if len(xs) > 1 else xs[0]
 
     def version(self, state: ShardedState) -> int:
-        return self._agree("the version", [alg.version(st) for alg, st in zip(self.parts, state.parts, strict=True)])
+        return self._agree("the version", [alg.version(self._get(state, i)) for alg, i, _ in self._all(state)])
 
     def cancel(self, state: ShardedState, outstanding: Sequence[Any]) -> list[int]:
-        return list(self._agree("the jobs to cancel", [list(alg.cancel(st, outstanding))
-                                                       for alg, st in zip(self.parts, state.parts, strict=True)]))
+        return list(self._agree("the jobs to cancel", [list(alg.cancel(self._get(state, i), outstanding))
+                                                       for alg, i, _ in self._all(state)]))
 
     def on_issued(self, state: ShardedState, job_id: int, spec: JobSpec) -> ShardedState:
-        for i, (alg, sl) in enumerate(zip(self.parts, self._slices(), strict=True)):
-            state.parts[i] = alg.on_issued(state.parts[i], job_id, self._part_spec(spec, sl))
+        for alg, i, sl in self._all(state):
+            self._put(state, i, alg.on_issued(self._get(state, i), job_id, self._part_spec(spec, sl)))
         return state
 
     def on_lost(self, state: ShardedState, job_ids: Sequence[int]) -> ShardedState:
-        for i, alg in enumerate(self.parts):
-            state.parts[i] = alg.on_lost(state.parts[i], job_ids)
+        for alg, i, _ in self._all(state):
+            self._put(state, i, alg.on_lost(self._get(state, i), job_ids))
         return state
 
     def live_iterate_ids(self, state: ShardedState) -> set[int]:
-        return set(self._agree("the live iterates", [set(alg.live_iterate_ids(st))
-                                                      for alg, st in zip(self.parts, state.parts, strict=True)]))
+        return set(self._agree("the live iterates", [set(alg.live_iterate_ids(self._get(state, i)))
+                                                      for alg, i, _ in self._all(state)]))
 
     def metrics(self, state: ShardedState) -> dict[str, float]:
-        return dict(self._agree("the metrics", [alg.metrics(st) for alg, st in zip(self.parts, state.parts, strict=True)],
+        return dict(self._agree("the metrics", [alg.metrics(self._get(state, i)) for alg, i, _ in self._all(state)],
                                 _same_metrics))
 
     def shard_refusal(self) -> str:
         return shard_refusal(self.inner)
 
-    # ---- state save/load: one state dict per shard
+    # ---- state save/load: the coordinator's state dict and one per shard
+    def _keys(self) -> list[str]:
+        return ["coordinator"] + [f"shard{i}" for i in range(len(self.parts))]
+
     def to_state_dict(self, state: ShardedState) -> dict[str, Any]:
-        return {f"shard{i}": alg.to_state_dict(st) for i, (alg, st) in enumerate(zip(self.parts, state.parts,
-                                                                                    strict=True))}
+        return {k: alg.to_state_dict(self._get(state, i)) for k, (alg, i, _) in zip(self._keys(), self._all(state),
+                                                                                   strict=True)}
 
     def from_state_dict(self, d: dict[str, Any]) -> ShardedState:
-        want = [f"shard{i}" for i in range(len(self.parts))]
+        want = self._keys()
         if sorted(d) != sorted(want):
             raise ValueError(f"{self.name}: sharded state dict keys {sorted(d)} do not match {want}")
-        state = ShardedState(parts=[alg.from_state_dict(d[k]) for alg, k in zip(self.parts, want, strict=True)])
+        states = [alg.from_state_dict(d[k]) for k, (alg, _, _) in zip(want, self._all(None), strict=True)]
+        state = ShardedState(coordinator=states[0], parts=states[1:])
         self.validate_state(state)
         return state
 
@@ -345,6 +383,6 @@ class Sharded(Algorithm):
     def validate_state(self, state: ShardedState) -> None:
         if not isinstance(state, ShardedState) or len(state.parts) != len(self.parts):
             raise ValueError(f"{self.name}: not a state of {len(self.parts)} shards")
-        for alg, st in zip(self.parts, state.parts, strict=True):
-            alg.validate_state(st)
+        for alg, i, _ in self._all(state):
+            alg.validate_state(self._get(state, i))
         self.version(state)

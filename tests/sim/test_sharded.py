@@ -10,6 +10,7 @@ equal. Also: the block assignment, the refusals, and that a shard deciding diffe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -30,7 +31,17 @@ UPDATES = 240
 
 @pytest.fixture(scope="module")
 def digits():
-    return make_digits()
+    """The digits MLP, with torch on one thread while this module runs: its gradients are tiny
+    (about 70 ms instead of 2 ms each were measured with torch's default threads on a loaded
+    2-core machine); the thread count it had is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield make_digits()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cases(n_samples: int) -> dict[str, tuple[str, dict, int]]:
@@ -140,8 +151,26 @@ def test_lmo_mask_is_sliced_with_the_blocks():
 def test_a_shard_that_decides_differently_raises(digits):
     alg = bind_layout(Sharded(algorithms.build("ringmaster", {"lr": 0.1, "R": 3}), n_shards=2), digits.layout)
     other = bind_layout(algorithms.build("ringmaster", {"lr": 0.1, "R": 1}), alg.plan.sub_layout(1))
-    with pytest.raises(ShardDisagreement, match="shard 1 disagrees"):
+    with pytest.raises(ShardDisagreement, match="shard 1 disagrees with the coordinator"):
         run(digits, alg.with_parts([alg.parts[0], other]), 1, updates=60)
+
+
+@dataclass(frozen=True)
+class DropsLargeGradients(algorithms.ALGORITHMS["asgd"]):
+    """Claims to be shardable, but decides from the vector: drops a reply whose |g|_1 is large."""
+
+    name = "drops-large"
+
+    def apply(self, state, results):
+        keep = [r for r in results if float(np.abs(r.grads[0]).sum()) <= 5.0]
+        state, out = super().apply(state, keep)
+        return state, dataclasses.replace(out, dropped=tuple(r.job_id for r in results if r not in keep))
+
+
+def test_a_decision_that_reads_the_vector_disagrees_with_the_coordinator_even_on_one_shard(digits):
+    alg = bind_layout(Sharded(DropsLargeGradients(lr=0.1), n_shards=1), digits.layout)
+    with pytest.raises(ShardDisagreement, match="shard 0 disagrees with the coordinator on the outcome"):
+        run(digits, alg, 1, updates=60)
 
 
 @pytest.mark.parametrize("name, settings, why", [
@@ -220,7 +249,7 @@ def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, 
     restored.run(max_time=25.0)
     at = restored.core.version
     _, snap = read_checkpoint(write_checkpoint(str(tmp_path), 1, restored.core.snapshot()))
-    assert sorted(snap["alg_state"]) == ["shard0", "shard1", "shard2"], "one state per shard"
+    assert sorted(snap["alg_state"]) == ["coordinator", "shard0", "shard1", "shard2"], "one state per shard"
     restored.core = ServerCore.restore(restored.core.alg, snap, restored.core.cfg, server_boot=1)
     a, b = plain.run(max_time=60.0), restored.run(max_time=60.0)
     assert a.final_x.tobytes() == b.final_x.tobytes()
