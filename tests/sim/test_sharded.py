@@ -61,6 +61,14 @@ def cases(n_samples: int) -> dict[str, tuple[str, dict, int]]:
                                         "batch": 16}, 150),
         "ringmaster-lmo-sign": ("ringmaster-lmo", {"lmo": "sign", "lr": 0.002, "R": 3}, 150),
         "ringmaster-lmo-muon": ("ringmaster-lmo", {"lmo": "muon", "lr": 0.02, "R": 3}, 150),
+        # beyond the list: the rest of the registry, which declares itself shardable too
+        "naive-momentum": ("naive-momentum", {"lr": 0.1}, 100),
+        "delay-adaptive": ("delay-adaptive", {"lr": 0.1, "n_workers": N_WORKERS}, 100),
+        "delay-filtered": ("delay-filtered", {"lr": 0.1, "tau_max": 3}, 100),
+        "ordered-mu2": ("ordered-mu2", {"lr": 0.1}, 100),
+        "rennala-mvr-inexact": ("rennala-mvr-inexact", {"lr": 0.1, "B": 3, "B_init": 6}, 50),
+        "rennala-muon": ("rennala-muon", {"lr": 0.05, "B": 3}, 50),
+        "delay-adaptive-muon": ("delay-adaptive-muon", {"lr": 0.02, "n_workers": N_WORKERS}, 100),
     }
 
 
@@ -88,6 +96,10 @@ def test_sharded_runs_are_bit_identical_to_one_shard(digits, case):
         assert trace.final_x.tobytes() == base.final_x.tobytes(), f"S = {s}: final iterate differs"
         assert applied == base_applied, f"S = {s}: applied (job id, created_at) sequence differs"
         assert trace.counters == base.counters
+
+
+def test_every_registered_algorithm_is_checked():
+    assert {name for name, _, _ in cases(0).values()} == set(algorithms.ALGORITHMS)
 
 
 def test_the_wrapper_with_one_shard_is_the_algorithm_itself(digits):
