@@ -167,14 +167,15 @@ def _same_outcome(a: Outcome, b: Outcome) -> bool:
 
 @dataclass(frozen=True)
 class Sharded(Algorithm):
-    """``inner`` run on S shards of whole layout blocks, every decision checked to be the same.
+    """``inner`` decided by a coordinator and run on S shards of whole layout blocks, every
+    shard's decision checked against the coordinator's.
 
     Build it around an unbound algorithm (wrappers included) and let the driver bind it:
-    ``bind_layout(Sharded(alg, n_shards=S), problem.layout, problem.lmo_mask)``. Attribute reads it does
-    not answer (hyper-parameters) go to ``inner``.
+    ``bind_layout(Sharded(alg, n_shards=S), problem.layout, problem.lmo_mask)``. Attribute reads
+    it does not answer (hyper-parameters) go to ``inner``.
 
     Args:
-        inner: the algorithm (one implementation, run once per shard).
+        inner: the algorithm (one implementation, run by the coordinator and by each shard).
         n_shards: S >= 1 (not ``shards``: ``snapshot-vr`` has a hyper-parameter of that name,
             its FULL_GRAD data shards, which attribute reads pass on to).
     """
@@ -201,17 +202,18 @@ class Sharded(Algorithm):
 
     # ---- binding and the plan
     def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Sharded:
-        """Plan the shards over ``layout`` and bind one copy of ``inner`` to each sub-layout.
+        """Plan the shards over ``layout``, bind one copy of ``inner`` to each sub-layout and
+        one, the coordinator, to no blocks.
 
         Raises:
-            ValueError: the algorithm cannot be sharded (``shard_refusal``), or the layout has
-                fewer blocks than shards.
+            ValueError: the algorithm cannot be sharded (``shard_refusal``; whatever S, since the
+                coordinator runs it on no vector), or the layout has fewer blocks than shards.
         """
         mask = None if lmo_mask is None else tuple(bool(b) for b in lmo_mask)
         if self.plan is not None and self.plan.layout == tuple(layout) and self.mask == mask:
             return self  # already bound to it (its parts, maybe given by with_parts, are kept)
         reason = shard_refusal(self.inner)
-        if reason and self.n_shards > 1:
+        if reason:  # even for S = 1: the coordinator runs it on no vector at all
             raise ValueError(f"{self.inner.name or type(self.inner).__name__} cannot be sharded: {reason}")
         plan = plan_shards(tuple(layout), self.n_shards)
         parts = tuple(bind_layout(self.inner, plan.sub_layout(i), plan.sub_mask(i, lmo_mask))

@@ -267,3 +267,9 @@ def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, 
     assert a.final_x.tobytes() == b.final_x.tobytes()
     assert [x[:2] for x in a.applied] == [x[:2] for x in b.applied]
     assert restored.core.version == plain.core.version > at > 0, "updates before and after the checkpoint"
+
+
+def test_a_refused_algorithm_is_refused_with_one_shard_too(digits):
+    """The coordinator runs it on no vector at all: clip_norm's norm would be 0 there."""
+    with pytest.raises(ValueError, match="norm of the whole gradient"):
+        bind_layout(Sharded(algorithms.build("asgd", {"clip_norm": 1.0}), n_shards=1), digits.layout)
