@@ -212,6 +212,14 @@ class Algorithm:
         """Extra per-step figures to log (e.g. missing mass M_k, batch fill)."""
         return {}
 
+    def shard_refusal(self) -> str:
+        """Why this algorithm cannot run sharded over whole layout blocks (``algorithms/sharding.py``),
+        "" when it can: when every decision depends only on the replies' metadata and the vector
+        work is elementwise or per layout block (bound through :meth:`bind`), so that S copies,
+        each on its own blocks, decide the same and compute the same bits. The default refuses:
+        an algorithm says it is shardable by returning ""."""
+        return "it does not say that its vector work is elementwise or per layout block (shard_refusal)"
+
     # ---- state save/load: plain arrays and numbers, validated on load
     def to_state_dict(self, state: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -32,6 +32,9 @@ class PerReplyAlgorithm(Algorithm):
 
     iterate_fields: ClassVar[tuple[str, ...]] = ("x",)
 
+    def shard_refusal(self) -> str:
+        return ""  # elementwise steps (A1-A7), per-block LMO/Muon (A10, its baseline); see RingmasterLMO
+
     def from_state_dict(self, d: dict[str, Any]) -> Any:
         state = super().from_state_dict(d)
         for name in self.iterate_fields:

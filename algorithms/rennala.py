@@ -110,6 +110,9 @@ class _Rennala(Algorithm):
         return [j.job_id for j in outstanding
                 if not self._is_current(state, j.created_at, j.kind, j.iterate_ids)]
 
+    def shard_refusal(self) -> str:
+        return ""  # elementwise sums and steps; Rennala Muon's Newton–Schulz is per block
+
     def metrics(self, state: Any) -> dict[str, float]:
         """``batch_fill`` = c/B: accepted results of the current round over its batch size
         (B_init while initializing); 0 right after an update."""

@@ -267,6 +267,11 @@ class RingmasterLMO(_LMOMomentum):
             return []
         return _stale_jobs(state.version, outstanding, self.schedule_at(state.version)[1])
 
+    def shard_refusal(self) -> str:
+        if self.lmo == "l2":
+            return "lmo='l2' divides by the norm of the whole momentum (a reduction over all blocks)"
+        return ""
+
 
 @dataclass(frozen=True)
 class DelayAdaptiveMuon(_LMOMomentum):

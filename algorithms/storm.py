@@ -330,6 +330,9 @@ class _DelayedVR(Algorithm):
             ids.add(state.snap_anchor)
         return ids
 
+    def shard_refusal(self) -> str:
+        return ""  # every vector operation is elementwise; M_k and the rounds come from job metadata
+
     def metrics(self, state: DelayedVRState) -> dict[str, float]:
         m = {
             "round": float(state.version - 1),

@@ -235,6 +235,9 @@ class Wrapper(Algorithm):
     def metrics(self, state: Any) -> dict[str, float]:
         return self.inner.metrics(state)
 
+    def shard_refusal(self) -> str:
+        return self.inner.shard_refusal()
+
     def to_state_dict(self, state: Any) -> dict[str, Any]:
         return self.inner.to_state_dict(state)
 
@@ -365,6 +368,9 @@ class ClipGradNorm(Wrapper):
 
     def __post_init__(self) -> None:
         check_hyper("clip_norm", self.clip_norm, lo=0.0, lo_open=True)
+
+    def shard_refusal(self) -> str:
+        return "clip_norm divides by the norm of the whole gradient (a reduction over all blocks)"
 
     def clip(self, r: Result) -> tuple[Result, float | None]:
         """The reply with its gradients scaled (itself if within the bound) and the norm measured

@@ -84,6 +84,7 @@ class MLPClassifier(Problem):
         self.layout: Layout = (("fc1.weight", (hidden, features)), ("fc1.bias", (hidden,)),
                                ("fc2.weight", (num_classes, hidden)), ("fc2.bias", (num_classes,)))
         self.y_train_np = np.asarray(y_train, dtype=np.int64)
+        self.num_samples = int(self.y_train_np.shape[0])  # a finite sum over the train set (full_grad)
         self.y_test_np = np.asarray(y_test, dtype=np.int64)
         self._x_train = torch.as_tensor(np.asarray(x_train, dtype=np.float32), device=self.device)
         self._y_train = torch.as_tensor(self.y_train_np, device=self.device)
@@ -169,6 +170,19 @@ class MLPClassifier(Problem):
         loss, _ = self._loss(w, self._x_train[idx_t], self._y_train[idx_t])
         (g,) = torch.autograd.grad(loss, w)
         return GradResult(grad=g.detach().cpu().numpy().astype(np.float32, copy=False), loss=float(loss.detach()))
+
+    def full_grad(self, x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, float]:
+        """Sum over the train examples [lo, hi) of their cross-entropy gradients, the count and
+        the summed loss (the finite-sum view that ``snapshot-vr`` uses; ``num_samples`` = N)."""
+        if not 0 <= lo <= hi <= self.num_samples:
+            raise ValueError(f"shard [{lo}, {hi}) is not inside [0, {self.num_samples})")
+        if hi == lo:
+            return np.zeros(self.dim, np.float32), 0, 0.0
+        w = self._to_tensor(x).requires_grad_(True)
+        loss, _ = self._loss(w, self._x_train[lo:hi], self._y_train[lo:hi])
+        total = loss * (hi - lo)  # the mean times the count: the sum of the per-example losses
+        (g,) = torch.autograd.grad(total, w)
+        return g.detach().cpu().numpy().astype(np.float32, copy=False), hi - lo, float(total.detach())
 
     @torch.no_grad()
     def evaluate(self, x: np.ndarray) -> dict[str, float]:

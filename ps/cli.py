@@ -530,13 +530,16 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="How iterates and gradients travel (PROTOCOL.md §6.12): simulated workers compute on the "
                    "quantized iterate and their gradients reach the server quantized.")
+@click.option("--shards", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Shard the parameter vector over this many server shards of whole layout blocks (one "
+                   "decision for all, checked; the same bits as 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True, callback=output_dir)
+@click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True, callback=output_dir,
+              help="Write trace.csv, convergence.png, summary.json and final_x.npy here.")
 def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_model, noise, max_time, max_steps,
-             batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, seed, out) -> None:
+             batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, shards, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
     from ps.core import CoreConfig
-    from ps.ops.report import plot_run, write_trace_csv
     from ps.sim import Crash, DelayModel, Simulator
 
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="quadratic",
@@ -558,8 +561,11 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
             raise click.BadParameter(f"worker index {crash_list[-1].worker} out of range", param_hint="--crash")
     cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem_obj.options or {}), batch_size=batch_size,
                      liveness_timeout_s=liveness_timeout, min_workers=workers, seed=seed)
-    sim = Simulator(alg, problem_obj, DelayModel.named(delay_model, workers, noise=noise), cfg, seed=seed,
-                    crashes=crash_list, loss_prob=loss_prob, wire_dtype=wire_dtype)
+    try:
+        sim = Simulator(alg, problem_obj, DelayModel.named(delay_model, workers, noise=noise), cfg, seed=seed,
+                        crashes=crash_list, loss_prob=loss_prob, wire_dtype=wire_dtype, shards=shards)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--shards") from None
     from tqdm import tqdm
 
     bar = tqdm(total=max_time, desc=f"simulating {spec.algorithm}", unit="sim-s", dynamic_ncols=True)
@@ -571,15 +577,9 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
     trace = sim.run(max_time=max_time, max_updates=max_steps, eval_every=eval_every, progress=progress)
     bar.n = min(trace.final_t, max_time)
     bar.close()
-    os.makedirs(out, exist_ok=True)
-    write_trace_csv(trace, os.path.join(out, "trace.csv"))
-    evs = [{"ev": "applied", "age": a[3], "worker_id": a[2], "t": a[4]} for a in trace.applied]
-    plot = plot_run(trace.points, evs, os.path.join(out, "convergence.png"),
-                    title=f"{spec.algorithm} on {spec.problem} (simulated, {workers} workers, {delay_model}"
-                          f"{'' if wire_dtype == 'f32' else ', wire ' + wire_dtype})")
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"counters": trace.counters, "points": trace.points[-1:], "final_t": trace.final_t,
-                   "wire_dtype": wire_dtype}, f, indent=1)
+    title = (f"{spec.algorithm} on {spec.problem} (simulated, {workers} workers, {delay_model}"
+             f"{'' if wire_dtype == 'f32' else ', wire ' + wire_dtype}{'' if shards == 1 else f', {shards} shards'})")
+    plot = _write_sim_outputs(trace, out, title, {"wire_dtype": wire_dtype, "shards": shards})
     first, last = trace.points[0], trace.points[-1]
     c = trace.counters
     click.echo(f"simulated {trace.final_t:.1f} s: {c['updates']} updates, applied {c['applied']}, "
@@ -588,6 +588,22 @@ def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_m
         if key in first:
             click.echo(f"  {key}: {first[key]:.6g} -> {last[key]:.6g}")
     click.echo(f"  trace: {os.path.join(out, 'trace.csv')}  plot: {plot}")
+
+
+def _write_sim_outputs(trace, out: str, title: str, extra: dict) -> str:
+    """trace.csv, convergence.png, summary.json and final_x.npy (as ``serve --out`` writes it) in
+    ``out``; returns the plot's path."""
+    from ps.ops.report import plot_run, write_trace_csv
+
+    os.makedirs(out, exist_ok=True)
+    write_trace_csv(trace, os.path.join(out, "trace.csv"))
+    evs = [{"ev": "applied", "age": a[3], "worker_id": a[2], "t": a[4]} for a in trace.applied]
+    plot = plot_run(trace.points, evs, os.path.join(out, "convergence.png"), title=title)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"counters": trace.counters, "points": trace.points[-1:], "final_t": trace.final_t, **extra}, f,
+                  indent=1)
+    np.save(os.path.join(out, "final_x.npy"), np.asarray(trace.final_x))
+    return plot
 
 
 # --------------------------------------------------------------------------- status

@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 
 from algorithms.base import Algorithm, bind_layout
+from algorithms.sharding import Sharded
 from problems.base import Problem
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
 from protocol.wire import check_wire, roundtrip
@@ -160,16 +161,21 @@ class Simulator:
         cache_size: iterates a simulated worker caches (evicting least recently used).
         wire_dtype: how iterates and gradients travel (``"f32"``, ``"f16"``, ``"bf16"``): job
             points are quantized on their way to a worker, reply gradients on their way back.
+        shards: S, the parameter vector sharded over S server shards of whole layout blocks
+            (``algorithms.sharding.Sharded``: one decision, checked equal on every shard); 1, the
+            default, runs the algorithm itself. Same seed, same bits for every S.
     """
 
     def __init__(self, algorithm: Algorithm, problem: Problem, delays: DelayModel, config: CoreConfig | None = None,
                  *, seed: int = 0, crashes: Sequence[Crash] = (), loss_prob: float = 0.0, credit: int = 1,
                  cache_size: int = 4, heartbeat_s: float | None = None, x0: np.ndarray | None = None,
-                 wire_dtype: str = "f32") -> None:
+                 wire_dtype: str = "f32", shards: int = 1) -> None:
         self.wire_dtype = check_wire(wire_dtype)
         self.problem = problem
         self.delays = delays
         self.cfg = config or CoreConfig(min_workers=len(delays.tau))
+        if shards != 1:
+            algorithm = Sharded(algorithm, n_shards=shards)
         bind = getattr(algorithm, "bind", None)
         if bind is not None:
             algorithm = bind_layout(algorithm, problem.layout, getattr(problem, "lmo_mask", None))
@@ -385,7 +391,7 @@ def simulate(algorithm: Algorithm, problem: Problem, delays: DelayModel, config:
              **run_kwargs: Any) -> Trace:
     """One-call form: build a :class:`Simulator` and run it. Keyword arguments not accepted by
     ``Simulator`` go to :meth:`Simulator.run`."""
-    sim_keys = {"seed", "crashes", "loss_prob", "credit", "cache_size", "heartbeat_s", "x0", "wire_dtype"}
+    sim_keys = {"seed", "crashes", "loss_prob", "credit", "cache_size", "heartbeat_s", "x0", "wire_dtype", "shards"}
     sim_kw = {k: v for k, v in run_kwargs.items() if k in sim_keys}
     run_kw = {k: v for k, v in run_kwargs.items() if k not in sim_keys}
     return Simulator(algorithm, problem, delays, config, **sim_kw).run(**run_kw)
