@@ -278,7 +278,8 @@ class Sharded(Algorithm):
         for j, iid in enumerate(head.iterate_ids):
             arrays = tuple(s.points[j] for s in specs)
             known = state.merged.get(iid)
-            if known is not None and len(known[0]) == len(arrays) and all(a is b for a, b in zip(known[0], arrays)):
+            if known is not None and len(known[0]) == len(arrays) and all(
+                    a is b for a, b in zip(known[0], arrays, strict=True)):
                 points.append(known[1])
                 continue
             merged = np.concatenate(arrays)
