@@ -410,6 +410,17 @@ def _decode_array(meta: Any, frame: Any, max_array_bytes: int) -> np.ndarray:
     return a
 
 
+def _frame_count(frames: Any) -> int:
+    """How many frames a message has, if that is a valid number (else RemoteProtocolError)."""
+    try:
+        n = len(frames)
+    except TypeError:
+        raise RemoteProtocolError("frames is not a sequence") from None
+    if not 1 <= n <= 1 + MAX_ARRAYS:
+        raise RemoteProtocolError(f"message has {n} frames (1..{1 + MAX_ARRAYS} allowed)")
+    return n
+
+
 def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES,
            payload: Callable[[int, int], Any] | None = None) -> Any:
     """Decode ``[header, *arrays]`` into a message.
@@ -428,12 +439,7 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
     Raises:
         RemoteProtocolError: for anything that is not a valid message, and only that.
     """
-    try:
-        n = len(frames)
-    except TypeError:
-        raise RemoteProtocolError("frames is not a sequence") from None
-    if not 1 <= n <= 1 + MAX_ARRAYS:
-        raise RemoteProtocolError(f"message has {n} frames (1..{1 + MAX_ARRAYS} allowed)")
+    _frame_count(frames)
     msg = decode_fast(frames, max_array_bytes)  # job, reply, hb, ready, when valid (protocol/fastcodec.py)
     return msg if msg is not None else decode_reference(frames, max_array_bytes=max_array_bytes, payload=payload)
 
@@ -442,12 +448,7 @@ def decode_reference(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MA
                      payload: Callable[[int, int], Any] | None = None) -> Any:
     """What :func:`decode` returns or raises, by the schema alone: every rule of PROTOCOL.md
     §10 and the error that names the first one broken (the fast path's reference)."""
-    try:
-        n = len(frames)
-    except TypeError:
-        raise RemoteProtocolError("frames is not a sequence") from None
-    if not 1 <= n <= 1 + MAX_ARRAYS:
-        raise RemoteProtocolError(f"message has {n} frames (1..{1 + MAX_ARRAYS} allowed)")
+    n = _frame_count(frames)
     header = _unpack_header(_buffer(frames[0]))
     v = header.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
