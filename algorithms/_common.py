@@ -7,8 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from algorithms._pool import step_into
-from algorithms.base import JobSpec, Outcome, Result
+from algorithms._pool import step_into, step_into_checked
+from algorithms.base import JobSpec, NonFiniteGradient, Outcome, Result
 from protocol.messages import JobKind
 
 
@@ -31,18 +31,29 @@ class IterateState:
     x: np.ndarray
 
 
-def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_age: float = np.inf) -> Outcome:
+def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_age: float = np.inf,
+              checked: bool = False) -> Outcome:
     """x <- x - lr·g for each result of age <= max_age, one version each; older ones are dropped.
 
     The update of A1 (max_age = inf), A4 (max_age = tau_max) and A5 (max_age = R - 1).
+    ``checked`` (one result only): the step tests g finite in its pass (``step_into_checked``)
+    and raises NonFiniteGradient before anything changes.
     """
+    if checked and len(results) != 1:
+        raise ValueError("a checked step takes exactly one result")
     applied, dropped, ages = [], [], []
     for r in results:
         age = state.version - r.created_at
         if age > max_age:
             dropped.append(r.job_id)
             continue
-        state.x = step_into(state.x, lr, r.grads[0])
+        if checked:
+            y = step_into_checked(state.x, lr, r.grads[0])
+            if y is None:
+                raise NonFiniteGradient(f"job {r.job_id}: gradient holds NaN or Inf")
+            state.x = y
+        else:
+            state.x = step_into(state.x, lr, r.grads[0])
         state.version += 1
         applied.append(r.job_id)
         ages.append(age)

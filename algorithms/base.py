@@ -129,6 +129,11 @@ def check_hyper(name: str, value: Any, *, lo: float | None = None, hi: float | N
         raise ValueError(f"Invalid {name}: {value!r} (must be {'<' if hi_open else '<='} {hi})")
 
 
+class NonFiniteGradient(ValueError):
+    """Raised by the ``apply`` of a method that ``checks_finite``: a result's gradient holds a NaN
+    or an Inf; the state is as it was."""
+
+
 class Algorithm:
     """Base class of every algorithm. Subclasses are frozen dataclasses of hyper-parameters.
 
@@ -141,11 +146,16 @@ class Algorithm:
             driver's clock if it has a round period.
         weight_decay_refusal: why the ``weight_decay`` wrapper (``algorithms/wrappers.py``) must
             not decay ``state.x`` after an update; empty (the default) accepts it.
+        checks_finite: a per-reply method whose ``apply`` of one result tests the gradients
+            finite in its own vector pass and raises :class:`NonFiniteGradient`, having changed
+            nothing, if they are not; the server then leaves that test to it (one pass over g
+            instead of two). False (the default): the server tests before ``apply``.
     """
 
     name: ClassVar[str] = ""
     mode: ClassVar[Literal["per_reply", "round"]] = "per_reply"
     weight_decay_refusal: ClassVar[str] = ""
+    checks_finite: ClassVar[bool] = False
 
     # ---- required
     def init(self, x0: np.ndarray, *, seed: int) -> tuple[Any, list[JobSpec]]:

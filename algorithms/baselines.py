@@ -73,13 +73,14 @@ class VanillaASGD(PlainSGDMethod):
     """
 
     name = "asgd"
+    checks_finite = True  # one pass over g: the finiteness test rides in the step
     lr: float = 0.1
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
 
     def apply(self, state: IterateState, results: Sequence[Result]):
-        return state, sgd_steps(state, results, self.lr)
+        return state, sgd_steps(state, results, self.lr, checked=len(results) == 1)
 
 
 @dataclass(slots=True)

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from algorithms._pool import finite
-from algorithms.base import Algorithm, JobSpec, Result
+from algorithms.base import Algorithm, JobSpec, NonFiniteGradient, Result
 from protocol.messages import (
     HEARTBEAT_INTERVAL_S,
     HELLO_BACKOFF_MAX_S,
@@ -800,7 +800,13 @@ class ServerCore:
             return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker"
                                             if entry.worker_id != w.worker_id else "created_at does not match the job",
                                             job_id=reply.job_id))]
-        problem = refusal or self._check_grads(entry, reply)
+        grads = self._in_run_dtype(reply)
+        fused = refusal is None and self.alg.checks_finite and self.alg.mode != "round"
+        problem = refusal or self._check_grads(entry, reply, grads, deferred=fused)
+        pre = None
+        if problem is None and fused:
+            result = self._result(entry, w, reply, grads)
+            pre, problem = self._checked_apply(result)
         if problem is not None:
             code, text = problem
             out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
@@ -825,17 +831,39 @@ class ServerCore:
             w.holds = self._trusted_holds(reply.holds)
         w.outstanding.discard(entry.job_id)
         self._reindex(w)
-        grads = tuple(g if g.dtype == self.dtype else g.astype(self.dtype) for g in reply.grads)
-        result = Result(job_id=entry.job_id, worker_id=w.worker_id, created_at=entry.created_at, kind=entry.kind,
-                        iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, loss=reply.loss,
-                        count=reply.count, shard=entry.shard)
+        if pre is None:
+            result = self._result(entry, w, reply, grads)
         if self.alg.mode == "round":
             entry.received = True
             self.jobs._mark_received(entry)
             self.buffer.append(result)
             self.round_blocked = False
             return self._dispatch(now)
-        return self._apply([result], now) + self._dispatch(now)
+        return self._apply([result], now, pre) + self._dispatch(now)
+
+    def _checked_apply(self, result: Result) -> tuple[tuple | None, tuple[ErrorCode, str] | None]:
+        """An algorithm that ``checks_finite`` applies ``result`` now, testing its gradients in
+        the step's own pass: ((the version before, what apply returned), None), or (None, the
+        refusal) with nothing changed."""
+        v_before = self.version
+        try:
+            return (v_before, self.alg.apply(self.state, [result])), None
+        except NonFiniteGradient:
+            return None, (ErrorCode.NON_FINITE, "gradient holds NaN or Inf")
+
+    def _in_run_dtype(self, reply: Reply) -> tuple:
+        """The reply's gradients in the run's dtype (what the algorithm gets); a value past its
+        range becomes Inf, which the finiteness test then refuses (no warning per message)."""
+        if all(g.dtype == self.dtype for g in reply.grads):
+            return reply.grads
+        with np.errstate(over="ignore", invalid="ignore"):
+            return tuple(g if g.dtype == self.dtype else g.astype(self.dtype) for g in reply.grads)
+
+    @staticmethod
+    def _result(entry: LedgerEntry, w: WorkerInfo, reply: Reply, grads: tuple) -> Result:
+        return Result(job_id=entry.job_id, worker_id=w.worker_id, created_at=entry.created_at, kind=entry.kind,
+                      iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, loss=reply.loss,
+                      count=reply.count, shard=entry.shard)
 
     def on_heartbeat(self, w: WorkerInfo, hb: Heartbeat, now: float) -> list[Command]:
         """Refresh credit and reconcile: a job the worker has seen but neither holds nor answered
@@ -867,7 +895,8 @@ class ServerCore:
         if worker_id not in self.workers or entry is None or entry.received or entry.worker_id != worker_id \
                 or entry.created_at != reply.created_at:
             return "other"
-        return "ok" if self._check_grads(entry, reply) is None else "bad"
+        grads = self._in_run_dtype(reply)
+        return "ok" if self._check_grads(entry, reply, grads) is None else "bad"
 
     def on_error(self, w: WorkerInfo, err: Error, now: float) -> list[Command]:
         """An ``err`` from a joined worker (other than MISSING_ITERATE). COMPUTE_FAILED for a job
@@ -993,7 +1022,11 @@ class ServerCore:
         return self._dispatch(now)
 
     # ------------------------------------------------------------------ internals
-    def _check_grads(self, entry: LedgerEntry, reply: Reply) -> tuple[ErrorCode, str] | None:
+    def _check_grads(self, entry: LedgerEntry, reply: Reply, grads: tuple,
+                     deferred: bool = False) -> tuple[ErrorCode, str] | None:
+        """Why the reply's gradients are refused, or None. ``grads``: them in the run's dtype (a
+        float64 gradient finite as sent can overflow to Inf in float32: the test is of what the
+        algorithm would get). ``deferred``: the algorithm tests finiteness in its step."""
         want = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
         if len(reply.grads) != want:
             return ErrorCode.BAD_SHAPE, f"expected {want} gradient(s), got {len(reply.grads)}"
@@ -1003,12 +1036,14 @@ class ServerCore:
                 return ErrorCode.BAD_SHAPE, f"gradient {i}: expected shape ({self.dim},){layout}, got {g.shape}"
             if g.dtype.kind != "f":
                 return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
-            if not finite(g):  # one BLAS pass (g·g), exact where it overflows (algorithms/_pool.py)
+            if not deferred and not finite(grads[i]):  # one BLAS pass, exact where it overflows (_pool.py)
                 return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
         if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
             if reply.count != entry.shard[1] - entry.shard[0]:
                 return ErrorCode.BAD_SHAPE, f"count {reply.count} != shard size {entry.shard[1] - entry.shard[0]}"
         if reply.loss is not None and not math.isfinite(reply.loss):
+            if deferred and not all(finite(g) for g in grads):  # the gradient's refusal comes first
+                return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
             return ErrorCode.NON_FINITE, "loss is not finite"
         return None
 
@@ -1038,9 +1073,14 @@ class ServerCore:
         if len(self.closed) > MAX_CLOSED_REMEMBERED:
             self.closed.popitem(last=False)
 
-    def _apply(self, results: list[Result], now: float) -> list[Command]:
-        v_before = self.version
-        self.state, outcome = self.alg.apply(self.state, results)
+    def _apply(self, results: list[Result], now: float, pre: tuple | None = None) -> list[Command]:
+        """The algorithm applies ``results`` (or did already: ``pre`` = (the version before,
+        what its apply returned)), then the ledger, events and cancellations follow."""
+        if pre is None:
+            v_before = self.version
+            self.state, outcome = self.alg.apply(self.state, results)
+        else:
+            v_before, (self.state, outcome) = pre
         for r in results:
             entry = self.ledger.get(r.job_id)
             if entry is None:
