@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Iterator
 
 import click
 
@@ -27,18 +28,23 @@ from benchmarks.common import reap_popen, server_cpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _stacks(raw_path: str) -> Iterator[tuple[list[str], int]]:
+    """(frames, samples) of each line of a py-spy ``--format raw`` file."""
+    with open(raw_path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip()
+            if line and " " in line:
+                stack, n = line.rsplit(" ", 1)
+                yield stack.split(";"), int(n)
+
+
 def top_frames(raw_path: str, top: int) -> tuple[list[tuple[float, str]], float]:
     """(share of samples, frame) for the ``top`` frames by own samples; share of samples in poll."""
     own: collections.Counter = collections.Counter()
     total = 0
-    with open(raw_path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip()
-            if not line or " " not in line:
-                continue
-            stack, n = line.rsplit(" ", 1)
-            total += int(n)
-            own[stack.split(";")[-1]] += int(n)
+    for frames, n in _stacks(raw_path):
+        total += n
+        own[frames[-1]] += n
     total = max(total, 1)
     poll = sum(n for fr, n in own.items() if "poll" in fr.lower() and "zmq" in fr)
     return [(n / total, fr) for fr, n in own.most_common(top)], poll / total
@@ -51,21 +57,15 @@ def inclusive(raw_path: str, root: str, top: int) -> tuple[list[tuple[float, str
     (pyzmq's garbage collector, the malloc-trim timer) do not count as work."""
     inc: collections.Counter = collections.Counter()
     busy = idle = 0
-    with open(raw_path, encoding="utf-8") as f:
-        for line in f:
-            line = line.rstrip()
-            if not line or " " not in line:
-                continue
-            stack, n_ = line.rsplit(" ", 1)
-            frames, n = stack.split(";"), int(n_)
-            if not any(root in fr for fr in frames):
-                continue
-            if any("poll" in fr.lower() and "zmq" in fr for fr in frames[-2:]):
-                idle += n
-                continue
-            busy += n
-            for name in {fr.split(" (")[0] for fr in frames}:
-                inc[name] += n
+    for frames, n in _stacks(raw_path):
+        if not any(root in fr for fr in frames):
+            continue
+        if any("poll" in fr.lower() and "zmq" in fr for fr in frames[-2:]):
+            idle += n
+            continue
+        busy += n
+        for name in {fr.split(" (")[0] for fr in frames}:
+            inc[name] += n
     busy = max(busy, 1)
     return [(c / busy, name) for name, c in inc.most_common(top)], idle / max(busy + idle, 1)
 
