@@ -13,10 +13,14 @@ from problems.base import GradResult, Problem
 
 
 class SyntheticProblem(Problem):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, blocks: int = 1) -> None:
         if d < 1:
             raise ValueError(f"d must be >= 1, got {d}")
-        self.layout = (("x", (d,)),)
+        if not 1 <= blocks <= min(d, 64):
+            raise ValueError(f"blocks must be in [1, {min(d, 64)}], got {blocks}")
+        # ``blocks`` 1-D layout blocks of (nearly) equal size: what a sharded server splits over shards
+        sizes = [d // blocks + (i < d % blocks) for i in range(blocks)]
+        self.layout = (("x", (d,)),) if blocks == 1 else tuple((f"x{i}", (n,)) for i, n in enumerate(sizes))
         self._g = np.full(d, 1e-3, np.float32)
         self._g.setflags(write=False)
 
@@ -30,6 +34,6 @@ class SyntheticProblem(Problem):
         return {"loss": 0.5 * float(np.dot(x, x))}
 
 
-def make_synthetic(d: int = 1000, device: str = "cpu") -> SyntheticProblem:
-    """Negligible-compute problem of ``d`` float32 parameters (benchmarks only)."""
-    return SyntheticProblem(d)
+def make_synthetic(d: int = 1000, blocks: int = 1, device: str = "cpu") -> SyntheticProblem:
+    """Negligible-compute problem of ``d`` float32 parameters in ``blocks`` layout blocks (benchmarks only)."""
+    return SyntheticProblem(d, blocks)

@@ -45,6 +45,7 @@ from protocol.messages import (
     Cancel,
     Error,
     ErrorCode,
+    Fetch,
     Heartbeat,
     Hello,
     Job,
@@ -198,6 +199,22 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
     return check
 
 
+def _shards(v: Any) -> tuple:
+    """Welcome.shards: at most 64 (endpoint, lo, hi), contiguous ranges from 0 in order."""
+    if type(v) is not list or len(v) > 64:
+        raise ValueError("expected a list of at most 64 shards")
+    out, end = [], 0
+    for s in v:
+        if type(s) is not list or len(s) != 3:
+            raise ValueError("a shard is [endpoint, lo, hi]")
+        ep, lo, hi = _str(MAX_STR_LEN, nonempty=True)(s[0]), _int(0, I64_MAX)(s[1]), _int(0, I64_MAX)(s[2])
+        if lo != end or hi < lo:
+            raise ValueError(f"shard ranges must be contiguous from 0, got [{lo}, {hi}) after {end}")
+        out.append((ep, lo, hi))
+        end = hi
+    return tuple(out)
+
+
 _U64 = _int(0, U64_MAX)
 _NAT = _int(0, I64_MAX)
 _CREDIT = _int(1, MAX_LIST_LEN)  # busy lists are capped at MAX_LIST_LEN
@@ -211,7 +228,7 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
             "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
-              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool},
+              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards},
     Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS, "shm": _bool},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
@@ -225,6 +242,7 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Bye: {"reason": _str(MAX_STR_LEN)},
     Error: {"code": _enum(ErrorCode), "message": _str(MAX_STR_LEN), "job_id": _optional(_NAT),
             "iterate_ids": _IDS},
+    Fetch: {"job_id": _NAT, "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2)},
     StatusRequest: {"token": _U64},
     Status: {"token": _U64, "info": _options, "columns": _names, "rows": _rows},
 }
@@ -232,7 +250,8 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 # Fields added after the first release of version 1 (same-host path, wire dtype): left out of
 # the header while at their default.
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
-                                   "in_shm": (False,), "parts": (False,), "xfer": (0,)}
+                                   "in_shm": (False,), "parts": (False,), "xfer": (0,),
+                                   "shards": ([],)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }

@@ -118,6 +118,9 @@ class Welcome:
     wire_dtype: str = "f32"  # how iterates and gradients travel in frames: f32, f16 or bf16 (§6.12)
     shm: str = ""  # same-host path offered: the shared-memory name prefix ("": TCP only)
     parts: bool = False  # the server sends and accepts large arrays in `part` messages (§6.13)
+    # A sharded server (§12): per shard (its data endpoint, the [lo, hi) range of the flat vector it
+    # owns). Jobs then carry no iterate values: they are fetched from the shards, and gradients go there.
+    shards: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +222,17 @@ class Part:
 
 
 @dataclass(frozen=True, slots=True)
+class Fetch:
+    """Worker -> shard of a sharded server (§12): the shard's slice of these iterates of a job.
+    Answered with a ``job`` (its header, ``point_ids`` = ``iterate_ids`` asked for, their slices),
+    or ``err`` UNKNOWN_JOB when the job is not outstanding there (settled, or never issued)."""
+
+    job_id: int
+    created_at: int
+    iterate_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     """Any peer -> server: a read-only request for the server's figures (answered in order:
     every message sent before it on the same connection has been handled)."""
@@ -236,7 +250,8 @@ class Status:
     rows: tuple[tuple, ...] = ()  # each a tuple of str|int|float|bool, len(columns) long
 
 
-Message = Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | Part | StatusRequest | Status
+Message = (Hello | Welcome | Ready | Job | Reply | Heartbeat | Cancel | Bye | Error | Part | Fetch | StatusRequest
+           | Status)
 
 # Wire names of the message types ("t" in the header).
 TYPE_NAMES: dict[type, str] = {
@@ -250,6 +265,7 @@ TYPE_NAMES: dict[type, str] = {
     Bye: "bye",
     Error: "err",
     Part: "part",
+    Fetch: "fetch",
     StatusRequest: "status?",
     Status: "status",
 }

@@ -160,7 +160,7 @@ class _LazyGroup(click.Group):
     """Commands from other packages are imported only when invoked: `latecomer work` stays light."""
 
     LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench",
-            "export": "ps.ops.export:export"}
+            "export": "ps.ops.export:export", "shard": "ps.shardcli:shard"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -277,16 +277,22 @@ def list_algorithms(names) -> None:
 @click.option("--wire-dtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="Precision of iterates and gradients on the wire (TCP); the server keeps float32.")
 @_allow_options
+@click.option("--shards", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Shard the parameter vector over this many shard processes (whole layout blocks each; 0: one "
+                   "server process). Needs --state (a temporary directory if not given).")
+@click.option("--local-shards", type=click.IntRange(min=0), default=None,
+              help="How many of the shards serve starts on this host, slots 0.. (default: all); the others are "
+                   "`latecomer shard --coordinator ...` started elsewhere.")
+@click.option("--shard-bind", default="tcp://127.0.0.1:0", show_default=True, callback=bind_endpoint,
+              help="The coordinator's endpoint for its shards (give a fixed port for remote shards).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
-          insecure,
-          metrics_port,
-          metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem, allow_algorithm, log_format,
-          log_level) -> None:
+          insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
+          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -308,11 +314,19 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/supervise.py)
         raise SystemExit(supervise.supervise(bind, state_dir))
     bind = supervise.daemon_bind(bind)
+    if local_shards is not None and local_shards > shards:
+        raise click.BadParameter(f"more than the {shards} shards", param_hint="--local-shards")
+    if shards and not state_dir:
+        import tempfile
+
+        state_dir = tempfile.mkdtemp(prefix="latecomer-sharded-")
+        logging.getLogger("latecomer.server").info("a sharded server needs a state directory: %s", state_dir)
     opts = ServeOptions(batch_size=batch_size, max_steps=max_steps, max_time=max_time, target_loss=target_loss,
                         eval_every=eval_every, liveness_timeout=liveness_timeout,
                         heartbeat_interval=heartbeat_interval, min_workers=min_workers, round_period=round_period,
                         seed=seed, events=events, keys_dir=keys_dir, shm=shm, wire_dtype=wire_dtype,
-                        caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key})
+                        caps={"max_workers": max_workers, "max_workers_per_key": max_workers_per_key},
+                        shards=shards, shard_bind=shard_bind)
     state = StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes,
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=_allowed(allow_problem, allow_algorithm).naming(
@@ -322,7 +336,16 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
         start_metrics(daemon, metrics_port, metrics_addr)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
     daemon.on_progress = log_progress
-    reason = serve_until_stopped(daemon, [d for d in (out, state_dir) if d])
+    local = None
+    if daemon.hub is not None:
+        from ps.shardcli import start_local_shards
+
+        local = start_local_shards(daemon, state_dir, local_shards, spec, allow_problem, allow_algorithm)
+    try:
+        reason = serve_until_stopped(daemon, [d for d in (out, state_dir) if d])
+    finally:
+        if local is not None:
+            local.close()
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
 
 

@@ -448,6 +448,7 @@ class ServerCore:
         self.next_job_id = 0
         self.started = False
         self.issuing = True  # the driver sets False to drain (stop condition reached)
+        self.held = ""  # why a sharded server holds the issuing of jobs ("": it does not; ps/shardhub.py)
         self.next_round_at = now + self.cfg.round_period_s if self.cfg.round_period_s else math.inf
         self.events: list[dict[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
@@ -586,6 +587,7 @@ class ServerCore:
             "next_job_id": self.next_job_id,
             "started": self.started,
             "issuing": self.issuing,
+            "held": self.held,
             "next_round_at": self.next_round_at,
             "round_blocked": self.round_blocked,
             "last_metrics": dict(self.last_metrics),
@@ -629,6 +631,7 @@ class ServerCore:
         self.next_job_id = int(snap["next_job_id"])
         self.started = bool(snap["started"])
         self.issuing = bool(snap["issuing"])
+        self.held = str(snap.get("held", ""))
         self.next_round_at = float(snap["next_round_at"])
         self.round_blocked = bool(snap["round_blocked"])
         self.last_metrics = dict(snap["last_metrics"])
@@ -1139,10 +1142,14 @@ class ServerCore:
             self.pending_specs.append(spec)
         return out
 
+    def dispatch(self, now: float) -> list[Command]:
+        """The jobs every worker's free credit allows (after the issuing was held)."""
+        return self._dispatch(now)
+
     def _dispatch(self, now: float) -> list[Command]:
         """Give jobs to every worker with free credit, in join order (the free workers are an
         index: a pass costs the workers served, not the workers connected)."""
-        if not self.issuing:
+        if not self.issuing or self.held:
             return []
         if not self.started:
             if len(self._eligible) < self.cfg.min_workers:

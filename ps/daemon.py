@@ -11,6 +11,7 @@ docs/ARCHITECTURE.md follows one reply along this path.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -29,6 +30,9 @@ from protocol.codec import encode, error_text
 from protocol.errors import LocalProtocolError
 from protocol.messages import (
     Bye,
+    Heartbeat,
+    Hello,
+    Reply,
     Status,
 )
 from ps.connections import (
@@ -122,7 +126,7 @@ class Daemon:
                  persistence: Persistence | None = None, keys_dir: str | None = None, shm: str = "auto",
                  wire_dtype: str = "f32", max_workers: int = DEFAULT_MAX_WORKERS,
                  max_workers_per_key: int = DEFAULT_MAX_WORKERS_PER_KEY,
-                 limits: ConnectionLimits | None = None) -> None:
+                 limits: ConnectionLimits | None = None, shards: dict | None = None) -> None:
         self.core = core
         self.persist = persistence
         self.inputs = CoreInputs(core, persistence)  # every core input, journaled first (ps/inputs.py)
@@ -160,6 +164,26 @@ class Daemon:
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
         self.last_eval_version = -1
+        # A sharded server (ps/shardhub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
+        # coordinator's (an empty iterate), the parameters are the shards'.
+        self.hooks: list[Callable[[float], None]] = []  # called every pass of the loop (serve's local shards)
+        self.hub = None
+        self.x: np.ndarray | None = None  # the latest iterate gathered from the shards, and its version
+        self.x_version = -1
+        self.gathering: int | None = None
+        if shards is not None:
+            self._open_shards(shards)
+
+    def _open_shards(self, shards: dict) -> None:
+        from ps.shardhub import ShardHub
+
+        core = self.core
+        self.hub = ShardHub(self.ctx, shards["bind"], shards["n"], core=core, persist=self.persist,
+                            ranges=shards["ranges"], clock=self.clock, security=self.security)
+        self.transport.shards_map = self.hub.shards_map
+        if core.version == 0 and shards.get("x0") is not None:
+            self.x, self.x_version = np.asarray(shards["x0"]), 0
+        self._sync_hold(self.clock())
 
     # The transport's parts that the CLI, the supervisor and status read.
     sock = property(lambda self: self.transport.sock)
@@ -180,26 +204,86 @@ class Daemon:
             self.reload_keys = True
         signal.signal(signal.SIGHUP, hup)
 
-    def evaluate(self) -> dict[str, float]:
-        """Evaluate the current iterate. ``t`` counts from the first job issued (0 before)."""
+    def params(self) -> np.ndarray:
+        """The current iterate: the core's, or (sharded) the latest gathered from the shards."""
+        if self.hub is None:
+            return self.core.params()
+        return self.x if self.x is not None else np.zeros(0, self.core.dtype)
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Evaluate the current iterate. ``t`` counts from the first job issued (0 before). A
+        sharded server evaluates the iterate last gathered from its shards (None if it has none
+        of the current version: it asks for it, and evaluates when it has come)."""
         if self.training_started_at is None and self.core.started:
             self.training_started_at = self.clock()
         t = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
-        ev = {"t": t, "version": float(self.core.version),
-              **{k: float(v) for k, v in self.problem.evaluate(self.core.params()).items()}}
+        version = self.core.version
+        if self.hub is not None:
+            if self.x_version != version or self.x is None:
+                if self.gathering is None:
+                    self.gathering = self.hub.request_params(self.persist.journal.next_lsn - 1)
+                self.last_eval_version = version
+                return None
+        ev = {"t": t, "version": float(version),
+              **{k: float(v) for k, v in self.problem.evaluate(self.params()).items()}}
         self.evaluations.append(ev)
-        self.last_eval_version = self.core.version
+        self.last_eval_version = version
         return ev
+
+    def _gathered(self) -> None:
+        """Parameters the shards sent: the newest is the iterate; evaluated (progress) when asked for."""
+        for token, _lsn, version, x in self.hub.take_params():
+            if version >= self.x_version:
+                self.x, self.x_version = x, version
+            if token == self.gathering:
+                self.gathering = None
+                if self.training_started_at is None and self.core.started:
+                    self.training_started_at = self.clock()
+                t = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+                ev = {"t": t, "version": float(version),
+                      **{k: float(v) for k, v in self.problem.evaluate(x).items()}}
+                self.evaluations.append(ev)
+                if self.on_progress:
+                    self.on_progress(self, ev)
+
+    def _sync_hold(self, now: float) -> None:
+        """Hold the issuing of jobs while a shard is missing (journaled: the shards and replay follow)."""
+        why = self.hub.hold_reason()
+        if why and not self.core.held:
+            log.warning("holding the issuing of jobs: %s", why)
+            self.inputs.hold(now, why)
+        elif not why and self.core.held:
+            log.info("every shard is up: issuing jobs")
+            self._execute(self.inputs.release(now) or [])
+
+    def _shard_pass(self, now: float) -> None:
+        """Each pass of the loop: records to the shards, replies whose blocks have all arrived to
+        the core, the hold, gathered parameters."""
+        hub = self.hub
+        hub.ship(now)
+        for item, refusal in hub.ready_replies(now):
+            cmds = self.inputs.message(item.wid, item.msg, now, item.key, refusal or item.refusal, frames=item.frames,
+                                       wire=item.wire, keep_refusal=refusal is not None)
+            if cmds is not None:
+                self._execute(cmds)
+        if not self.stopping:
+            self._sync_hold(now)
+        self._gathered()
 
     def run(self) -> str:
         """Serve until the stop condition or a signal. Returns the reason for stopping."""
         self.evaluate()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if self.hub is not None:
+            poller.register(self.hub.sock, zmq.POLLIN)
         self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:
-                if poller.poll(self._timeout_ms(self.clock())) or self.backlog:
+                ready = poller.poll(self._timeout_ms(self.clock()))
+                if self.hub is not None:
+                    self.hub.receive(self.clock())
+                if ready or self.backlog:
                     self._receive_batch()
                 self._timers(self.clock())
                 self._check_stop()
@@ -293,6 +377,10 @@ class Daemon:
             self.transport.send_frames(rid, self.status_frames(token))
         if self.persist is not None:
             self.persist.after_batch(core, now)
+        if self.hub is not None:
+            self._shard_pass(now)
+        for hook in self.hooks:
+            hook(now)
         if self.metrics is not None and now >= self.next_publish:
             self.publish_metrics()
             self.next_publish = now + 0.5
@@ -309,7 +397,7 @@ class Daemon:
     def _progress(self, now: float) -> None:
         if self.eval_every and self.core.version >= self.last_eval_version + self.eval_every:
             ev = self.evaluate()
-            if self.on_progress:
+            if self.on_progress and ev is not None:
                 self.on_progress(self, ev)
             self.next_progress = now
         if self.on_progress and now >= self.next_progress + 0.2:
@@ -328,11 +416,35 @@ class Daemon:
         self.inputs.stop_issuing()
         if self.persist is not None:
             self.persist.checkpoint(self.core)
+        if self.hub is not None:
+            self._final_gather()
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
             self.evaluate()
         self._flush_events()
         self._drain(Bye(f"server stopping: {self.stopping}"))
         log.info("stopping: %s", self.stopping)
+
+    def _final_gather(self, timeout_s: float = 120.0) -> None:
+        """The run is over: every shard applies the journal to its end and sends its slice (at most
+        ``timeout_s``; a shard that is gone is waited for, as long as that), then is told to stop."""
+        hub, last = self.hub, self.persist.journal.next_lsn - 1
+        self.persist.journal.sync()
+        token = hub.request_params(last)
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            now = self.clock()
+            hub.receive(now)
+            hub.ship(now)
+            got = [g for g in hub.take_params() if g[0] == token]
+            if got:
+                _, _, version, x = got[0]
+                self.x, self.x_version = x, version
+                break
+            hub.sock.poll(50)
+        else:
+            log.error("the shards did not all send their parameters within %.0f s: final_x.npy is of step %d",
+                      timeout_s, self.x_version)
+        hub.stop(f"the run is over: {self.stopping}")
 
     def _drain(self, bye: Bye) -> None:
         """Tell every worker bye and wait (at most DRAIN_S) for their acknowledging bye. The run
@@ -345,6 +457,8 @@ class Daemon:
             self.events_file = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.hub is not None:
+            self.hub.close()
         self.transport.close()
         if self.own_ctx:  # terminating the context waits for the final byes to be flushed
             self.ctx.term()
@@ -358,11 +472,32 @@ class Daemon:
         if isinstance(item, Count):
             self.inputs.count(item.kind)
         elif item is not None:
+            if self.hub is not None and self._sharded_message(item, now):
+                return
             cmds = self.inputs.message(item.wid, item.msg, now, item.key, item.refusal, frames=item.frames,
                                        wire=item.wire)
             if cmds is not None:  # None: not journaled (the disk is full): not accepted, the core never saw it
                 self._execute(cmds)
                 self.transport.handled(item, now)
+
+    def _sharded_message(self, item: Any, now: float) -> bool:
+        """A sharded server: a reply waits for its blocks (True: held); a heartbeat or hello counts
+        the jobs whose replies wait as busy, so the core's reconciliation does not write them off."""
+        msg = item.msg
+        if type(msg) is Reply and item.refusal is None:
+            if self.hub.take_reply(item, now):
+                self.transport.handled(item, now)
+                return True
+        elif type(msg) is Hello and not self.hub.shards_map():
+            # Not answered until every shard has joined once: the welcome must tell the shards. The
+            # worker says hello again (its backoff); nothing of it reaches the core or the journal.
+            self.transport.handled(item, now)
+            return True
+        if type(msg) in (Heartbeat, Hello):
+            waiting = [j for j in self.hub.pending_for(item.wid) if j not in msg.busy]
+            if waiting:
+                item.msg = dataclasses.replace(msg, busy=(tuple(msg.busy) + tuple(waiting))[:256])
+        return False
 
     def _execute(self, cmds: list) -> None:
         for c in cmds:
@@ -455,6 +590,8 @@ class Daemon:
         if self.evaluations:
             info.update({f"eval.{k}": float(v) for k, v in self.evaluations[-1].items()})
         info.update({f"alg.{k}": float(v) for k, v in core.last_metrics.items()})
+        if self.hub is not None:  # first: the cap below must not cut them off
+            info = {"held": core.held, **self.hub.figures(), **info}
         return dict(list(info.items())[:64])  # the map cap of the protocol
 
     def enable_metrics(self, port: int, addr: str = "127.0.0.1") -> None:
@@ -520,7 +657,9 @@ class Daemon:
                 "invalid_messages": self.transport.invalid_messages, "send_failures": self.transport.send_failures,
                 "connections": {k[len("conn."):]: v for k, v in self.conns.figures().items()},
                 "store_peak": self.core.store_peak,
-                "transport": self.transport.figures()}
+                "transport": self.transport.figures(),
+                **({"shards": self.hub.summary(), "blocks_timed_out": self.hub.blocks_timed_out}
+                   if self.hub is not None else {})}
 
 
 def write_outputs(out_dir: str, daemon: Daemon) -> None:
@@ -532,4 +671,5 @@ def write_outputs(out_dir: str, daemon: Daemon) -> None:
                   indent=1)
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(daemon.summary(), f, indent=1)
-    np.save(os.path.join(out_dir, "final_x.npy"), np.asarray(daemon.core.params()))
+    params = getattr(daemon, "params", None)  # a sharded server's are gathered from its shards
+    np.save(os.path.join(out_dir, "final_x.npy"), np.asarray(params() if params else daemon.core.params()))

@@ -32,14 +32,31 @@ class CoreInputs:
 
     # ------------------------------------------------------------------ live inputs
     def message(self, wid: str, msg: Any, now: float, key: str = "", refusal: Any = None, *,
-                frames: Any = (), wire: str | None = None) -> list | None:
+                frames: Any = (), wire: str | None = None, keep_refusal: bool = False) -> list | None:
         """A message from worker ``wid``. ``frames``: what the journal keeps of it (see
         ``Persistence.record_message``); ``wire``: the dtype its gradients travelled in, when
-        not the run's; ``refusal``: why the transport refuses its gradients."""
+        not the run's; ``refusal``: why the transport refuses its gradients; ``keep_refusal``:
+        the record keeps the refusal itself (a sharded server: the shards refused the reply's
+        blocks, which the record does not hold)."""
         if self.persist is not None and not self.persist.record_message(
-                self.core, wid, msg, frames, now, key, wire=wire, refused=refusal is not None):
+                self.core, wid, msg, frames, now, key, wire=wire, refused=refusal is not None,
+                refusal=refusal if keep_refusal else None):
             return None
         return self.core.handle(wid, msg, now, key, refusal)
+
+    def hold(self, now: float, reason: str) -> list | None:
+        """A sharded server holds the issuing of jobs (a shard is missing; ps/shardhub.py)."""
+        if not self._journal("hold", now=now, reason=reason):
+            return None
+        self.core.held = reason
+        return []
+
+    def release(self, now: float) -> list | None:
+        """... and issues again (every shard is back): the jobs the workers' credit allows go out."""
+        if not self._journal("release", now=now):
+            return None
+        self.core.held = ""
+        return self.core.dispatch(now)
 
     def tick(self, now: float) -> list | None:
         """The clock reached one of the core's deadlines (liveness, rounds)."""
@@ -79,20 +96,38 @@ class CoreInputs:
         self.core.rebase_clock(now)
 
     # ------------------------------------------------------------------ replay
+    # How a journaled reply gets its gradients back. Here (the server, recovery, replay): an
+    # accepted reply journaled without them is recomputed from its seed; one journaled whole is
+    # taken as it is. A sharded server's coordinator and shards substitute their own (ps/shard.py).
+    @staticmethod
+    def recompute(core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
+        from ps.persist import recompute_reply
+
+        return recompute_reply(core, wid, fields, problem, wire)
+
+    def payload(self, msg: Any, wid: str, problem: Any, wire_dtype: str) -> Any:
+        return msg
+
     def apply(self, rec: Any, problem: Any, wire_dtype: str = "f32") -> list:
         """Feed one journal record to the core, exactly as the live run did (not journaled).
 
         ``wire_dtype``: the run's; journaled reply frames are converted from it and recomputed
         gradients are quantized to it, as on the live run."""
-        from ps.persist import recompute_reply, reply_from_wire
+        from protocol.messages import ErrorCode, Reply
+        from ps.persist import reply_from_wire
 
         b, op, core = rec.body, rec.op, self.core
         if op == "msg":
             msg, refusal = reply_from_wire(decode(b["frames"]), b.get("wire", wire_dtype))
+            kept = b.get("refusal")
+            if kept is not None:
+                refusal = (ErrorCode(kept[0]), kept[1])
+            elif type(msg) is Reply:
+                msg = self.payload(msg, b["wid"], problem, wire_dtype)
             return self.message(b["wid"], msg, b["now"], b.get("key", ""), refusal) or []
         if op == "reply":  # accepted replies are journaled without gradients: recomputed from the seed
             wire = b["reply"].get("wire", wire_dtype)
-            return self.message(b["wid"], recompute_reply(core, b["wid"], b["reply"], problem, wire), b["now"]) or []
+            return self.message(b["wid"], self.recompute(core, b["wid"], b["reply"], problem, wire), b["now"]) or []
         if op == "tick":
             return self.tick(b["now"]) or []
         if op == "remove":
@@ -107,6 +142,10 @@ class CoreInputs:
             self.restarted(b["now"])
         elif op == "resume":
             self.resumed(b["now"])
+        elif op == "hold":
+            self.hold(b["now"], b["reason"])
+        elif op == "release":
+            return self.release(b["now"]) or []
         elif op not in ("start", "checkpoint"):
             raise ValueError(f"unknown journal record {op!r} at LSN {rec.lsn}")
         return []

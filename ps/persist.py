@@ -376,6 +376,10 @@ class Journal:
         self.last_sync = clock()
         self.bytes_written = 0
         self.cut_to: int | None = None  # a refused write could not be cut back yet: do it first
+        # The last LSN as durable as the fsync policy makes it (written; under "batch", synced).
+        # A sharded server ships records to its shards up to here, never past (ps/shardhub.py).
+        self.durable_lsn = next_lsn - 1
+        self.tap: list | None = None  # when a list: (lsn, record body bytes) of each record written
         self.fd = -1
         self._open((self.closed[-1].number + 1) if self.closed else 1)
 
@@ -416,6 +420,10 @@ class Journal:
         self.bytes_written += len(rec)
         self.next_lsn += 1
         self.dirty = self.fsync != "always"
+        if self.fsync != "batch":
+            self.durable_lsn = lsn
+        if self.tap is not None:
+            self.tap.append((lsn, data))
         return lsn
 
     def sync(self) -> None:
@@ -423,6 +431,7 @@ class Journal:
             if self.fsync != "never":
                 os.fsync(self.fd)
             self.dirty = False
+        self.durable_lsn = self.next_lsn - 1
         self.last_sync = self.clock()
 
     def maybe_sync(self) -> None:
@@ -489,6 +498,9 @@ _RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "restart": {"now": _NUMBER},
     "resume": {"now": _NUMBER},
     "checkpoint": {"version": (int,)},
+    "hold": {"now": _NUMBER, "reason": (str,)},  # a sharded server holds the issuing (ps/shardhub.py)
+    "release": {"now": _NUMBER},
+    "block": {"job_id": (int,), "created_at": (int,), "frames": (list,)},  # a shard's journal (ps/shard.py)
 }
 _REPLY_FIELDS: dict[str, tuple[type, ...]] = {"job_id": (int,), "created_at": (int,), "loss": (*_NUMBER, type(None)),
                                               "count": (int,), "compute_s": _NUMBER, "holds": (list,)}
@@ -511,6 +523,10 @@ def _check_record(rec: Any) -> str | None:
             return "'frames' must be a non-empty list of byte strings"
         if type(rec.get("key", "")) is not str or type(rec.get("wire", "")) is not str:
             return "'key' and 'wire' must be strings"
+        kept = rec.get("refusal")
+        if kept is not None and (type(kept) is not list or len(kept) != 2 or type(kept[0]) is not int
+                                 or not 1 <= kept[0] <= 10 or type(kept[1]) is not str):
+            return "'refusal' must be [an error code, its text]"
     elif op == "start" and type(rec.get("now", 0.0)) not in _NUMBER:
         return "'now' must be a number"
     elif op == "reply":
@@ -1232,6 +1248,9 @@ class Persistence:
         self.pauses = 0
         self.not_accepted = 0  # core inputs refused while paused
         self.next_probe = 0.0
+        # A sharded server's shards still need the records from this LSN on (the oldest of
+        # their checkpoints): segments holding them are kept (None: no shards).
+        self.retain_from: int | None = None
 
     # ---- writing, and pausing when it fails
     def _pause(self, why: str) -> None:
@@ -1257,14 +1276,16 @@ class Persistence:
             return False
 
     def record_message(self, core: Any, wid: str, msg: Any, frames: list, now: float, key: str = "",
-                       wire: str | None = None, refused: bool = False) -> bool:
+                       wire: str | None = None, refused: bool = False, refusal: Any = None) -> bool:
         """Journal one message before the core sees it. Returns False if it could not be
         journaled (paused: the disk is full): then the core must not see it.
 
         ``wire``: for a reply that did not travel in the run's wire dtype (the same-host path
         exchanges float32 whatever the run's ``--wire-dtype``), the dtype it did travel in; then
         ``frames`` are float32. ``refused``: the transport refuses the reply (always journaled
-        whole, so that recovery refuses it again). Messages are journaled re-encoded from their
+        whole, so that recovery refuses it again; ``refusal``, when given, is kept in the record:
+        a sharded server's shards refused the reply's gradient blocks, which the record does not
+        hold). Messages are journaled re-encoded from their
         decoded fields (:func:`canonical_frames`): a heartbeat padded with 60 KB of unknown keys
         takes as little room as a plain one."""
         from protocol.messages import Reply
@@ -1272,7 +1293,9 @@ class Persistence:
         if self.paused is not None:
             self.not_accepted += 1
             return False
-        extra = {} if wire is None else {"wire": wire}
+        extra: dict[str, Any] = {} if wire is None else {"wire": wire}
+        if refusal is not None:
+            extra["refusal"] = [int(refusal[0]), str(refusal[1])]
         if isinstance(msg, Reply) and not self.log_payloads and not refused and core.reply_verdict(wid, msg) != "bad":
             # Accepted (or ignored) replies travel without their gradients: recomputed from the seed.
             fields = {"job_id": msg.job_id, "created_at": msg.created_at, "loss": msg.loss, "count": msg.count,
@@ -1347,7 +1370,8 @@ class Persistence:
             if j.total_bytes() > budget:
                 kept = checkpoint_files(self.state_dir)
                 if kept:
-                    self.segments_removed += j.prune(kept[0][0], budget)
+                    covered = kept[0][0] if self.retain_from is None else min(kept[0][0], self.retain_from - 1)
+                    self.segments_removed += j.prune(covered, budget)
         except OSError as e:
             log.warning("cannot rotate or trim the journal in %s: %s", self.state_dir, _why(e))
 
@@ -1397,14 +1421,19 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
     iterate as it travelled, ``roundtrip(x, wire)``, and the core applied its gradients as they
     travelled back, ``roundtrip(g, wire)``; both are reproduced here, bit for bit.
     """
-    from protocol.messages import Job, Reply
+    from protocol.messages import Job, JobKind, Reply
     from protocol.wire import check_wire, roundtrip
     from worker.compute import run_job
 
     check_wire(wire_dtype)
     entry = core.ledger.get(fields["job_id"])
     grads: tuple = ()
-    if entry is not None and entry.worker_id == wid and not entry.received:
+    if entry is not None and entry.worker_id == wid and not entry.received and core.dim == 0:
+        # A sharded server's coordinator holds no vector: the gradient of its empty iterate is empty
+        # (the shards apply the blocks; ps/shard.py).
+        n = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
+        grads = tuple(np.empty(0, core.dtype) for _ in range(n))
+    elif entry is not None and entry.worker_id == wid and not entry.received:
         job = Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline)
         points = tuple(roundtrip(core.store[i], wire_dtype) for i in entry.iterate_ids)

@@ -102,6 +102,11 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult
     # From the start of the run; once the journal's head was removed (serve --max-journal-bytes),
     # from the oldest kept checkpoint that covers where the journal starts.
     first, start, source = first_journal_lsn(state_dir) or 0, 0, ""
+    if first and run.get("shards"):
+        # A sharded run's checkpoints are its coordinator's (no vector) and its shards'; replay runs
+        # the journal through one unsharded core, from the run's first record.
+        raise StateError(f"{state_dir}: a sharded run replays from its first record, and the journal starts at LSN "
+                         f"{first} (its head was removed)")
     if first:
         found = restore_checkpoint(lambda snap: ServerCore.restore(alg, snap, cfg), state_dir, newest_first=False,
                                    min_lsn=first - 1)

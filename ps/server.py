@@ -58,6 +58,23 @@ class TrainingSpec:
         return problem, alg
 
 
+    def build_sharded(self, shards: int, device: str = "cpu"):
+        """The problem and the algorithm as :class:`algorithms.sharding.Sharded` over ``shards``
+        shards of whole layout blocks, bound to the problem's layout: its ``coordinator`` runs on
+        the coordinator, ``parts[i]`` on shard i (docs/ALGORITHMS.md §14)."""
+        import algorithms
+        from algorithms.base import bind_layout
+        from algorithms.sharding import Sharded
+
+        problem, _ = self.build(device)  # loads the problem and completes the settings
+        try:
+            alg = bind_layout(Sharded(algorithms.build(self.algorithm, self.settings), n_shards=shards),
+                              problem.layout, getattr(problem, "lmo_mask", None))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--shards") from None
+        return problem, alg
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """What a run is served with, besides its problem and algorithm (``serve``'s options)."""
@@ -77,6 +94,8 @@ class ServeOptions:
     shm: str = "auto"
     wire_dtype: str = "f32"
     caps: dict = field(default_factory=dict)  # max_workers, max_workers_per_key
+    shards: int = 0  # >= 1: a sharded server of this many shards (ps/shardhub.py); 0: one process
+    shard_bind: str = "tcp://127.0.0.1:0"  # the coordinator's endpoint for its shards
 
     def core_kw(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "liveness_timeout": self.liveness_timeout,
@@ -107,12 +126,22 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     from ps.daemon import Daemon, StopCondition
 
     persistence, boot = None, secrets.randbits(63)
-    wire_dtype, events = opts.wire_dtype, opts.events
+    wire_dtype, events, shards = opts.wire_dtype, opts.events, None
+    if opts.shards and state is None:
+        raise click.UsageError("a sharded server needs --state DIR: its journal feeds the shards")
     if state is not None:
         core, problem, persistence, spec = open_state(state, spec, boot=boot, wire_dtype=wire_dtype, allowed=allowed,
-                                                      **opts.core_kw())
+                                                      shards=opts.shards, **opts.core_kw())
         wire_dtype = persistence.wire_dtype
         events = events or os.path.join(state.state_dir, "events.jsonl")
+        run = read_run_checked(state.state_dir)
+        if run.get("shards"):
+            if state.fsync == "never":
+                persistence.close()
+                raise click.BadParameter("a sharded server ships its journal to the shards once durable: use "
+                                         "--fsync batch or always", param_hint="--fsync")
+            shards = {"n": int(run["shards"]), "bind": opts.shard_bind, "ranges": tuple(map(tuple, run["ranges"])),
+                      "x0": problem.init_params(run["core"]["seed"])}
     else:
         problem, alg = spec.build()
         cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
@@ -123,8 +152,8 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     try:
         return Daemon(core, problem, bind, stop=StopCondition(opts.max_steps, opts.max_time, opts.target_loss),
                       eval_every=opts.eval_every, events_path=events, on_progress=on_progress,
-                      persistence=persistence, keys_dir=opts.keys_dir, shm=opts.shm, wire_dtype=wire_dtype,
-                      **opts.caps)
+                      persistence=persistence, keys_dir=opts.keys_dir, shm="off" if shards else opts.shm,
+                      wire_dtype=wire_dtype, shards=shards, **opts.caps)
     except ValueError as e:  # unusable keys
         if persistence is not None:
             persistence.close()
@@ -133,6 +162,12 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
         if persistence is not None:
             persistence.close()
         raise click.ClickException(f"cannot bind {bind}: {e}") from None
+
+
+def read_run_checked(state_dir: str) -> dict[str, Any]:
+    from ps.persist import read_run
+
+    return read_run(state_dir, complete=True) or {}
 
 
 def core_config(run: dict[str, Any]):
@@ -146,7 +181,7 @@ def core_config(run: dict[str, Any]):
 
 
 def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
-               **core_kw):
+               shards: int = 0, **core_kw):
     """Start a new run in an empty state directory, or resume the one it holds. Returns the
     core, the problem, the Persistence and the spec (a resumed run's, from its run.json).
 
@@ -160,8 +195,12 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/persist.py)
     run = read_run(d, complete=True)
     if run is None:
-        run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw)
+        run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw, shards)
     else:
+        if shards and int(run.get("shards", 0)) != shards:
+            lock.release()
+            raise click.BadParameter(f"{d} holds a run with {run.get('shards', 0) or 'no'} shards",
+                                     param_hint="--shards")
         core, problem, journal, spec = _resume_run(state, spec, run, boot, wire_dtype, allowed)
     persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
                               checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads,
@@ -170,13 +209,23 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     return core, problem, persistence, spec
 
 
-def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict):
+def _build(spec: TrainingSpec, shards: int):
+    """The problem and the algorithm the core runs: the algorithm itself, or (sharded) its
+    coordinator (bound to no blocks), with the shards' ranges."""
+    if not shards:
+        problem, alg = spec.build()
+        return problem, alg, None
+    problem, sharded = spec.build_sharded(shards)
+    return problem, sharded.coordinator, sharded.plan.ranges
+
+
+def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict, shards: int = 0):
     """run.json, then the core and the journal's start record (with the core's creation time)."""
     from ps.core import ServerCore, restart_grace_s
     from ps.persist import Journal, write_run
 
     d = state.state_dir
-    problem, alg = spec.build()
+    problem, alg, ranges = _build(spec, shards)
     options = dict(problem.options or spec.problem_options)
     run = {"problem": spec.problem, "problem_options": options, "algorithm": spec.algorithm,
            "settings": dict(spec.settings), "format": 1, "wire_dtype": wire_dtype,
@@ -187,9 +236,11 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
                     "run_id": secrets.randbits(63) + 1,
                     # pinned: a later version's backoff constants must not change how this run replays
                     "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"])}}
+    if shards:
+        run["shards"], run["ranges"] = shards, [list(r) for r in ranges]
     write_run(d, run)
     now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
-    core = ServerCore(alg, problem.init_params(run["core"]["seed"]), core_config(run), server_boot=boot, now=now)
+    core = ServerCore(alg, _x0(problem, run), core_config(run), server_boot=boot, now=now)
     journal = Journal(d, next_lsn=0, fsync=state.fsync)
     journal.append("start", run=run, now=now)
     log.info("new run in %s", d)
@@ -218,11 +269,10 @@ def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, w
                     "ignored)", d, resumed.algorithm, resumed.problem)
     if run["wire_dtype"] != wire_dtype:
         log.warning("%s holds a run with --wire-dtype %s: resuming it with that", d, run["wire_dtype"])
-    problem, alg = resumed.build()
+    problem, alg, _ = _build(resumed, int(run.get("shards", 0)))
     cfg = core_config(run)
     deterministic_oracle()
-    core, last, n = recover(lambda now=0.0: ServerCore(alg, problem.init_params(cfg.seed), cfg, server_boot=boot,
-                                                       now=now),
+    core, last, n = recover(lambda now=0.0: ServerCore(alg, _x0(problem, run), cfg, server_boot=boot, now=now),
                             lambda snap: ServerCore.restore(alg, snap, cfg, server_boot=boot), d, problem,
                             repair=state.repair)
     core.server_boot = boot
@@ -232,6 +282,12 @@ def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, w
     CoreInputs(core).restarted(now)  # what replaying the "restart" record does
     log.info("resumed %s at step %d (%d journal records replayed)", d, core.version, n)
     return core, problem, journal, resumed
+
+
+def _x0(problem: Any, run: dict) -> Any:
+    """The core's initial iterate: the problem's, or none at all for a sharded run's coordinator."""
+    x0 = problem.init_params(run["core"]["seed"])
+    return x0[:0] if run.get("shards") else x0
 
 
 def deterministic_oracle() -> None:

@@ -170,7 +170,7 @@ class ServerTransport:
         self.core = core
         self.clock = clock
         self.journaled = journaled  # a reply whose arrays the transport changed is re-encoded for the journal
-        self.max_array_bytes = core.dim * 8
+        self.max_array_bytes = max(core.dim, 1) * 8  # a sharded coordinator (dim 0) takes empty arrays
         self.security = None
         if keys_dir is not None:
             from ps.security import ServerSecurity
@@ -190,6 +190,7 @@ class ServerTransport:
         self.arena, self.host_id = _open_arena(core.dim, core.server_boot) if shm != "off" else (None, "")
         self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
         self.next_xfer = 0
+        self.shards_map: Callable[[], tuple] = tuple  # a sharded server's Welcome.shards (ps/shardhub.py)
         self.parts_in = self.parts_out = 0
         self.send_failures = self.invalid_messages = self.bytes_in = 0
 
@@ -382,7 +383,7 @@ class ServerTransport:
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
-                                      shm=self.arena.prefix if conn.shm_capable else "")
+                                      shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map())
         return self.send_message(conn.rid, msg)
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:

@@ -51,6 +51,7 @@ from protocol.shm import ShmReader, host_id, shm_dir_usable
 from protocol.wire import from_wire, to_wire
 from worker.identity import claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
+from worker.shards import ShardLinks, header_only
 from worker.sockio import recv_frames, send_frames
 
 # Plain ints: no enum per call.
@@ -155,6 +156,7 @@ class Worker:
         self.rcvtimeo = -1  # the socket's RCVTIMEO (ms), set only when it changes
         self.poller: zmq.Poller | None = None
         self.poller_for: tuple | None = None  # (socket, compute thread) the poller watches
+        self.shards = None  # a sharded server's shards (worker/shards.py), from Welcome.shards
 
     # ------------------------------------------------------------------ socket
     def _connect(self) -> None:
@@ -185,6 +187,10 @@ class Worker:
 
     def _send(self, msg: Any) -> bool:
         sock = self.sock
+        if self.shards is not None and type(msg) is Reply and msg.grads:
+            if not self.shards.send_blocks(msg):  # the blocks to the shards, then the header here
+                return False
+            msg = header_only(msg)
         try:
             if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > CHUNK_THRESHOLD:
                 self.next_xfer += 1
@@ -234,7 +240,8 @@ class Worker:
                 # message, instead of a zmq_poll of the socket and the wake-up pipe (four).
                 # pending drops only after a result is in the outbox (runner.py), so this order
                 # of the two reads never misses one.
-                if compute is None or (self.loaded and compute.pending == 0 and not compute.outbox):
+                if self.shards is None and (compute is None or (self.loaded and compute.pending == 0
+                                                                and not compute.outbox)):
                     self._receive_one(timeout_ms)
                 else:
                     self._poll(timeout_ms)
@@ -257,6 +264,8 @@ class Worker:
         if self.welcomed and now >= self.next_hb:
             self._send(Heartbeat(boot=self.boot, credit=self.cfg.credit, busy=self._busy(), seen=self.seen))
             self.next_hb = now + self.hb_interval
+        if self.shards is not None and self.shards.assembling:
+            self.shards.refetch(now)
         if now - self.last_contact > self.liveness and self.welcomed:
             log.warning("server silent for %.1f s: reconnecting", now - self.last_contact)
             self._connect()
@@ -281,13 +290,19 @@ class Worker:
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
-        if self.poller_for != (self.sock, self.compute):  # rebuilt only on reconnect or a new problem
+        if self.poller_for != (self.sock, self.compute, self.shards):  # rebuilt on reconnect, a new problem
             self.poller = zmq.Poller()
             self.poller.register(self.sock, zmq.POLLIN)
             if self.compute is not None:
                 self.poller.register(self.compute.wake_r, zmq.POLLIN)
-            self.poller_for = (self.sock, self.compute)
+            for s in self.shards.socks if self.shards is not None else ():
+                self.poller.register(s, zmq.POLLIN)
+            self.poller_for = (self.sock, self.compute, self.shards)
         ready = dict(self.poller.poll(timeout_ms))
+        if self.shards is not None:
+            for i, s in enumerate(self.shards.socks):
+                if s in ready:
+                    self._from_shard(i)
         sock = self.sock
         if sock in ready:
             for i in range(64):
@@ -316,6 +331,9 @@ class Worker:
                 self._send(Bye(_printable(self.stopping or "exit")[:1000]))
             self.sock.close(linger=500)
             self.sock = None
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
         if self.own_ctx:
             self.ctx.term()  # waits (up to the linger) for the bye to leave
         if self.compute is not None:
@@ -341,6 +359,8 @@ class Worker:
             self._on_welcome(msg)
         elif kind is Cancel:
             ids = set(msg.job_ids)
+            if self.shards is not None:
+                self.shards.cancel(ids)
             for jid in ids:
                 self.jobs.pop(jid, None)
                 self.waiting.pop(jid, None)
@@ -380,12 +400,31 @@ class Worker:
         self.wire = w.wire_dtype
         self.parts_ok = w.parts
         self.shm = self._open_shm(w) if w.shm else None
+        self._link_shards(w.shards)
         self.hb_interval = w.heartbeat_interval_s
         self.liveness = w.liveness_timeout_s
         self.welcomed = True
         if self.loaded:  # same problem as before (e.g. a server restart): ready at once
             self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
         self._send_results()
+
+    def _link_shards(self, shards: tuple) -> None:
+        """A sharded server: connect to its shards (again, if they moved), else none."""
+        if self.shards is not None and self.shards.map == tuple(shards):
+            return
+        if self.shards is not None:
+            self.shards.close()
+            self.shards = None
+        if shards:
+            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode())
+            log.info("sharded server: %d shards", len(shards))
+
+    def _from_shard(self, i: int) -> None:
+        for what, x in self.shards.receive(i):
+            if what == "gone":  # settled at the server (written off, cancelled): drop it
+                self.jobs.pop(x, None)
+            elif x.job_id in self.jobs:
+                self._on_job(x, whole=True)
 
     def _close_compute(self) -> None:
         if self.compute is not None:
@@ -449,11 +488,16 @@ class Worker:
         log.warning("same-host path unavailable (%s): using TCP", why)
         return None
 
-    def _on_job(self, job: Job) -> None:
+    def _on_job(self, job: Job, whole: bool = False) -> None:
         if self.compute is None:
             return
         if job.job_id > self.seen:
             self.seen = job.job_id
+        if self.shards is not None and not whole:  # its iterates come from the shards
+            self.jobs[job.job_id] = job
+            need = tuple(dict.fromkeys(i for i in job.iterate_ids if self.cache.get(i) is None))
+            self.shards.fetch(job, need, self.clock())
+            return
         if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
             self._on_shm_job(job)
             return

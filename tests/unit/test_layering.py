@@ -35,7 +35,8 @@ def test_layering_only_the_shells_import_zmq():
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
              for p in (ROOT / d).rglob("*.py") if "zmq" in imported_modules(p)}
     shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "worker/keys.py", "ps/server.py", "ps/security.py",
-              "ps/ops/status.py", "ps/supervise.py", "worker/sockio.py"}
+              "ps/ops/status.py", "ps/supervise.py", "worker/sockio.py", "ps/shard.py", "ps/shardhub.py",
+              "worker/shards.py"}
     assert users == shells, users ^ shells
 
 

@@ -1,0 +1,582 @@
+"""A shard of a sharded server: one process holding a range of whole layout blocks (PROTOCOL.md §12).
+
+The shard runs the same :class:`~ps.core.ServerCore` as the coordinator, with the algorithm
+bound to its blocks (``Sharded.parts[i]``, docs/ALGORITHMS.md §14), and feeds it the
+coordinator's journal records in LSN order, live, exactly as recovery and ``latecomer replay``
+feed a core (:class:`ps.inputs.CoreInputs`): the ledger, ages, rounds, write-offs and every
+decision of the algorithm come out the same, and the vector work is this shard's. The one
+difference is where a reply's gradients come from: the coordinator's records hold none
+(its iterate is empty), so an accepted reply gets this shard's gradient *block*, which the
+worker sent here directly (:class:`ShardInputs`).
+
+Data path (the ROUTER at ``--bind``): a worker asks ``fetch`` {job, iterate ids} and gets a
+``job`` whose points are this shard's slices of those iterates (waiting, bounded, until the
+record that issued the job is applied here); it sends a ``reply`` whose gradients are its
+slices. A block is checked as the core checks a reply (the job outstanding for that worker,
+shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/persist.py's
+journal), and once durable under the fsync policy the coordinator is told ``have``; the
+coordinator hands the reply to its core only when every shard has it (ps/shardhub.py).
+
+State directory (``--state``): ``shard.json`` (run id, index, endpoint), ``run.json`` (the run
+description from the ``start`` record), ``ckpt-<lsn>.bin`` (the core's snapshot after the
+coordinator's record ``lsn``, plus the blocks not yet applied) and ``blocks/wal-*.log``.
+kill -9 and restart: the newest checkpoint, the blocks journaled after it, then the
+coordinator sends the records after the checkpoint's LSN again; no accepted reply is lost
+because the coordinator accepted it only after this shard's block was durable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import secrets
+import signal
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from protocol.codec import decode, encode
+from protocol.errors import RemoteProtocolError
+from protocol.messages import MAX_HEADER_BYTES, Error, ErrorCode, Fetch, Job, Reply
+from protocol.wire import to_wire
+from ps.inputs import CoreInputs
+from ps.persist import (
+    Journal,
+    Record,
+    StateError,
+    checkpoint_files,
+    cut_torn_tail,
+    last_lsn,
+    read_journal,
+    reply_from_wire,
+    verified_checkpoints,
+    write_checkpoint,
+    write_run,
+)
+from ps.shardwire import ControlError, pack, unpack
+
+log = logging.getLogger("latecomer.shard")
+
+PROGRESS_S = 0.2  # how often the shard reports (its heartbeat to the coordinator)
+HELLO_S = 1.0  # shello again until welcomed
+CHECKPOINT_RECORDS = 5000  # checkpoint after this many records ...
+CHECKPOINT_S = 30.0  # ... or this long, whichever first
+MAX_PARKED = 4096  # fetches waiting for their job to be issued here
+PARKED_S = 30.0  # ... for at most this long (the worker asks again)
+SHARD_FILE = "shard.json"
+
+
+class ShardInputs(CoreInputs):
+    """The coordinator's records fed to this shard's core: a reply the coordinator accepted
+    (journaled without gradients) gets the gradient block this shard holds for its job."""
+
+    def __init__(self, core: Any, blocks: dict[int, tuple]) -> None:
+        super().__init__(core)
+        self.blocks = blocks
+
+    def recompute(self, core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
+        jid = fields["job_id"]
+        entry = core.ledger.get(jid)
+        grads: tuple = ()
+        if entry is not None and entry.worker_id == wid and not entry.received \
+                and entry.created_at == fields["created_at"]:
+            grads = self.blocks.pop(jid, None)
+            if grads is None:
+                raise StateError(f"the coordinator accepted job {jid}, and this shard holds no gradient block for "
+                                 f"it (its blocks journal lost a record?)")
+        return Reply(job_id=jid, created_at=fields["created_at"], grads=grads, loss=fields["loss"],
+                     count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]))
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Shard:
+    """One shard process's loop. ``run()`` returns why it stopped.
+
+    Args:
+        coordinator: the coordinator's shard endpoint (``serve`` logs it; ``--shard-bind``).
+        bind: this shard's data endpoint for workers (port 0: the OS picks one; a restarted shard
+            binds the endpoint its state directory recorded, so workers find it again).
+        advertise: the endpoint workers are told (default: the bound one).
+        state_dir: where the shard keeps its journal and checkpoints (None: nothing survives
+            the process, and the run cannot recover this shard).
+        allowed: what problems and algorithms the run may name (problems/trust.py); the shard
+            never loads a user callable the coordinator names unless this allows it.
+        fsync: the blocks journal's policy (ps/persist.py).
+    """
+
+    def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
+                 state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
+                 checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
+                 context: zmq.Context | None = None, clock=time.monotonic) -> None:
+        self.coordinator = coordinator
+        self.state_dir = state_dir
+        self.allowed = allowed
+        self.fsync = fsync
+        self.checkpoint_records, self.checkpoint_s = checkpoint_records, checkpoint_s
+        self.clock = clock
+        self.own_ctx = context is None
+        self.ctx = context or zmq.Context()
+        self.boot = secrets.randbits(63)
+        self.index, self.run_id, self.n_shards = -1, 0, 0
+        self.core: Any = None
+        self.inputs: ShardInputs | None = None
+        self.blocks: dict[int, tuple] = {}  # job id -> its gradient blocks (run dtype), journaled
+        self.applied = -1  # the coordinator's last record applied here
+        self.ckpt_lsn = -1  # the oldest checkpoint kept (the coordinator keeps its records after it)
+        self.wire = "f32"
+        self.parked: dict[tuple[bytes, int], tuple[float, Fetch]] = {}
+        self.haves: list[tuple[int, list]] = []  # (block record's LSN, have) not yet durable
+        self.params_asked: list[tuple[int, int]] = []  # (token, lsn)
+        self.welcomed = False
+        self.stopping: str | None = None
+        self.last_contact = clock()
+        self.next_hello = self.next_progress = 0.0
+        self.since_ckpt, self.ckpt_at = 0, clock()
+        self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
+        self.journal: Journal | None = None
+        saved = self._saved() if state_dir else None
+        if saved is not None:
+            self._restore(saved)
+            bind = saved.get("bind", bind)
+            advertise = advertise or saved.get("endpoint")
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.data.linger = 0
+        self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.data.sndhwm = self.data.rcvhwm = 256
+        if self.core is not None:
+            self._limit_messages()
+        try:
+            self.data.bind(bind)
+        except zmq.ZMQError as e:
+            self.data.close(linger=0)
+            raise OSError(f"cannot bind {bind}: {e}") from None
+        self.bound = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = advertise or self.bound
+        self.ctl = self._control_socket()
+        if state_dir:
+            os.makedirs(os.path.join(state_dir, "blocks"), exist_ok=True)
+            self._save_info()
+
+    # ------------------------------------------------------------------ state
+    def _saved(self) -> dict | None:
+        path = os.path.join(self.state_dir, SHARD_FILE)
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+            if type(info) is not dict or type(info.get("run_id")) is not int or type(info.get("index")) is not int:
+                raise ValueError("not a shard description")
+            return info
+        except (OSError, ValueError) as e:
+            raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+
+    def _save_info(self) -> None:
+        info = {"run_id": self.run_id, "index": self.index, "shards": self.n_shards, "endpoint": self.endpoint,
+                "bind": self.bound}
+        path = os.path.join(self.state_dir, SHARD_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    def _build(self, run: dict, now: float | None, snap: dict | None = None) -> None:
+        """This shard's core for ``run``: new (at the coordinator's creation time ``now``) or
+        restored from a checkpoint's snapshot."""
+        from problems.trust import Allowed, UntrustedError, check_run
+        from ps.core import ServerCore
+        from ps.persist import run_wire_dtype
+        from ps.server import TrainingSpec, core_config
+
+        shards = int(run.get("shards", 0))
+        if not 0 <= self.index < shards:
+            raise StateError(f"this shard has slot {self.index}, and the run has {shards} shards")
+        try:
+            check_run(run, self.allowed or Allowed(), "the coordinator's run",
+                      problem_hint="--allow-problem {spec}", algorithm_hint="--allow-algorithm {spec}")
+        except UntrustedError as e:
+            raise StateError(str(e)) from None
+        spec = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
+                            algorithm=run["algorithm"], settings=run["settings"])
+        problem, sharded = spec.build_sharded(shards)
+        alg = sharded.parts[self.index]
+        lo, hi = sharded.plan.ranges[self.index]
+        cfg = core_config(run)
+        if snap is None:
+            x0 = np.asarray(problem.init_params(cfg.seed))[lo:hi]
+            self.core = ServerCore(alg, x0, cfg, server_boot=0, now=now)
+        else:
+            self.core = ServerCore.restore(alg, snap, cfg, server_boot=0)
+        self.core.record_issued = False
+        self.range = (lo, hi)
+        self.wire = run_wire_dtype(run)
+        self.inputs = ShardInputs(self.core, self.blocks)
+        log.info("shard %d of %d: blocks %d..%d, values [%d, %d) (%.1f MB of float32)", self.index, shards,
+                 *sharded.plan.blocks[self.index], lo, hi, (hi - lo) * 4 / 1e6)
+
+    def _restore(self, info: dict) -> None:
+        """A restarted shard: its checkpoint, then the blocks journaled after it."""
+        from ps.persist import read_run
+
+        self.run_id, self.index, self.n_shards = info["run_id"], info["index"], info.get("shards", 0)
+        run = read_run(self.state_dir, complete=True)
+        blocks_dir = os.path.join(self.state_dir, "blocks")
+        journal_next = 0
+        if run is not None:
+            for lsn, snap, path in verified_checkpoints(self.state_dir):
+                extra = snap.pop("shard", None)
+                try:
+                    self._build(run, None, snap)
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("skipping %s: it does not restore (%s)", os.path.basename(path), e)
+                    continue
+                self.applied = lsn
+                self.blocks.update({int(k): tuple(v) for k, v in extra["blocks"].items()})
+                journal_next = int(extra["journal_next"])
+                break
+        if os.path.isdir(blocks_dir):
+            cut_torn_tail(blocks_dir)
+            for rec in read_journal(blocks_dir, from_lsn=journal_next):
+                if rec.op == "block":
+                    grads, why = reply_from_wire(decode(rec.body["frames"]), rec.body.get("wire", "f32"))
+                    if why is None:
+                        self.blocks[rec.body["job_id"]] = grads.grads
+        ckpts = checkpoint_files(self.state_dir)
+        self.ckpt_lsn = ckpts[0][0] if ckpts else -1
+        log.info("shard %d resumed after record %d with %d blocks held", self.index, self.applied, len(self.blocks))
+
+    def _open_journal(self) -> None:
+        if self.state_dir and self.journal is None:
+            d = os.path.join(self.state_dir, "blocks")
+            os.makedirs(d, exist_ok=True)
+            cut_torn_tail(d)
+            self.journal = Journal(d, next_lsn=last_lsn(d) + 1, fsync=self.fsync, clock=self.clock)
+
+    def checkpoint(self) -> None:
+        if not self.state_dir or self.core is None:
+            return
+        if self.journal is not None:
+            self.journal.sync()
+        snap = self.core.snapshot()
+        live = {j: g for j, g in self.blocks.items() if j in self.core.ledger}
+        snap["shard"] = {"blocks": {j: list(g) for j, g in live.items()},
+                         "journal_next": self.journal.next_lsn if self.journal is not None else 0}
+        write_checkpoint(self.state_dir, self.applied, snap)
+        kept = checkpoint_files(self.state_dir)
+        self.ckpt_lsn = kept[0][0] if kept else self.applied
+        if self.journal is not None:  # blocks before the oldest kept checkpoint are in it, or were applied
+            self.journal.rotate()
+            oldest = next(verified_checkpoints(self.state_dir, newest_first=False), None)
+            if oldest is not None:
+                self.journal.prune(int(oldest[1]["shard"]["journal_next"]) - 1, 0)
+        self.since_ckpt, self.ckpt_at = 0, self.clock()
+
+    # ------------------------------------------------------------------ sockets
+    def _control_socket(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 1000
+        s.routing_id = f"shard/{self.boot:x}".encode()
+        s.sndhwm = s.rcvhwm = 10_000
+        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        s.connect(self.coordinator)
+        return s
+
+    def _limit_messages(self) -> None:
+        lo, hi = self.range
+        self.data.setsockopt(zmq.MAXMSGSIZE, max((hi - lo) * 8, MAX_HEADER_BYTES) + 4096)
+
+    def _send_ctl(self, header: bytes, frames: tuple = ()) -> None:
+        try:
+            self.ctl.send_multipart([header, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the coordinator is not there: everything is said again (shello, progress, haves on welcome)
+
+    def _send_data(self, rid: bytes, msg: Any) -> None:
+        try:
+            self.data.send_multipart([rid, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the worker is gone, or its pipe is full: it asks again
+
+    # ------------------------------------------------------------------ the loop
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            self.stopping = f"signal {signal.Signals(signum).name}"
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    @staticmethod
+    def _warm_up() -> None:
+        """Import what building a core loads (torch takes seconds): before the shard says shello,
+        not while the coordinator waits for its progress."""
+        import problems.loader  # noqa: F401
+
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            pass
+
+    def run(self) -> str:
+        if self.core is None:
+            self._warm_up()
+        self._open_journal()
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        try:
+            while self.stopping is None:
+                ready = dict(poller.poll(self._timeout_ms()))
+                if self.ctl in ready:
+                    for _ in range(256):
+                        try:
+                            frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_control(frames)
+                if self.data in ready:
+                    for _ in range(256):
+                        try:
+                            frames = self.data.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_data(frames)
+                self._timers()
+        finally:
+            self.close()
+        return self.stopping or "stopped"
+
+    def _timeout_ms(self) -> int:
+        due = self.journal.sync_due_in() if self.journal is not None and self.haves else math.inf
+        return max(0, min(100, math.ceil(min(due, PROGRESS_S) * 1000)))
+
+    def _timers(self) -> None:
+        now = self.clock()
+        if self.journal is not None:
+            self.journal.maybe_sync()
+        self._flush_haves()
+        if not self.welcomed and now >= self.next_hello:
+            self._send_ctl(pack("shello", index=self.index, run_id=self.run_id, boot=self.boot,
+                                endpoint=self.endpoint, applied=self.applied, ckpt=self.ckpt_lsn))
+            self.next_hello = now + HELLO_S
+        if self.welcomed and now - self.last_contact > 3 * HELLO_S + 2:
+            log.warning("coordinator silent for %.1f s: saying shello again", now - self.last_contact)
+            self.welcomed = False
+        if now >= self.next_progress:
+            if now > self.rate_t:
+                self.records_s, self.records_n, self.rate_t = self.records_n / (now - self.rate_t + 1e-9), 0, now
+            core = self.core
+            self._send_ctl(pack("progress", applied=self.applied, ckpt=self.ckpt_lsn,
+                                version=core.version if core else 0,
+                                applied_count=core.counters.applied if core else 0, rss=rss_bytes(),
+                                blocks=len(self.blocks), records_s=float(self.records_s)))
+            self.next_progress = now + PROGRESS_S
+        if self.parked:
+            for key in [k for k, (t, _) in self.parked.items() if now - t > PARKED_S]:
+                del self.parked[key]
+        if self.core is not None and (self.since_ckpt >= self.checkpoint_records or
+                                      (self.since_ckpt and now - self.ckpt_at >= self.checkpoint_s)):
+            self.checkpoint()
+
+    def _flush_haves(self) -> None:
+        if not self.haves or not self.welcomed:
+            return
+        durable = self.journal.durable_lsn if self.journal is not None else math.inf
+        ready = [h for lsn, h in self.haves if lsn <= durable]
+        if ready:
+            self.haves = [(lsn, h) for lsn, h in self.haves if lsn > durable]
+            for i in range(0, len(ready), 4096):
+                self._send_ctl(pack("have", jobs=ready[i:i + 4096]))
+
+    # ------------------------------------------------------------------ control
+    def _on_control(self, frames: list) -> None:
+        try:
+            m = unpack(frames[0], ("swelcome", "recs", "params?", "stop", "refuse"))
+        except ControlError as e:
+            log.warning("bad control message from the coordinator: %s", e)
+            return
+        self.last_contact = self.clock()
+        t = m["t"]
+        if t == "swelcome":
+            self._on_welcome(m)
+        elif t == "refuse":
+            self.stopping = f"the coordinator refused this shard: {m['message']}"
+        elif t == "stop":
+            self.stopping = f"the coordinator stopped: {m['reason']}"
+        elif not self.welcomed:
+            return
+        elif t == "recs":
+            self._on_records(m, frames[1:])
+        elif t == "params?":
+            self.params_asked.append((m["token"], m["lsn"]))
+            self._answer_params()
+
+    def _on_welcome(self, m: dict) -> None:
+        if self.run_id and m["run_id"] != self.run_id:
+            self.stopping = f"the coordinator serves run {m['run_id']:x}, this shard's state is of run {self.run_id:x}"
+            return
+        if self.index >= 0 and m["index"] != self.index:
+            self.stopping = f"the coordinator gave slot {m['index']}, this shard's state is of slot {self.index}"
+            return
+        self.run_id, self.index, self.n_shards = m["run_id"], m["index"], m["shards"]
+        if self.state_dir:
+            self._save_info()
+        self.welcomed = True
+        log.info("shard %d of %d: coordinator %s, records from %d", self.index, self.n_shards, self.coordinator,
+                 m["from"])
+        # Blocks held (e.g. journaled before a crash) are announced again: the coordinator may be waiting for them.
+        again = [[j, self.core.ledger[j].created_at, 0, ""] for j in self.blocks
+                 if self.core is not None and j in self.core.ledger]
+        self.haves.extend((-1, h) for h in again)
+
+    def _on_records(self, m: dict, frames: list) -> None:
+        if m["count"] != len(frames):
+            log.warning("records message with %d frames for %d records: ignored", len(frames), m["count"])
+            return
+        lsn = m["first"]
+        for f in frames:
+            if lsn <= self.applied:
+                lsn += 1
+                continue
+            if lsn != self.applied + 1:
+                log.warning("record %d after %d: asking again", lsn, self.applied)
+                self.welcomed = False  # shello with our LSN: the coordinator sends from there
+                self.next_hello = 0.0
+                return
+            body = msgpack.unpackb(bytes(f), raw=False, strict_map_key=False)
+            if type(body) is not dict or body.get("lsn") != lsn or type(body.get("op")) is not str:
+                raise StateError(f"record {lsn} from the coordinator does not read")
+            self._apply(Record(lsn, body["op"], body))
+            lsn += 1
+        self._answer_parked()
+        self._answer_params()
+
+    def _apply(self, rec: Record) -> None:
+        if self.core is None:
+            if rec.op != "start":
+                raise StateError(f"this shard has no state and the coordinator sent record {rec.lsn} ({rec.op}), "
+                                 f"not the run's start")
+            run = dict(rec.body["run"])
+            self._build(run, rec.body["now"])
+            if self.state_dir:
+                write_run(self.state_dir, run)
+            self._limit_messages()
+        else:
+            self.inputs.apply(rec, None, self.wire)
+            self.core.drain_events()
+        self.applied = rec.lsn
+        self.since_ckpt += 1
+        self.records_n += 1
+        if len(self.blocks) > 2 * len(self.core.ledger) + 64:  # blocks of jobs settled otherwise (written off)
+            for j in [j for j in self.blocks if j not in self.core.ledger]:
+                del self.blocks[j]
+
+    def _answer_params(self) -> None:
+        if not self.params_asked or self.core is None:
+            return
+        left = []
+        for token, lsn in self.params_asked:
+            if lsn <= self.applied:
+                x = np.ascontiguousarray(self.core.params())
+                self._send_ctl(pack("params", token=token, lsn=self.applied, version=self.core.version), (x,))
+            else:
+                left.append((token, lsn))
+        self.params_asked = left
+
+    # ------------------------------------------------------------------ data
+    def _on_data(self, frames: list) -> None:
+        rid = frames[0].bytes
+        try:
+            msg = decode(frames[1:])
+        except RemoteProtocolError as e:
+            self._send_data(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
+            return
+        if self.core is None:
+            self._send_data(rid, Error(ErrorCode.REFUSED, "this shard has not started"))
+            return
+        if type(msg) is Fetch:
+            self._fetch(rid, msg, self.clock())
+        elif type(msg) is Reply:
+            self._block(rid, msg, frames[1:])
+        else:
+            self._send_data(rid, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for a shard"))
+
+    @staticmethod
+    def _worker(rid: bytes) -> str:
+        return rid.decode("ascii", "replace").rsplit("/", 1)[0]  # worker/link.py: "<worker id>/<boot>"
+
+    def _fetch(self, rid: bytes, f: Fetch, now: float) -> None:
+        core = self.core
+        entry = core.ledger.get(f.job_id)
+        if entry is None:
+            if f.job_id >= core.next_job_id:  # issued by a record not applied here yet
+                if len(self.parked) < MAX_PARKED or (rid, f.job_id) in self.parked:
+                    self.parked[(rid, f.job_id)] = (now, f)
+                return
+            self._send_data(rid, Error(ErrorCode.UNKNOWN_JOB, "job id not outstanding", job_id=f.job_id))
+            return
+        if entry.worker_id != self._worker(rid) or entry.created_at != f.created_at \
+                or any(i not in entry.iterate_ids or i not in core.store for i in f.iterate_ids):
+            self._send_data(rid, Error(ErrorCode.UNKNOWN_JOB, "not this worker's job, or not its iterates",
+                                       job_id=f.job_id))
+            return
+        points = tuple(core.store[i] if self.wire == "f32" else to_wire(core.store[i], self.wire)
+                       for i in f.iterate_ids)
+        self._send_data(rid, Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
+                                 iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
+                                 shard=entry.shard, deadline=entry.deadline, point_ids=tuple(f.iterate_ids),
+                                 points=points))
+
+    def _answer_parked(self) -> None:
+        if not self.parked:
+            return
+        nxt, now = self.core.next_job_id, self.clock()
+        for key in [k for k, (_, f) in self.parked.items() if f.job_id < nxt]:
+            _, f = self.parked.pop(key)
+            self._fetch(key[0], f, now)
+
+    def _block(self, rid: bytes, r: Reply, frames: list) -> None:
+        core = self.core
+        entry = core.ledger.get(r.job_id)
+        if entry is None or entry.received or entry.worker_id != self._worker(rid) \
+                or entry.created_at != r.created_at:
+            return  # late (written off meanwhile), or not this worker's: the coordinator decides without it
+        if r.job_id in self.blocks:
+            self.haves.append((-1, [r.job_id, r.created_at, 0, ""]))
+            return
+        msg, why = reply_from_wire(r, self.wire)
+        problem = why or core._check_grads(entry, msg, core._in_run_dtype(msg))
+        if problem is not None:
+            self.haves.append((-1, [r.job_id, r.created_at, int(problem[0]), problem[1][:1000]]))
+            return
+        lsn = -1
+        if self.journal is not None:
+            lsn = self.journal.append("block", job_id=r.job_id, created_at=r.created_at,
+                                      frames=[bytes(f) for f in frames], wire=self.wire)
+        self.blocks[r.job_id] = core._in_run_dtype(msg)
+        self.haves.append((lsn, [r.job_id, r.created_at, 0, ""]))
+
+    def close(self) -> None:
+        try:
+            self.checkpoint()
+        except OSError as e:
+            log.error("cannot write a checkpoint in %s: %s", self.state_dir, e)
+        if self.journal is not None:
+            self.journal.close()
+        self.ctl.close(linger=500)
+        self.data.close(linger=0)
+        if self.own_ctx:
+            self.ctx.term()

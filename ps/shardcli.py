@@ -1,0 +1,160 @@
+"""``latecomer shard`` (a shard process for a sharded server), and the local shards that
+``serve --shards N`` starts and restarts (ps/shard.py, ps/shardhub.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from typing import Any
+
+import click
+
+from ps.endpoints import bind_endpoint, server_endpoint
+
+log = logging.getLogger("latecomer.shards")
+
+RESTART_AFTER_S = 0.5  # a local shard that died is started again this long after
+
+
+def _allow(ctx, param, value):
+    from ps.cli import _allow_patterns
+
+    return _allow_patterns(ctx, param, value)
+
+
+@click.command("shard")
+@click.option("--coordinator", "-c", required=True, callback=server_endpoint,
+              help="The coordinator's shard endpoint (serve logs it; serve --shard-bind), e.g. tcp://HOST:5556.")
+@click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, callback=bind_endpoint,
+              help="This shard's endpoint for the workers' data (port 0: any free port; a restarted shard binds "
+                   "the endpoint its --state recorded).")
+@click.option("--advertise", default=None, help="The endpoint workers are told (default: the bound one; give it "
+                                                "when binding 0.0.0.0).")
+@click.option("--state", "state_dir", type=click.Path(file_okay=False), default=None,
+              help="Journal and checkpoints of this shard (without it nothing survives the process, and the run "
+                   "cannot recover this shard).")
+@click.option("--slot", type=click.IntRange(0, 63), default=None,
+              help="Take this shard slot (default: the first free one; a --state that holds a slot keeps it).")
+@click.option("--fsync", type=click.Choice(["always", "batch", "never"]), default="batch", show_default=True,
+              help="When journaled gradient blocks reach the disk; the coordinator counts a reply once they have.")
+@click.option("--checkpoint-records", type=click.IntRange(min=1), default=5000, show_default=True,
+              help="Checkpoint after this many of the coordinator's records.")
+@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", callback=_allow,
+              help="Trust this problem of your own where the coordinator's run names it (repeatable).")
+@click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN", callback=_allow,
+              help="Trust this algorithm of your own where the coordinator's run names it (repeatable).")
+@click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
+          log_level) -> None:
+    """Serve a shard of a sharded server: a range of whole layout blocks of the parameter vector.
+
+    Start it before training starts (a new shard gets the run's journal from its first record);
+    a shard with --state may be restarted at any time and catches up. It exits when the
+    coordinator's run is over.
+    """
+    from ps.cli import _allowed, _setup_logging
+    from ps.shard import Shard
+
+    _setup_logging(log_level)
+    if state_dir:
+        os.makedirs(state_dir, exist_ok=True)
+    try:
+        s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
+                  allowed=_allowed(allow_problem, allow_algorithm), fsync=fsync, checkpoint_records=checkpoint_records)
+    except OSError as e:  # a bind in use, an unwritable directory
+        raise click.ClickException(f"cannot start the shard: {e}") from None
+    if slot is not None and s.index < 0:
+        s.index = slot
+    elif slot is not None and s.index != slot:
+        raise click.BadParameter(f"{state_dir} holds slot {s.index}", param_hint="--slot")
+    s.install_signal_handlers()
+    click.echo(f"latecomer shard: data on {s.endpoint}, coordinator {coordinator}")
+    reason = s.run()
+    click.echo(f"latecomer shard: stopped ({reason})")
+
+
+def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any, allow_problem: tuple,
+                       allow_algorithm: tuple) -> LocalShards:
+    """``serve --shards N``: its local shards started (each trusting what the command line trusts),
+    and kept running by the daemon's loop."""
+    import sys
+
+    click.echo(f"latecomer: shards connect to {daemon.hub.endpoint}")
+    sys.stdout.flush()
+    extra = [f"--allow-problem={p}" for p in allow_problem] + [f"--allow-algorithm={a}" for a in allow_algorithm]
+    if spec.problem and ":" in spec.problem:  # the command line names the user's problem: its shards trust it
+        extra.append(f"--allow-problem={spec.problem}")
+    if spec.algorithm and ":" in spec.algorithm:
+        extra.append(f"--allow-algorithm={spec.algorithm}")
+    local = LocalShards(daemon.hub.endpoint, state_dir, daemon.hub.n if count is None else count,
+                        extra=tuple(extra), log_level="info")
+    local.start()
+    daemon.hooks.append(local.poll)
+    return local
+
+
+class LocalShards:
+    """The shard processes ``serve --shards N`` starts on this host (slots 0..K-1, each with its
+    own state directory ``<state>/shard-<i>``), started again when one dies (kill -9 included)
+    while the run goes on."""
+
+    def __init__(self, coordinator: str, state_dir: str, count: int, *, extra: tuple = (), log_level: str = "warning",
+                 clock: Any = None) -> None:
+        import time
+
+        self.coordinator, self.state_dir, self.count = coordinator, state_dir, count
+        self.extra, self.log_level = tuple(extra), log_level
+        self.clock = clock or time.monotonic
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.died_at: list[float | None] = [None] * count
+        self.restarts = 0
+        self.stopping = False
+        self.logs: list = []
+
+    def _start(self, i: int) -> None:
+        from ps.children import spawn
+
+        d = os.path.join(self.state_dir, f"shard-{i}")
+        os.makedirs(d, exist_ok=True)
+        out = open(os.path.join(d, "shard.log"), "ab")  # noqa: SIM115 - closed by close()
+        self.logs.append(out)
+        self.procs[i] = spawn("shard", "--coordinator", self.coordinator, "--state", d, "--slot", str(i),
+                              "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
+        self.died_at[i] = None
+
+    def start(self) -> None:
+        for i in range(self.count):
+            self._start(i)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None]
+
+    def poll(self, now: float) -> None:
+        if self.stopping:
+            return
+        for i, p in enumerate(self.procs):
+            if p is None or p.poll() is None:
+                continue
+            if self.died_at[i] is None:
+                self.died_at[i] = now
+                log.warning("local shard %d (pid %d) exited with status %s: starting it again", i, p.pid,
+                            p.returncode)
+            elif now - self.died_at[i] >= RESTART_AFTER_S:
+                self.restarts += 1
+                self._start(i)
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """The run is over (the coordinator told the shards to stop): wait for them, bounded."""
+        from ps.children import reap
+
+        self.stopping = True
+        procs = [p for p in self.procs if p is not None]
+        for p in procs:
+            try:
+                p.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        reap(procs, grace_s=5.0)
+        for f in self.logs:
+            f.close()

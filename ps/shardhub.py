@@ -1,0 +1,456 @@
+"""The coordinator's side of a sharded server: its shards, the records they are sent, and the
+replies that wait for their gradient blocks (PROTOCOL.md §12, docs/ALGORITHMS.md §14).
+
+The coordinator is the ordinary daemon (ps/daemon.py) around a core whose algorithm is
+``Sharded.coordinator``: bound to no blocks, it holds an empty iterate, so every job, reply
+and journal record it handles is a header. Its journal orders everything; each shard runs a
+core of its own over its blocks and is fed that journal's records in LSN order
+(ps/shard.py). :class:`ShardHub` is what the daemon adds:
+
+* **Records.** Every record the journal writes is tapped (``Journal.tap``) and shipped to each
+  shard once durable under the fsync policy (``Journal.durable_lsn``), never past it, so a
+  coordinator that crashes and recovers never finds a shard ahead of its journal. A shard
+  that (re)joins gets the records after its own last one, from the tap or, when it is further
+  behind, read back from the journal's segments; at most ``WINDOW`` records are in flight
+  beyond what it has applied. The journal keeps the segments the shards' oldest checkpoints
+  still need (``Persistence.retain_from``).
+* **Replies.** A worker's reply header is held (:meth:`take_reply`) until every shard has said
+  ``have`` for its job: the block journaled (durable), or refused (shape, NaN: the reply is then
+  refused with that reason, as the unsharded server would refuse it). Only then does the core
+  see it, so a reply counts only when all its blocks have arrived. A header whose blocks have
+  not all come ``BLOCK_WAIT`` after it (counted while every shard is up) is discarded, and the
+  job is written off at the worker's next heartbeat (it is no longer among the jobs the
+  daemon reports busy for it), the same way on every shard, since they follow the journal.
+* **Shards gone.** A shard silent for the liveness timeout is gone; while any is gone, or not
+  yet joined, or disagreeing, the daemon holds the issuing of jobs (a journaled ``hold``
+  record; ``release`` once all are back), and workers' fetches from the missing shard wait.
+* **Agreement.** A shard that has applied the journal up to its end reports its version and
+  applied count, which must be the coordinator's; else the run is held and the error logged.
+* **Parameters.** :meth:`request_params` asks every shard for its slice after a given record;
+  the concatenation is the iterate the coordinator evaluates and writes as ``final_x.npy``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import msgpack
+import numpy as np
+import zmq
+
+from protocol.messages import ErrorCode
+from ps.persist import Record, first_journal_lsn, read_journal
+from ps.shardwire import ControlError, pack, unpack
+
+log = logging.getLogger("latecomer.shards")
+
+WINDOW = 4096  # records shipped to a shard beyond what it has applied, at most
+BATCH_RECORDS = 512  # records per message ...
+BATCH_BYTES = 8 << 20  # ... and bytes
+KEEPALIVE_S = 0.5  # an empty records message at least this often (the shard's liveness of us)
+TAP_MAX = 65536  # records held in memory for live shards; one further behind reads the journal
+SHARDS_FILE = "shards.json"  # the coordinator's record of its shards' endpoints
+
+
+@dataclass
+class Slot:
+    index: int
+    endpoint: str = ""
+    rid: bytes | None = None
+    boot: int = 0
+    connected: bool = False
+    applied: int = -1
+    ckpt: int = -1
+    next: int = 0  # next LSN to ship
+    last_seen: float = -math.inf
+    last_sent: float = -math.inf
+    version: int = 0
+    applied_count: int = 0
+    rss: int = 0
+    blocks: int = 0
+    records_s: float = 0.0
+    joins: int = 0
+    reader: Iterator[Record] | None = None
+    peek: Record | None = None
+
+
+@dataclass
+class Pending:
+    item: Any = None  # the reply's Inbound (None: only haves so far)
+    at: float = 0.0  # since when its blocks are awaited (reset when a shard rejoins)
+    haves: dict = field(default_factory=dict)  # shard index -> None (journaled) or (code, text)
+
+
+class ShardHub:
+    def __init__(self, ctx: zmq.Context, bind: str, n_shards: int, *, core: Any, persist: Any,
+                 ranges: tuple, clock: Any, security: Any = None) -> None:
+        if persist is None:
+            raise ValueError("a sharded server needs a state directory (its journal feeds the shards)")
+        self.n = n_shards
+        self.core, self.persist, self.ranges, self.clock = core, persist, tuple(ranges), clock
+        self.state_dir = persist.state_dir
+        self.liveness_s = core.cfg.liveness_timeout_s
+        self.block_wait_s = 2 * self.liveness_s
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.sndhwm = self.sock.rcvhwm = 10_000
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max(hi - lo for lo, hi in self.ranges) * 8 + (1 << 20))
+        if security is not None:
+            security.apply(self.sock)
+        self.sock.bind(bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.slots = [Slot(i) for i in range(n_shards)]
+        self.by_rid: dict[bytes, Slot] = {}
+        self.tap: list[tuple[int, bytes]] = []
+        persist.journal.tap = self.tap
+        self.pending: dict[int, Pending] = {}
+        self.gathers: dict[int, dict] = {}
+        self.done: list[tuple[int, int, int, np.ndarray]] = []  # (token, lsn, version, x) gathered
+        self.next_token = 1
+        self.disagreement = ""
+        self.blocks_timed_out = 0
+        self.bad_control = 0
+        self._load_endpoints()
+
+    # ------------------------------------------------------------------ endpoints
+    def _load_endpoints(self) -> None:
+        path = os.path.join(self.state_dir, SHARDS_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                eps = json.load(f)["endpoints"]
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("%s: ignored (%s): the shards tell their endpoints again", path, e)
+            return
+        for slot, ep in zip(self.slots, eps, strict=False):
+            if type(ep) is str:
+                slot.endpoint = ep
+
+    def _save_endpoints(self) -> None:
+        path = os.path.join(self.state_dir, SHARDS_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"endpoints": [s.endpoint for s in self.slots], "ranges": [list(r) for r in self.ranges]}, f)
+        os.replace(path + ".tmp", path)
+
+    def shards_map(self) -> tuple:
+        """What Welcome.shards tells workers: every shard's (endpoint, lo, hi); () until all are known."""
+        if not all(s.endpoint for s in self.slots):
+            return ()
+        return tuple((s.endpoint, lo, hi) for s, (lo, hi) in zip(self.slots, self.ranges, strict=True))
+
+    # ------------------------------------------------------------------ control messages
+    def receive(self, now: float) -> None:
+        for _ in range(4096):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.bad_control += 1
+                continue
+            rid = frames[0].bytes
+            try:
+                m = unpack(frames[1], ("shello", "have", "progress", "params", "refuse"))
+            except ControlError as e:
+                self.bad_control += 1
+                log.warning("bad control message from %r: %s", rid[:40], e)
+                continue
+            if m["t"] == "shello":
+                self._on_hello(rid, m, now)
+                continue
+            slot = self.by_rid.get(rid)
+            if slot is None:
+                continue  # a shard of an earlier coordinator process: it says shello again when we stay silent
+            slot.last_seen = now
+            if not slot.connected:  # silent a while (busy loading?), the same process: it goes on from its progress
+                if m["t"] != "progress":
+                    continue
+                slot.connected, slot.reader, slot.peek = True, None, None
+                slot.next = m["applied"] + 1
+                log.info("shard %d is back", slot.index)
+            if m["t"] == "progress":
+                self._on_progress(slot, m)
+            elif m["t"] == "have":
+                self._on_haves(slot, m["jobs"], now)
+            elif m["t"] == "params":
+                self._on_params(slot, m, frames[2:])
+            elif m["t"] == "refuse":
+                log.error("shard %d cannot go on: %s", slot.index, m["message"])
+                self.disagreement = f"shard {slot.index}: {m['message']}"
+
+    def _refuse(self, rid: bytes, why: str) -> None:
+        log.warning("shard refused: %s", why)
+        self._send(rid, pack("refuse", message=why[:1000]))
+
+    def _on_hello(self, rid: bytes, m: dict, now: float) -> None:
+        core, journal = self.core, self.persist.journal
+        if m["run_id"] and m["run_id"] != core.cfg.run_id:
+            return self._refuse(rid, f"this shard's state is of run {m['run_id']:x}, the coordinator serves run "
+                                     f"{core.cfg.run_id:x}")
+        if m["index"] >= self.n:
+            return self._refuse(rid, f"slot {m['index']}: the run has {self.n} shards")
+        if m["index"] >= 0:
+            slot = self.slots[m["index"]]
+        else:
+            free = [s for s in self.slots if not s.endpoint and not s.connected]
+            if not free:
+                return self._refuse(rid, f"all {self.n} shard slots are taken")
+            slot = free[0]
+        if slot.rid not in (None, rid) and slot.connected and now - slot.last_seen < self.liveness_s:
+            return self._refuse(rid, f"slot {slot.index} is held by a live shard")
+        if m["applied"] > journal.durable_lsn:
+            return self._refuse(rid, f"the shard has applied record {m['applied']}, past the end of the coordinator's "
+                                     f"journal ({journal.durable_lsn}): records were lost (--fsync never and a machine "
+                                     f"crash?); start the shard afresh")
+        start = m["applied"] + 1
+        first = first_journal_lsn(self.state_dir)
+        if first is not None and first > start:
+            return self._refuse(rid, f"the shard needs records from {start}, and the journal starts at {first}: "
+                                     f"start the shard from its newest checkpoint, or afresh before training starts")
+        if slot.rid is not None:
+            self.by_rid.pop(slot.rid, None)
+        slot.rid, slot.boot, slot.connected = rid, m["boot"], True
+        slot.applied, slot.ckpt, slot.next, slot.last_seen = m["applied"], m["ckpt"], start, now
+        slot.reader, slot.peek, slot.joins = None, None, slot.joins + 1
+        self.by_rid[rid] = slot
+        if slot.endpoint != m["endpoint"]:
+            if slot.endpoint:
+                log.warning("shard %d moved from %s to %s: workers welcomed before must say hello again", slot.index,
+                            slot.endpoint, m["endpoint"])
+            slot.endpoint = m["endpoint"]
+            self._save_endpoints()
+        for p in self.pending.values():
+            p.at = now  # its blocks may come now
+        for token, g in self.gathers.items():
+            if slot.index not in g["parts"]:
+                self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
+        log.info("shard %d joined from %s (%s): records from %d", slot.index, m["endpoint"],
+                 "afresh" if m["applied"] < 0 else f"after record {m['applied']}", start)
+        self._send(rid, pack("swelcome", index=slot.index, shards=self.n, run_id=core.cfg.run_id, **{"from": start}))
+
+    def _on_progress(self, slot: Slot, m: dict) -> None:
+        slot.applied, slot.ckpt, slot.version = m["applied"], m["ckpt"], m["version"]
+        slot.applied_count, slot.rss, slot.blocks, slot.records_s = (m["applied_count"], m["rss"], m["blocks"],
+                                                                     m["records_s"])
+        core = self.core
+        if slot.applied == self.persist.journal.next_lsn - 1 and not self.disagreement and \
+                (slot.version, slot.applied_count) != (core.version, core.counters.applied):
+            self.disagreement = (f"shard {slot.index} disagrees with the coordinator after record {slot.applied}: "
+                                 f"version {slot.version} and {slot.applied_count} applied, the coordinator "
+                                 f"{core.version} and {core.counters.applied}")
+            log.error("%s", self.disagreement)
+        ckpts = [s.ckpt for s in self.slots]
+        self.persist.retain_from = max(0, min(ckpts)) if all(c >= 0 for c in ckpts) else 0
+
+    def _on_haves(self, slot: Slot, haves: list, now: float) -> None:
+        ledger = self.core.ledger
+        for jid, created_at, code, text in haves:
+            entry = ledger.get(jid)
+            if entry is None or entry.received or entry.created_at != created_at:
+                continue
+            p = self.pending.get(jid)
+            if p is None:
+                p = self.pending[jid] = Pending(at=now)
+            if code == 0:
+                p.haves[slot.index] = None
+            else:
+                try:
+                    p.haves[slot.index] = (ErrorCode(code), f"shard {slot.index}: {text}")
+                except ValueError:
+                    p.haves[slot.index] = (ErrorCode.BAD_SHAPE, f"shard {slot.index}: {text}")
+
+    def _on_params(self, slot: Slot, m: dict, frames: list) -> None:
+        g = self.gathers.get(m["token"])
+        if g is None or len(frames) != 1:
+            return
+        lo, hi = self.ranges[slot.index]
+        dt = self.core.dtype
+        buf = frames[0].buffer
+        if len(buf) != (hi - lo) * dt.itemsize:
+            log.warning("shard %d sent %d bytes of parameters, not %d", slot.index, len(buf), (hi - lo) * dt.itemsize)
+            return
+        g["parts"][slot.index] = np.frombuffer(buf, dtype=dt).copy()
+        g["versions"][slot.index] = m["version"]
+        if len(g["parts"]) == self.n:
+            del self.gathers[m["token"]]
+            versions = set(g["versions"].values())
+            if len(versions) != 1:
+                log.error("shards sent parameters of different versions %s for record %d", sorted(versions),
+                          g["lsn"])
+            x = np.concatenate([g["parts"][i] for i in range(self.n)]) if self.n > 1 else g["parts"][0]
+            self.done.append((m["token"], g["lsn"], max(versions), x))
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, rid: bytes, header: bytes, frames: tuple | list = ()) -> bool:
+        try:
+            self.sock.send_multipart([rid, header, *frames], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def ship(self, now: float) -> None:
+        """Records up to the journal's durable LSN to every shard that has joined (its window allowing)."""
+        durable = self.persist.journal.durable_lsn
+        for slot in self.slots:
+            if slot.connected and now - slot.last_seen > self.liveness_s:
+                slot.connected = False
+                log.warning("shard %d is gone (silent for %.1f s): jobs are held until it is back", slot.index,
+                            now - slot.last_seen)
+            if not slot.connected:
+                continue
+            limit = min(durable, slot.applied + WINDOW)
+            frames: list = []
+            if slot.next <= limit:
+                frames = self._from_tap(slot, limit) or self._from_disk(slot, limit)
+            if frames or now - slot.last_sent >= KEEPALIVE_S:
+                if self._send(slot.rid, pack("recs", first=slot.next, count=len(frames)), frames):
+                    slot.next += len(frames)
+                    slot.last_sent = now
+                elif frames:
+                    slot.reader, slot.peek = None, None  # not sent: read again from slot.next
+        self._trim_tap()
+
+    def _from_tap(self, slot: Slot, limit: int) -> list:
+        tap = self.tap
+        if not tap or tap[0][0] > slot.next:
+            return []
+        i = slot.next - tap[0][0]
+        out, size = [], 0
+        while i < len(tap) and tap[i][0] <= limit and len(out) < BATCH_RECORDS and size < BATCH_BYTES:
+            out.append(tap[i][1])
+            size += len(tap[i][1])
+            i += 1
+        if out:
+            slot.reader, slot.peek = None, None
+        return out
+
+    def _from_disk(self, slot: Slot, limit: int) -> list:
+        out, size = [], 0
+        while len(out) < BATCH_RECORDS and size < BATCH_BYTES:
+            rec = slot.peek
+            slot.peek = None
+            if rec is None:
+                if slot.reader is None:
+                    slot.reader = read_journal(self.state_dir, from_lsn=slot.next + len(out))
+                rec = next(slot.reader, None)
+                if rec is None:
+                    slot.reader = None
+                    break
+            if rec.lsn < slot.next + len(out):
+                continue
+            if rec.lsn > limit:
+                slot.peek = rec
+                break
+            data = msgpack.packb(rec.body, use_bin_type=True)
+            out.append(data)
+            size += len(data)
+        return out
+
+    def _trim_tap(self) -> None:
+        tap = self.tap
+        if not tap:
+            return
+        live = [s.next for s in self.slots if s.connected]
+        keep_from = min(live) if live else tap[-1][0] + 1
+        cut = max(0, min(len(tap), keep_from - tap[0][0]), len(tap) - TAP_MAX)
+        if cut > 1024 or (cut and cut == len(tap)):
+            del tap[:cut]
+
+    # ------------------------------------------------------------------ replies and the hold
+    def take_reply(self, item: Any, now: float) -> bool:
+        """Hold a worker's reply header until its blocks are at every shard. False: not held (its
+        job is not outstanding: the core hands it on as late or unknown at once)."""
+        jid = item.msg.job_id
+        entry = self.core.ledger.get(jid)
+        if entry is None or entry.received or entry.worker_id != item.wid:
+            return False
+        p = self.pending.get(jid)
+        if p is None:
+            p = self.pending[jid] = Pending()
+        p.item, p.at = item, now
+        return True
+
+    def ready_replies(self, now: float) -> list[tuple[Any, Any]]:
+        """(reply Inbound, refusal or None) whose blocks every shard has (or refused); headers
+        waiting too long are dropped, haves of settled jobs forgotten."""
+        out, ledger, up = [], self.core.ledger, all(s.connected for s in self.slots)
+        for jid in list(self.pending):
+            p = self.pending[jid]
+            entry = ledger.get(jid)
+            if entry is None or entry.received:
+                del self.pending[jid]
+                if p.item is not None:
+                    out.append((p.item, None))  # the core counts it late
+                continue
+            if p.item is None:
+                continue
+            if len(p.haves) == self.n:
+                del self.pending[jid]
+                refusal = next((p.haves[i] for i in range(self.n) if p.haves[i] is not None), None)
+                out.append((p.item, refusal))
+            elif up and now - p.at > self.block_wait_s:
+                del self.pending[jid]
+                self.blocks_timed_out += 1
+                missing = [i for i in range(self.n) if i not in p.haves]
+                log.warning("job %d: the gradient blocks of shard(s) %s did not arrive within %.1f s: its reply is "
+                            "dropped, and the job written off", jid, ",".join(map(str, missing)), self.block_wait_s)
+        return out
+
+    def pending_for(self, wid: str) -> list[int]:
+        """Jobs of ``wid`` whose reply is held here: still busy, as far as the core's reconciliation goes."""
+        return [j for j, p in self.pending.items() if p.item is not None and p.item.wid == wid]
+
+    def hold_reason(self) -> str:
+        """Why jobs must not be issued now ("": they may)."""
+        if self.disagreement:
+            return self.disagreement
+        missing = [s.index for s in self.slots if not s.connected or s.applied < 0]
+        if missing:
+            return f"shard(s) {','.join(map(str, missing))} not connected"
+        return ""
+
+    # ------------------------------------------------------------------ parameters, stop, figures
+    def request_params(self, lsn: int) -> int:
+        token = self.next_token
+        self.next_token += 1
+        self.gathers[token] = {"lsn": lsn, "parts": {}, "versions": {}}
+        for s in self.slots:
+            if s.connected:
+                self._send(s.rid, pack("params?", token=token, lsn=lsn))
+        return token
+
+    def take_params(self) -> list[tuple[int, int, int, np.ndarray]]:
+        done, self.done = self.done, []
+        return done
+
+    def stop(self, reason: str) -> None:
+        for s in self.slots:
+            if s.connected:
+                self._send(s.rid, pack("stop", reason=reason[:1000]))
+
+    def caught_up(self, lsn: int) -> bool:
+        return all(s.connected and s.applied >= lsn for s in self.slots)
+
+    def figures(self) -> dict[str, Any]:
+        last = self.persist.journal.next_lsn - 1
+        return {f"shard.{s.index}": (f"{'up' if s.connected else 'GONE'} lag {max(0, last - s.applied)} "
+                                     f"rss {s.rss / 1e6:.0f}MB blocks {s.blocks} joins {s.joins}")
+                for s in self.slots}
+
+    def summary(self) -> list[dict[str, Any]]:
+        last = self.persist.journal.next_lsn - 1
+        return [{"index": s.index, "endpoint": s.endpoint, "range": list(self.ranges[s.index]),
+                 "connected": s.connected, "applied_lsn": s.applied, "lag_records": max(0, last - s.applied),
+                 "version": s.version, "rss_bytes": s.rss, "blocks_held": s.blocks, "joins": s.joins,
+                 "records_per_s": s.records_s} for s in self.slots]
+
+    def close(self) -> None:
+        self.persist.journal.tap = None
+        self.sock.close(linger=500)

@@ -1,0 +1,106 @@
+"""The control channel between a sharded server's coordinator and its shards (PROTOCOL.md §12).
+
+One DEALER per shard, connected to the coordinator's shard ROUTER (``serve --shard-bind``).
+Every message is ``[header, *frames]``: a msgpack map with a type ``t`` and the fields below,
+each checked here (types, ranges, sizes) before anything reads it, so a bad peer gets a one-line
+:class:`ControlError` and changes nothing.
+
+shard -> coordinator
+    ``shello``   {index, run_id, boot, endpoint, applied, ckpt}: a shard (re)joins. ``index`` -1
+                 and ``run_id`` 0: a new shard, which takes the first free slot.
+    ``have``     {jobs: [[job_id, created_at, code, text], ...]}: gradient blocks journaled (code
+                 0) or refused (an ErrorCode and its text).
+    ``progress`` {applied, ckpt, version, applied_count, rss, blocks, records_s}: every 0.2 s.
+    ``params``   {token, lsn, version} + one frame: the shard's slice of x after record ``lsn``.
+    ``refuse``   {message}: the shard cannot go on (the run it was given does not fit it).
+
+coordinator -> shard
+    ``swelcome`` {index, shards, run_id, from}: the slot, and the LSN of the next record it gets.
+    ``recs``     {first, count} + ``count`` frames: journal records, each its msgpack body.
+    ``params?``  {token, lsn}: answer ``params`` once record ``lsn`` is applied.
+    ``stop``     {reason}: the run is over: checkpoint and exit.
+    ``refuse``   {message}: this shard is not wanted (wrong run, slot taken): it exits saying why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+MAX_CONTROL_HEADER = 1 << 20
+MAX_HAVES = 4096
+I64 = (1 << 63) - 1
+
+
+class ControlError(ValueError):
+    """A control message that does not read (one line, the peer's fault)."""
+
+
+def _int(v: Any, lo: int = -1, hi: int = I64) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ControlError(f"expected an integer in [{lo}, {hi}], got {v!r:.60}")
+    return v
+
+
+def _num(v: Any) -> float:
+    if type(v) not in (int, float) or v != v or v in (float("inf"), float("-inf")):
+        raise ControlError(f"expected a finite number, got {v!r:.60}")
+    return float(v)
+
+
+def _text(v: Any, n: int = 1024) -> str:
+    if type(v) is not str or len(v) > n or not v.isprintable():
+        raise ControlError(f"expected printable text of at most {n} characters, got {v!r:.60}")
+    return v
+
+
+_FIELDS: dict[str, dict[str, Any]] = {
+    "shello": {"index": lambda v: _int(v, -1, 63), "run_id": lambda v: _int(v, 0, (1 << 64) - 1),
+               "boot": lambda v: _int(v, 0, (1 << 64) - 1), "endpoint": _text, "applied": _int, "ckpt": _int},
+    "have": {"jobs": None},
+    "progress": {"applied": _int, "ckpt": _int, "version": lambda v: _int(v, 0), "applied_count": lambda v: _int(v, 0),
+                 "rss": lambda v: _int(v, 0), "blocks": lambda v: _int(v, 0), "records_s": _num},
+    "params": {"token": lambda v: _int(v, 0), "lsn": _int, "version": lambda v: _int(v, 0)},
+    "refuse": {"message": _text},
+    "swelcome": {"index": lambda v: _int(v, 0, 63), "shards": lambda v: _int(v, 1, 64),
+                 "run_id": lambda v: _int(v, 0, (1 << 64) - 1), "from": lambda v: _int(v, 0)},
+    "recs": {"first": lambda v: _int(v, 0), "count": lambda v: _int(v, 0, 1 << 20)},
+    "params?": {"token": lambda v: _int(v, 0), "lsn": _int},
+    "stop": {"reason": _text},
+}
+
+
+def _haves(v: Any) -> list[tuple[int, int, int, str]]:
+    if type(v) is not list or len(v) > MAX_HAVES:
+        raise ControlError(f"expected a list of at most {MAX_HAVES} jobs")
+    out = []
+    for h in v:
+        if type(h) is not list or len(h) != 4:
+            raise ControlError("a have is [job_id, created_at, code, text]")
+        out.append((_int(h[0], 0), _int(h[1], 0), _int(h[2], 0, 255), _text(h[3])))
+    return out
+
+
+def pack(t: str, **fields: Any) -> bytes:
+    return msgpack.packb({"t": t, **fields}, use_bin_type=True)
+
+
+def unpack(frame: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """The checked header of a control message of one of the ``allowed`` types."""
+    data = bytes(frame)
+    if len(data) > MAX_CONTROL_HEADER:
+        raise ControlError(f"control header of {len(data)} bytes (at most {MAX_CONTROL_HEADER})")
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+    except Exception as e:  # noqa: BLE001 - whatever msgpack raises on garbage
+        raise ControlError(f"undecodable control header ({type(e).__name__})") from None
+    if type(m) is not dict or m.get("t") not in allowed:
+        raise ControlError(f"not a control message of {', '.join(allowed)}: {str(m)[:60]!r}")
+    spec = _FIELDS[m["t"]]
+    out: dict[str, Any] = {"t": m["t"]}
+    for k, check in spec.items():
+        if k not in m:
+            raise ControlError(f"{m['t']}: {k} missing")
+        out[k] = _haves(m[k]) if k == "jobs" else check(m[k])
+    return out

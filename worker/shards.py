@@ -1,0 +1,148 @@
+"""A worker's links to the shards of a sharded server (PROTOCOL.md §12).
+
+The coordinator's ``job`` carries headers only. For each job the worker asks every shard
+``fetch`` {job, the iterate ids it does not cache} (always, even for none: the answer also says
+the shard knows the job, so its gradient block will be taken), and gets back a ``job`` whose
+points are that shard's slices; the slices concatenated in shard order are the iterates. Its
+reply goes as gradient slices to each shard, then as a header (empty gradients) to the
+coordinator, which counts it once every shard has the block.
+
+A fetch unanswered for ``REFETCH_S`` is asked again (a shard that restarted lost it); a
+shard that answers UNKNOWN_JOB ends the job here (it was settled: written off, cancelled).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from protocol.codec import decode, encode
+from protocol.errors import RemoteProtocolError
+from protocol.messages import Error, ErrorCode, Fetch, Job, Reply
+from worker.sockio import recv_frames, send_frames
+
+log = logging.getLogger("latecomer.worker")
+
+REFETCH_S = 1.0
+_NOBLOCK = zmq.NOBLOCK
+
+
+@dataclass
+class Assembly:
+    job: Job
+    need: tuple[int, ...]
+    pieces: dict[int, Job] = field(default_factory=dict)  # shard index -> its answer
+    asked_at: float = 0.0
+
+
+class ShardLinks:
+    """DEALER sockets to every shard's data endpoint and the jobs being assembled from them."""
+
+    def __init__(self, ctx: zmq.Context, shards: tuple, routing_id: bytes) -> None:
+        self.map = tuple(shards)
+        self.ranges = tuple((lo, hi) for _, lo, hi in shards)
+        self.socks: list[zmq.Socket] = []
+        for ep, _, _ in shards:
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 500
+            s.routing_id = routing_id
+            s.sndhwm = s.rcvhwm = 1000
+            s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            s.ipv6 = ep.startswith("tcp://[")
+            s.connect(ep)
+            self.socks.append(s)
+        self.assembling: dict[int, Assembly] = {}
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(linger=0)
+        self.socks = []
+
+    def fetch(self, job: Job, need: tuple[int, ...], now: float) -> None:
+        a = self.assembling[job.job_id] = Assembly(job, need, asked_at=now)
+        self._ask(a, range(len(self.socks)))
+
+    def _ask(self, a: Assembly, shards: Any) -> None:
+        frames = encode(Fetch(job_id=a.job.job_id, created_at=a.job.created_at, iterate_ids=a.need))
+        for i in shards:
+            try:
+                send_frames(self.socks[i], frames, _NOBLOCK)
+            except zmq.Again:
+                pass  # asked again after REFETCH_S
+
+    def refetch(self, now: float) -> None:
+        for a in self.assembling.values():
+            if now - a.asked_at >= REFETCH_S:
+                a.asked_at = now
+                self._ask(a, [i for i in range(len(self.socks)) if i not in a.pieces])
+
+    def cancel(self, ids: set[int]) -> None:
+        for j in ids:
+            self.assembling.pop(j, None)
+
+    def receive(self, i: int) -> list[tuple[str, Any]]:
+        """Messages waiting on shard ``i``: ("job", Job with the whole iterates of its ``need``) for
+        each job now complete, ("gone", job id) for a job a shard does not know."""
+        out = []
+        sock = self.socks[i]
+        for _ in range(64):
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = decode(frames)
+            except RemoteProtocolError as e:
+                log.warning("undecodable message from shard %d: %s", i, e)
+                continue
+            if type(msg) is Job:
+                a = self.assembling.get(msg.job_id)
+                if a is None or msg.point_ids != a.need:
+                    continue
+                a.pieces[i] = msg
+                if len(a.pieces) == len(self.socks):
+                    del self.assembling[msg.job_id]
+                    out.append(("job", self._whole(a)))
+            elif type(msg) is Error:
+                if msg.code == ErrorCode.UNKNOWN_JOB and msg.job_id in self.assembling:
+                    del self.assembling[msg.job_id]
+                    out.append(("gone", msg.job_id))
+                else:
+                    log.info("shard %d: %s %s (job %s)", i, msg.code.name, msg.message, msg.job_id)
+        return out
+
+    def _whole(self, a: Assembly) -> Job:
+        pieces = [a.pieces[i] for i in range(len(self.socks))]
+        points = []
+        for k in range(len(a.need)):
+            parts = [p.points[k] for p in pieces]
+            for (lo, hi), part in zip(self.ranges, parts, strict=True):
+                if part.shape != (hi - lo,):
+                    raise ValueError(f"shard slice of shape {part.shape}, expected ({hi - lo},)")
+            points.append(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        j = a.job
+        return Job(job_id=j.job_id, kind=j.kind, created_at=j.created_at, iterate_ids=j.iterate_ids, seed=j.seed,
+                   batch_size=j.batch_size, shard=j.shard, deadline=j.deadline, point_ids=a.need,
+                   points=tuple(points))
+
+    def send_blocks(self, r: Reply) -> bool:
+        """The reply's gradient slices to every shard. False: a shard's pipe refused it (retried;
+        a shard takes a block it has once)."""
+        for (lo, hi), sock in zip(self.ranges, self.socks, strict=True):
+            block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
+                          loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
+            try:
+                send_frames(sock, encode(block), _NOBLOCK)
+            except zmq.Again:
+                return False
+        return True
+
+
+def header_only(r: Reply) -> Reply:
+    """What the coordinator gets: the reply with empty gradients (its iterate is empty)."""
+    return Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(np.empty(0, g.dtype) for g in r.grads),
+                 loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
