@@ -26,9 +26,13 @@ probe namespace)::
     # namespaces (with their veths and the bridge) are gone, whatever happened inside.
 
 ``rate`` is a tc rate (``"400mbit"``, ``"1gbit"``, ``"50mbps"`` = 50 MB/s; tc's units: ``bit`` is
-bits, ``bps`` is *bytes* per second) or None for an unshaped link. ``hosts.rate_bits_per_s`` is
-it in bits per second. Workers of this project must get ``--shm off``: the namespaces share the
-box's machine id and /dev/shm, so they would otherwise take the same-host path around the links.
+bits, ``bps`` is *bytes* per second) or None for an unshaped link, the same for every host; or a
+mapping that gives each host its own (every host named, None for an unshaped one), e.g.
+``{"server": "100mbit", "workers": None}`` makes the server's link the bottleneck.
+``hosts.rate_of(name)`` is a host's rate in bits per second (None: unshaped);
+``hosts.rate_bits_per_s`` is the common one (an error where the hosts' rates differ). Workers of
+this project must get ``--shm off``: the namespaces share the box's machine id and /dev/shm, so
+they would otherwise take the same-host path around the links.
 
 How the shaper is set (measured on this box: kernel 6.18, 2 cores, veth with TSO/GSO on, BBR;
 ``python -m benchmarks.netns [--rate R ...] [--burst B]`` reruns it: 40 MB as 20 ZeroMQ PUSH/PULL
@@ -146,15 +150,17 @@ class Hosts:
     """Several "hosts" on one box: each a network namespace with one veth link to a bridge (the
     switch, in a namespace of its own). Every host's link is rate-limited with tc tbf in BOTH
     directions (egress of the host's end and egress of the bridge's end) at ``rate`` (e.g.
-    ``"400mbit"``); ``rate=None``: unlimited. ``burst`` overrides the bucket (a tc size, e.g.
-    ``"128kb"``). Namespaces are named ``<prefix><6 random hex><name>`` (switch: ``...sw`` is
-    reserved), so instances never collide.
+    ``"400mbit"``); ``rate=None``: unlimited; a mapping {host name: rate or None} (every host
+    named): each host's own. ``burst`` overrides the bucket of every shaped link (a tc size,
+    e.g. ``"128kb"``; default: per link, from its rate). Namespaces are named
+    ``<prefix><6 random hex><name>`` (switch: ``...sw`` is reserved), so instances never collide.
 
     Use as a context manager: ``__enter__`` builds everything (and tears down what it built if a
     step fails); ``__exit__`` always SIGKILLs every process group started with ``popen``/``run``
     (and any process still inside the namespaces), reaps them, then deletes the namespaces."""
 
-    def __init__(self, names: list[str], rate: str | None, *, burst: str | None = None, prefix: str = "lcb") -> None:
+    def __init__(self, names: list[str], rate: str | None | Mapping[str, str | None], *, burst: str | None = None,
+                 prefix: str = "lcb") -> None:
         names = list(names)
         if not names or len(names) > MAX_HOSTS:
             raise ValueError(f"between 1 and {MAX_HOSTS} hosts, not {len(names)}")
@@ -163,13 +169,22 @@ class Hosts:
             raise ValueError(f"host names must be unique, [A-Za-z0-9_-]{{1,32}} and not 'sw': {names}")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", prefix):
             raise ValueError(f"prefix must be [a-z][a-z0-9]{{0,11}}: {prefix!r}")
-        self._rate_bits = None if rate is None else parse_rate(rate)
-        if burst is not None and rate is None:
+        if isinstance(rate, Mapping):
+            if set(rate) != set(names):
+                raise ValueError(f"a rate per host must name every host, and only them: {sorted(rate)} vs {names}")
+            rates = {n: rate[n] for n in names}
+        else:
+            rates = {n: rate for n in names}
+        self._rates = {n: None if r is None else parse_rate(r) for n, r in rates.items()}
+        if burst is not None and all(r is None for r in self._rates.values()):
             raise ValueError("burst without a rate")
         self.names = names
         self.tag = f"{prefix}{secrets.token_hex(3)}"
         self.switch = f"{self.tag}sw"
-        self.burst = burst if burst is not None else (None if rate is None else f"{self.default_burst_bytes()}b")
+        self._bursts = {n: None if r is None else (burst if burst is not None else f"{self.default_burst_bytes(n)}b")
+                        for n, r in self._rates.items()}
+        uniform = set(self._bursts.values())
+        self.burst = uniform.pop() if len(uniform) == 1 else None  # the common bucket (None: unshaped or several)
         self._ns = {n: f"{self.tag}{n}" for n in names}
         self._port = {n: f"p{i}" for i, n in enumerate(names)}
         self._ip = {n: f"{SUBNET}.{FIRST_HOST + i}" for i, n in enumerate(names)}
@@ -180,12 +195,26 @@ class Hosts:
     # ------------------------------------------------------------------ properties
     @property
     def rate_bits_per_s(self) -> float | None:
-        """The configured rate of every link, each direction, in bits per second (None: unshaped)."""
-        return self._rate_bits
+        """The configured rate of every link, each direction, in bits per second (None: unshaped).
+        Hosts given different rates have no such figure (ValueError): see ``rate_of``."""
+        rates = set(self._rates.values())
+        if len(rates) != 1:
+            raise ValueError("the hosts' links have different rates: use rate_of(name)")
+        return rates.pop()
 
-    def default_burst_bytes(self) -> int:
-        assert self._rate_bits is not None
-        return max(MIN_BURST, int(self._rate_bits / 8 * BURST_S))
+    def rate_of(self, name: str) -> float | None:
+        """The configured rate of the host's link, each direction, in bits per second (None: unshaped)."""
+        return self._rates[name]
+
+    def burst_of(self, name: str) -> str | None:
+        """The tc bucket of the host's link (None: unshaped)."""
+        return self._bursts[name]
+
+    def default_burst_bytes(self, name: str | None = None) -> int:
+        """The default bucket of a link at the host's rate (``name`` None: the common rate)."""
+        bits = self.rate_bits_per_s if name is None else self._rates[name]
+        assert bits is not None
+        return max(MIN_BURST, int(bits / 8 * BURST_S))
 
     def ip(self, name: str) -> str:
         """The host's address (inside its namespace only), e.g. ``"10.232.0.11"``."""
@@ -239,10 +268,11 @@ class Hosts:
             _ok("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             _ok("ip", "-n", ns, "addr", "add", f"{self._ip[name]}/24", "dev", HOST_DEV)
             _ok("ip", "-n", ns, "link", "set", HOST_DEV, "up")
-            if self._rate_bits is not None:
+            bits, bucket = self._rates[name], self._bursts[name]
+            if bits is not None and bucket is not None:
                 for where, dev in ((ns, HOST_DEV), (self.switch, port)):
                     _ok("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", f"{int(self._rate_bits)}bit", "burst", self.burst, "latency", LATENCY)
+                        "rate", f"{int(bits)}bit", "burst", bucket, "latency", LATENCY)
 
     def _teardown(self) -> list[str]:
         problems: list[str] = []
