@@ -266,6 +266,8 @@ class Daemon:
                                        wire=item.wire, keep_refusal=refusal is not None)
             if cmds is not None:
                 self._execute(cmds)
+            if self._check_stop():  # the rest are not accepted: the run is over
+                break
         if not self.stopping:
             self._sync_hold(now)
         self._gathered()
@@ -418,6 +420,8 @@ class Daemon:
             self.persist.checkpoint(self.core)
         if self.hub is not None:
             self._final_gather()
+            if self.evaluations and self.evaluations[-1]["version"] != self.x_version:
+                self.last_eval_version = -1  # the iterate gathered last is evaluated
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
             self.evaluate()
         self._flush_events()

@@ -142,12 +142,19 @@ class Shard:
         self.haves: list[tuple[int, list]] = []  # (block record's LSN, have) not yet durable
         self.params_asked: list[tuple[int, int]] = []  # (token, lsn)
         self.welcomed = False
+        self.failed = False
         self.stopping: str | None = None
         self.last_contact = clock()
         self.next_hello = self.next_progress = 0.0
         self.since_ckpt, self.ckpt_at = 0, clock()
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
+        self.lock = None
+        if state_dir:
+            from ps.persist import StateLock
+
+            os.makedirs(state_dir, exist_ok=True)
+            self.lock = StateLock(state_dir)  # one process per shard directory (StateError if another holds it)
         saved = self._saved() if state_dir else None
         if saved is not None:
             self._restore(saved)
@@ -273,7 +280,7 @@ class Shard:
         if self.journal is not None:
             self.journal.sync()
         snap = self.core.snapshot()
-        live = {j: g for j, g in self.blocks.items() if j in self.core.ledger}
+        live = {j: g for j, g in self.blocks.items() if not self._settled(j)}
         snap["shard"] = {"blocks": {j: list(g) for j, g in live.items()},
                          "journal_next": self.journal.next_lsn if self.journal is not None else 0}
         write_checkpoint(self.state_dir, self.applied, snap)
@@ -325,10 +332,11 @@ class Shard:
         not while the coordinator waits for its progress."""
         import problems.loader  # noqa: F401
 
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            pass
+        for name in ("torch", "sklearn.datasets"):  # the torch problems, the built-in data sets
+            try:
+                __import__(name)
+            except ImportError:
+                pass
 
     def run(self) -> str:
         if self.core is None:
@@ -355,6 +363,9 @@ class Shard:
                             break
                         self._on_data(frames)
                 self._timers()
+        except BaseException:
+            self.failed = True
+            raise
         finally:
             self.close()
         return self.stopping or "stopped"
@@ -481,8 +492,13 @@ class Shard:
         self.since_ckpt += 1
         self.records_n += 1
         if len(self.blocks) > 2 * len(self.core.ledger) + 64:  # blocks of jobs settled otherwise (written off)
-            for j in [j for j in self.blocks if j not in self.core.ledger]:
+            for j in [j for j in self.blocks if self._settled(j)]:
                 del self.blocks[j]
+
+    def _settled(self, job_id: int) -> bool:
+        """Whether a job is over here: issued by a record applied and no longer in the ledger. A
+        block restored from the journal may be of a job the records applied so far have not issued."""
+        return job_id < self.core.next_job_id and job_id not in self.core.ledger
 
     def _answer_params(self) -> None:
         if not self.params_asked or self.core is None:
@@ -571,7 +587,8 @@ class Shard:
 
     def close(self) -> None:
         try:
-            self.checkpoint()
+            if not self.failed:  # not after a record that could not be applied: its state is the checkpoint's
+                self.checkpoint()
         except OSError as e:
             log.error("cannot write a checkpoint in %s: %s", self.state_dir, e)
         if self.journal is not None:
@@ -580,3 +597,5 @@ class Shard:
         self.data.close(linger=0)
         if self.own_ctx:
             self.ctx.term()
+        if self.lock is not None:
+            self.lock.release()

@@ -44,9 +44,11 @@ def _allow(ctx, param, value):
               help="Trust this problem of your own where the coordinator's run names it (repeatable).")
 @click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN", callback=_allow,
               help="Trust this algorithm of your own where the coordinator's run names it (repeatable).")
+@click.option("--exit-with-parent", is_flag=True, default=False, hidden=True,
+              help="Die with the process that started this one (serve's local shards).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
-          log_level) -> None:
+          exit_with_parent, log_level) -> None:
     """Serve a shard of a sharded server: a range of whole layout blocks of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
@@ -57,6 +59,8 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     from ps.shard import Shard
 
     _setup_logging(log_level)
+    if exit_with_parent:  # a coordinator killed with -9 takes its local shards along (they recover from --state)
+        _exit_with_parent()
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
     try:
@@ -72,6 +76,21 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     click.echo(f"latecomer shard: data on {s.endpoint}, coordinator {coordinator}")
     reason = s.run()
     click.echo(f"latecomer shard: stopped ({reason})")
+
+
+def _exit_with_parent() -> None:
+    import ctypes
+    import signal
+
+    from ps.supervise import PR_SET_PDEATHSIG
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return  # not Linux
+    if os.getppid() != parent:  # the parent died before the prctl
+        raise SystemExit(1)
 
 
 def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any, allow_problem: tuple,
@@ -120,7 +139,7 @@ class LocalShards:
         out = open(os.path.join(d, "shard.log"), "ab")  # noqa: SIM115 - closed by close()
         self.logs.append(out)
         self.procs[i] = spawn("shard", "--coordinator", self.coordinator, "--state", d, "--slot", str(i),
-                              "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
+                              "--exit-with-parent", "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
         self.died_at[i] = None
 
     def start(self) -> None:

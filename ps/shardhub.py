@@ -299,7 +299,9 @@ class ShardHub:
         """Records up to the journal's durable LSN to every shard that has joined (its window allowing)."""
         durable = self.persist.journal.durable_lsn
         for slot in self.slots:
-            if slot.connected and now - slot.last_seen > self.liveness_s:
+            # Silent for the liveness timeout: gone. One that has not built its core yet (loading the
+            # problem blocks its loop) gets ten times as long.
+            if slot.connected and now - slot.last_seen > self.liveness_s * (1 if slot.applied >= 0 else 10):
                 slot.connected = False
                 log.warning("shard %d is gone (silent for %.1f s): jobs are held until it is back", slot.index,
                             now - slot.last_seen)

@@ -1,0 +1,178 @@
+"""A sharded server with real processes (issue 17): ``serve --shards 2``, shard processes, 3
+workers, digits. What each test observes:
+
+* the sharded run trains to the accuracy of the unsharded run of the same settings (the
+  independent expectation), and ``latecomer replay`` of its journal through one unsharded core
+  gives the final iterate the shards hold, bit for bit;
+* kill -9 of a shard mid-run: the coordinator holds the issuing of jobs, the shard started again
+  resumes from its newest checkpoint at exactly that checkpoint's LSN (the coordinator sends the
+  records after it), training finishes, and replay is bit-identical to the shards' final
+  iterate: no accepted reply was lost on the shard that died;
+* kill -9 of the coordinator (its supervisor starts it again, its local shards die with it and
+  are started again): the same, from the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ps.children import reap
+from tests.integration.util import daemon_pid, read_events, wait_events, wait_exit, wait_line
+
+pytestmark = pytest.mark.slow
+
+STEPS = 900
+WORKERS = ("w1", "w2", "w3")
+
+
+def spawn(*args: str, log: str | None = None) -> subprocess.Popen:
+    out = open(log, "ab") if log else subprocess.PIPE  # noqa: SIM115 - the child's stdout for its life
+    return subprocess.Popen([sys.executable, "-m", "ps", *args], stdout=out, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def serve_args(state: str, *extra: str) -> list[str]:
+    return ["serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "digits", "--algorithm", "asgd",
+            "--set", "lr=0.1", "--batch-size", "32", "--max-steps", str(STEPS), "--eval-every", "300",
+            "--min-workers", "3", "--log-level", "info", *extra]
+
+
+def start_workers(endpoint: str, tmp) -> list[subprocess.Popen]:
+    return [spawn("work", "--server", endpoint, "--worker-id", w, "--give-up", "60", "--log-level", "info",
+                  log=str(tmp / f"{w}.log")) for w in WORKERS]
+
+
+def applied(events: list[dict]) -> int:
+    return sum(e["ev"] == "applied" for e in events)
+
+
+def finish(server: subprocess.Popen, workers: list, timeout: float = 120) -> dict:
+    rc = wait_exit(server, timeout)
+    assert rc == 0, rc
+    reap(workers, grace_s=10)
+    return rc
+
+
+def summary(state: str) -> dict:
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def replay_identical(state: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "ps", "replay", state], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bit-identical to the recorded final iterate: yes" in r.stdout, r.stdout
+
+
+def run_to_end(tmp, name: str, *extra: str) -> dict:
+    state = str(tmp / name)
+    server = spawn(*serve_args(state, *extra))
+    procs = [server]
+    try:
+        endpoint = wait_line(server, r"listening on (\S+)", 60).group(1)
+        procs += start_workers(endpoint, tmp)
+        finish(server, procs[1:], 180)
+    finally:
+        reap(procs, grace_s=10)
+    return summary(state)
+
+
+def test_sharded_trains_digits_to_the_unsharded_accuracy_and_replays_bit_identical(tmp_path):
+    plain = run_to_end(tmp_path, "plain")
+    sharded = run_to_end(tmp_path, "sharded", "--shards", "2")
+    a_plain, a_sharded = plain["evaluations"][-1]["accuracy"], sharded["evaluations"][-1]["accuracy"]
+    assert plain["version"] == sharded["version"] == STEPS
+    assert sharded["evaluations"][-1]["version"] == STEPS  # evaluated on the iterate gathered at the end
+    assert a_plain > 0.85, plain["evaluations"][-1]
+    assert abs(a_sharded - a_plain) <= 0.04, (a_plain, a_sharded)
+    shards = sharded["shards"]
+    assert [s["index"] for s in shards] == [0, 1]
+    assert shards[0]["range"][0] == 0 and shards[0]["range"][1] == shards[1]["range"][0]
+    x = np.load(tmp_path / "sharded" / "final_x.npy")
+    assert shards[1]["range"][1] == x.size
+    assert sharded["counters"]["applied"] == STEPS and sharded["counters"]["lost"] == 0
+    replay_identical(str(tmp_path / "sharded"))
+
+
+def newest_checkpoint_lsn(d: str) -> int:
+    lsns = [int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"ckpt-(\d+)\.bin", f))]
+    return max(lsns)
+
+
+def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tmp_path):
+    state, shard_dir = str(tmp_path / "run"), str(tmp_path / "shard1")
+    server = spawn(*serve_args(state, "--shards", "2", "--local-shards", "1"), log=str(tmp_path / "serve.log"))
+    procs = [server]
+    try:
+        log = tmp_path / "serve.log"
+
+        def logged(pattern: str, timeout: float = 60) -> re.Match:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                m = re.search(pattern, log.read_text(errors="replace"))
+                if m:
+                    return m
+                time.sleep(0.05)  # polling interval of a bounded wait
+            raise TimeoutError(f"no {pattern!r} in the server's log: {log.read_text()[-2000:]}")
+
+        endpoint = logged(r"listening on (\S+)").group(1)
+        coordinator = logged(r"shards connect to (\S+)").group(1)
+        shard_args = ["shard", "--coordinator", coordinator, "--slot", "1", "--state", shard_dir,
+                      "--checkpoint-records", "100", "--log-level", "info"]
+        shard = spawn(*shard_args, log=str(tmp_path / "shard1.log"))
+        procs.append(shard)
+        procs += start_workers(endpoint, tmp_path)
+        events = os.path.join(state, "events.jsonl")
+        wait_events(events, lambda ev: applied(ev) >= 250, 120)
+        os.kill(shard.pid, signal.SIGKILL)
+        shard.wait(timeout=10)
+        logged(r"holding the issuing of jobs: shard\(s\) 1 not connected")
+        ckpt = newest_checkpoint_lsn(shard_dir)
+        held_at = applied(read_events(events))
+        shard = spawn(*shard_args, log=str(tmp_path / "shard1.log"))
+        procs.append(shard)
+        m = logged(r"shard 1 joined from \S+ \(after record (\d+)\): records from (\d+)")
+        assert (int(m.group(1)), int(m.group(2))) == (ckpt, ckpt + 1)  # exactly its checkpoint's LSN
+        assert held_at < STEPS
+        finish(server, procs[1:], 180)
+        wait_exit(shard, 30)  # the run is over: the coordinator told it to stop
+    finally:
+        reap(procs, grace_s=10)
+    s = summary(state)
+    assert s["version"] == STEPS and s["counters"]["applied"] == STEPS, s["counters"]
+    assert s["shards"][1]["joins"] == 2
+    replay_identical(state)
+
+
+def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards(tmp_path):
+    state = str(tmp_path / "run")
+    server = spawn(*serve_args(state, "--shards", "2"), log=str(tmp_path / "serve.log"))
+    procs = [server]
+    try:
+        log = tmp_path / "serve.log"
+        deadline = time.monotonic() + 60
+        while not re.search(r"listening on (\S+)", log.read_text(errors="replace")):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)  # polling interval of a bounded wait
+        endpoint = re.search(r"listening on (\S+)", log.read_text()).group(1)
+        procs += start_workers(endpoint, tmp_path)
+        events = os.path.join(state, "events.jsonl")
+        wait_events(events, lambda ev: applied(ev) >= 250, 120)
+        os.kill(daemon_pid(server), signal.SIGKILL)  # the supervisor starts it again from --state
+        wait_events(events, lambda ev: any(e["ev"] == "resumed" for e in ev), 60)
+        finish(server, procs[1:], 240)
+    finally:
+        reap(procs, grace_s=10)
+    s = summary(state)
+    assert s["version"] >= STEPS and s["counters"]["applied"] == s["version"], s["counters"]
+    assert "died of SIGKILL" in (tmp_path / "serve.log").read_text()
+    replay_identical(state)
