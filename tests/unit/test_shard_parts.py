@@ -1,0 +1,181 @@
+"""The parts of a sharded server, in one process, with a real coordinator core and journal
+(issue 17): the shard follows the coordinator's records, answers fetches with its slices,
+checks gradient blocks as the core checks replies (and refuses hostile ones changing nothing),
+and the coordinator's hub hands a reply to the core only when every shard has its block.
+The control channel refuses what does not read."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from protocol.codec import encode
+from protocol.messages import Error, ErrorCode, Fetch, Hello, Job, Ready, Reply
+from ps.inputs import CoreInputs
+from ps.persist import Persistence, read_journal
+from ps.server import StateOptions, TrainingSpec, _new_run
+from ps.shard import Shard
+from ps.shardhub import ShardHub
+from ps.shardwire import ControlError, pack, unpack
+
+CORE_KW = {"batch_size": 1, "liveness_timeout": 3.0, "heartbeat_interval": 0.5, "min_workers": 1,
+           "round_period": None, "seed": 0}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A sharded run's coordinator (2 shards of synthetic d=12 in 3 blocks) that issued worker
+    w1 two jobs, and shard 1 fed every record so far."""
+    spec = TrainingSpec("synthetic", {"d": 12, "blocks": 3}, "asgd", {"lr": 0.1})
+    (tmp_path / "c").mkdir()
+    _run, core, problem, journal = _new_run(StateOptions(str(tmp_path / "c")), spec, 1, "f32", CORE_KW, shards=2)
+    inputs = CoreInputs(core, Persistence(str(tmp_path / "c"), journal))
+    inputs.message("w1", Hello(worker_id="w1", boot=7, credit=2), 1.0)
+    inputs.message("w1", Ready(credit=2), 1.1)
+    journal.sync()
+    shard = Shard("tcp://127.0.0.1:9", bind="tcp://127.0.0.1:0")
+    shard.index, shard.welcomed, shard.n_shards = 1, True, 2
+    sent = []
+    shard._send_data = lambda rid, msg: sent.append((rid, msg))
+    feed(shard, str(tmp_path / "c"))
+    yield core, inputs, shard, sent, problem
+    shard.close()
+
+
+def feed(shard: Shard, d: str) -> None:
+    recs = [msgpack.packb(r.body, use_bin_type=True) for r in read_journal(d, from_lsn=shard.applied + 1)]
+    shard._on_records({"first": shard.applied + 1, "count": len(recs)}, recs)
+
+
+RID = b"w1/7"
+
+
+def block(jid: int, created_at: int, g: np.ndarray) -> tuple[Reply, list]:
+    r = Reply(job_id=jid, created_at=created_at, grads=(g,), loss=0.0, count=1)
+    return r, [zmq.Frame(bytes(f)) if isinstance(f, bytes) else f for f in encode(r)]
+
+
+def test_the_shard_follows_the_records_and_answers_fetches_with_its_slice(run):
+    core, _inputs, shard, sent, problem = run
+    assert sorted(shard.core.ledger) == sorted(core.ledger) == [0, 1]
+    lo, hi = shard.range
+    assert (lo, hi) == (4, 12)  # blocks of 4 values, the largest run as small as possible, earliest cut: 1 | 2
+    e = shard.core.ledger[0]
+    shard._fetch(RID, Fetch(job_id=0, created_at=e.created_at, iterate_ids=e.iterate_ids), 0.0)
+    (rid, job), = sent
+    assert rid == RID and type(job) is Job and job.point_ids == e.iterate_ids
+    np.testing.assert_array_equal(job.points[0], problem.init_params(0)[lo:hi])
+
+
+def test_fetches_of_settled_other_or_future_jobs(run):
+    _core, _inputs, shard, sent, _ = run
+    e = shard.core.ledger[0]
+    shard._fetch(b"w2/1", Fetch(job_id=0, created_at=e.created_at, iterate_ids=()), 0.0)  # another worker's job
+    shard._fetch(RID, Fetch(job_id=0, created_at=e.created_at + 5, iterate_ids=()), 0.0)  # another created_at
+    assert [type(m) for _, m in sent] == [Error, Error] and all(m.code == ErrorCode.UNKNOWN_JOB for _, m in sent)
+    shard._fetch(RID, Fetch(job_id=99, created_at=0, iterate_ids=()), 0.0)  # not issued here yet: it waits
+    assert (RID, 99) in shard.parked and len(sent) == 2
+
+
+@pytest.mark.parametrize("bad,code", [("nan", ErrorCode.NON_FINITE), ("shape", ErrorCode.BAD_SHAPE)])
+def test_a_bad_block_is_refused_and_changes_nothing(run, bad, code):
+    _core, _inputs, shard, _sent, _ = run
+    e = shard.core.ledger[0]
+    g = np.full(8, np.nan, np.float32) if bad == "nan" else np.zeros(5, np.float32)
+    r, frames = block(0, e.created_at, g)
+    before = {j: (x.received, x.worker_id) for j, x in shard.core.ledger.items()}
+    shard._block(RID, r, frames)
+    assert shard.blocks == {} and shard.haves == [(-1, [0, e.created_at, int(code), shard.haves[0][1][3]])]
+    assert {j: (x.received, x.worker_id) for j, x in shard.core.ledger.items()} == before
+
+
+def test_a_block_of_another_worker_or_garbage_is_dropped(run):
+    _core, _inputs, shard, sent, _ = run
+    e = shard.core.ledger[0]
+    r, frames = block(0, e.created_at, np.ones(8, np.float32))
+    shard._block(b"w2/1", r, frames)
+    shard._on_data([zmq.Frame(RID), zmq.Frame(b"\xc1garbage")])
+    assert shard.blocks == {} and shard.haves == []
+    assert [m.code for _, m in sent] == [ErrorCode.MALFORMED]
+
+
+def test_a_good_block_is_held_and_applied_when_the_coordinator_accepts_its_reply(run):
+    core, inputs, shard, _sent, _ = run
+    e = shard.core.ledger[0]
+    g = np.arange(12, dtype=np.float32)
+    r, frames = block(0, e.created_at, g[4:])
+    shard._block(RID, r, frames)
+    assert 0 in shard.blocks and shard.haves[0][1][2] == 0
+    header = Reply(job_id=0, created_at=e.created_at, grads=(np.empty(0, np.float32),), loss=0.0, count=1)
+    inputs.message("w1", header, 2.0)
+    inputs.persist.journal.sync()
+    feed(shard, inputs.persist.state_dir)
+    assert shard.core.version == core.version == 1 and 0 not in shard.blocks
+    np.testing.assert_allclose(shard.core.params(), -0.1 * g[4:])  # asgd: x0 = 0, x1 = -lr g (this shard's slice)
+
+
+def test_a_record_the_shard_has_no_block_for_stops_it_with_one_line(run):
+    _core, inputs, shard, _sent, _ = run
+    e = shard.core.ledger[1]
+    inputs.message("w1", Reply(job_id=1, created_at=e.created_at, grads=(np.empty(0, np.float32),), loss=0.0,
+                               count=1), 2.0)
+    inputs.persist.journal.sync()
+    with pytest.raises(ValueError, match="holds no gradient block for it"):
+        feed(shard, inputs.persist.state_dir)
+
+
+@pytest.mark.parametrize("frame,why", [
+    (b"\xc1", "undecodable"),
+    (msgpack.packb([1, 2]), "not a control message"),
+    (msgpack.packb({"t": "have"}), "jobs missing"),
+    (msgpack.packb({"t": "have", "jobs": [[1, 2, 3]]}), "a have is"),
+    (msgpack.packb({"t": "have", "jobs": [[1, 2, 300, "x"]]}), "integer in"),
+    (msgpack.packb({"t": "have", "jobs": [[0, 0, 0, ""]] * 5000}), "at most 4096"),
+    (msgpack.packb({"t": "progress", "applied": 1, "ckpt": 1, "version": 1, "applied_count": 1, "rss": 1,
+                    "blocks": 1, "records_s": math.inf}), "finite"),
+    (msgpack.packb({"t": "shello", "index": 99, "run_id": 1, "boot": 1, "endpoint": "x", "applied": 1,
+                    "ckpt": 1}), "integer in"),
+    (msgpack.packb({"t": "recs", "first": 0, "count": 1}), "not a control message of"),  # not shard -> coordinator
+])
+def test_control_messages_that_do_not_read_are_one_line_errors(frame, why):
+    with pytest.raises(ControlError, match=why):
+        unpack(frame, ("shello", "have", "progress", "params", "refuse"))
+
+
+def test_control_messages_round_trip():
+    m = unpack(pack("have", jobs=[[3, 1, 0, ""], [4, 2, 6, "gradient holds NaN"]]), ("have",))
+    assert m == {"t": "have", "jobs": [(3, 1, 0, ""), (4, 2, 6, "gradient holds NaN")]}
+
+
+def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
+    core, inputs, _shard, _sent, _ = run
+    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
+                   ranges=((0, 4), (4, 12)), clock=lambda: 0.0)
+    try:
+        e0, e1 = core.ledger[0], core.ledger[1]
+        empty = (np.empty(0, np.float32),)
+        item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
+        assert not hub.take_reply(SimpleNamespace(msg=Reply(job_id=0, created_at=0, grads=empty), wid="w2"), 10.0)
+        assert hub.take_reply(item, 10.0)
+        hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "")], 10.1)
+        assert hub.ready_replies(10.2) == [] and hub.pending_for("w1") == [0]  # shard 1 has not said yet
+        hub._on_haves(hub.slots[1], [(0, e0.created_at, int(ErrorCode.NON_FINITE), "gradient holds NaN")], 10.3)
+        (it, refusal), = hub.ready_replies(10.4)
+        assert it is item and refusal == (ErrorCode.NON_FINITE, "shard 1: gradient holds NaN")
+        # A header whose blocks do not all come is dropped after block_wait_s (counted while every shard is up).
+        for s in hub.slots:
+            s.connected = True
+        item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
+        assert hub.take_reply(item1, 20.0)
+        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 20.1)
+        assert hub.ready_replies(20.0 + hub.block_wait_s - 0.1) == [] and hub.pending_for("w1") == [1]
+        assert hub.ready_replies(20.0 + hub.block_wait_s + 0.1) == [] and hub.pending_for("w1") == []
+        assert hub.blocks_timed_out == 1
+        assert hub.hold_reason() == "shard(s) 0,1 not connected"  # connected, but no core built (applied -1)
+    finally:
+        hub.close()
