@@ -160,7 +160,7 @@ class _LazyGroup(click.Group):
     """Commands from other packages are imported only when invoked: `latecomer work` stays light."""
 
     LAZY = {"experiment": "experiments.cli:experiment", "bench": "benchmarks.cli:bench",
-            "export": "ps.ops.export:export", "shard": "ps.shardcli:shard"}
+            "export": "ps.ops.export:export"}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
@@ -947,6 +947,13 @@ def report(state_dir, out, events_path) -> None:
         click.echo(path)
 
 
+def _add_shard_command() -> None:
+    from ps.shardcli import shard
+
+    main.add_command(shard)  # `latecomer shard`: a sharded server's shard process (ps/shard.py)
+
+
+_add_shard_command()
 
 
 if __name__ == "__main__":  # pragma: no cover

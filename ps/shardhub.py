@@ -160,7 +160,8 @@ class ShardHub:
                 m = unpack(frames[1], ("shello", "have", "progress", "params", "refuse"))
             except ControlError as e:
                 self.bad_control += 1
-                log.warning("bad control message from %r: %s", rid[:40], e)
+                if self.bad_control == 1 or self.bad_control % 1000 == 0:  # a flood is not a flood of lines
+                    log.warning("bad control message from %r (%d so far): %s", rid[:40], self.bad_control, e)
                 continue
             if m["t"] == "shello":
                 self._on_hello(rid, m, now)

@@ -392,12 +392,35 @@ def test_systemd_units_run_real_subcommands(tmp_path):
     assert exec_start(server)[0] == wargv[0]
 
 
+def test_the_sharded_recipe_and_the_shard_unit_parse(tmp_path):
+    """deploy/README.md's multi-host sharded run: every command it gives parses, the shards name the
+    coordinator's --shard-bind port and take the slots 0..N-1 of --shards N; the shard unit's too."""
+    text = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    section = text.split("## A sharded server over several hosts", 1)[1].split("\n## ", 1)[0]
+    cmds = [shlex.split(ln)[1:] for ln in section.splitlines() if ln.startswith("latecomer ")]
+    parsed = [(argv[0], parse(argv, tmp_path)[1]) for argv in cmds]
+    (serve,) = [p for c, p in parsed if c == "serve"]
+    shards = [p for c, p in parsed if c == "shard"]
+    assert serve["shards"] == len(shards) == 2 and serve["local_shards"] == 0 and serve["state_dir"]
+    port = serve["shard_bind"].rsplit(":", 1)[1]
+    assert {p["coordinator"].rsplit(":", 1)[1] for p in shards} == {port}
+    assert sorted(p["slot"] for p in shards) == [0, 1] and all(p["state_dir"] and p["advertise"] for p in shards)
+    (work,) = [p for c, p in parsed if c == "work"]
+    assert work["server"].endswith(serve["bind"].rsplit(":", 1)[1])
+    unit = os.path.join(UNITS, "latecomer-shard@.service")
+    argv = exec_start(unit, LATECOMER_COORDINATOR="tcp://coord.example:5556", LATECOMER_SHARD_BIND="tcp://0.0.0.0:7000",
+                      LATECOMER_SHARD_ADVERTISE="tcp://node1:7000", instance="1")
+    _, p = parse(argv[1:], tmp_path)
+    assert p["slot"] == 1 and p["state_dir"] == "/var/lib/latecomer/shard-1" and p["coordinator"].endswith(":5556")
+    assert dict((k, v) for s, k, v in read_unit(unit))["Restart"] == "on-failure"
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "latecomer")
     if not os.access(exe, os.X_OK):
         pytest.skip("no latecomer console script next to this python")
-    for name in ("latecomer-server.service", "latecomer-worker@.service"):
+    for name in ("latecomer-server.service", "latecomer-worker@.service", "latecomer-shard@.service"):
         text = open(os.path.join(UNITS, name), encoding="utf-8").read()
         dest = name.replace("@.", "@0.")  # verify an instance of the template
         (tmp_path / dest).write_text(text.replace("/opt/latecomer/venv/bin/latecomer", exe))
