@@ -617,7 +617,8 @@ class Daemon:
                               "benched": sum(w.benched for w in core.workers.values()),
                               "step_rate": self.step_rate(self.clock()), "age_counts": dict(self.age_counts),
                               "figures": figures,
-                              "paused": int(self.persist is not None and self.persist.paused is not None)})
+                              "paused": int(self.persist is not None and self.persist.paused is not None),
+                              "shards": self.hub.summary() if self.hub is not None else ()})
 
     def step_rate(self, now: float) -> float:
         """Updates per second over the last ~10 s."""

@@ -81,6 +81,17 @@ class SnapshotCollector:
                                 "job is issued, no message accepted", value=s.get("paused", 0))
         for name, value in sorted(s.get("figures", {}).items()):
             yield GaugeMetricFamily(f"latecomer_{name}", f"Latest {name}", value=value)
+        shards = s.get("shards") or ()  # a sharded server: one series per shard (ps/shardhub.py)
+        for name, key, doc in (("up", "connected", "1 while the shard is connected"),
+                               ("lag_records", "lag_records", "Journal records the shard has not applied yet"),
+                               ("rss_bytes", "rss_bytes", "The shard process's resident memory"),
+                               ("blocks", "blocks_held", "Gradient blocks the shard holds, not yet applied"),
+                               ("joins", "joins", "Times the shard joined (a restart joins again)")):
+            if shards:
+                g = GaugeMetricFamily(f"latecomer_shard_{name}", doc, labels=["shard"])
+                for sh in shards:
+                    g.add_metric([str(sh["index"])], float(sh[key]))
+                yield g
         counts = s["age_counts"]
         buckets = [(str(b), sum(n for a, n in counts.items() if a <= b)) for b in AGE_BUCKETS]
         buckets.append(("+Inf", sum(counts.values())))

@@ -326,21 +326,7 @@ class Shard:
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
 
-    @staticmethod
-    def _warm_up() -> None:
-        """Import what building a core loads (torch takes seconds): before the shard says shello,
-        not while the coordinator waits for its progress."""
-        import problems.loader  # noqa: F401
-
-        for name in ("torch", "sklearn.datasets"):  # the torch problems, the built-in data sets
-            try:
-                __import__(name)
-            except ImportError:
-                pass
-
     def run(self) -> str:
-        if self.core is None:
-            self._warm_up()
         self._open_journal()
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)

@@ -59,6 +59,11 @@ def render_status(st: Status) -> str:
              + (f" (oldest age {i['outstanding.max_age']})" if "outstanding.max_age" in i else "")]
     if "paused" in i:  # the server cannot write its state directory (disk full): it accepts nothing
         lines.append(f"PAUSED for {i.get('paused_s', 0):.0f} s, no jobs issued: {i['paused']}")
+    shards = sorted((k, v) for k, v in i.items() if k.startswith("shard."))
+    if shards:  # a sharded server: a line per shard (ps/shardhub.py ShardHub.figures)
+        held = f"; HOLDING the issuing of jobs: {i['held']}" if i.get("held") else ""
+        lines.append(f"shards: {len(shards)}{held}")
+        lines += [f"  {k}: {v}" for k, v in shards]
     if "age.p50" in i:
         lines.append(f"ages of applied replies: mean {i['age.mean']:.2f}, median {i['age.p50']:.0f}, "
                      f"p90 {i['age.p90']:.0f}, max {i['age.max']}")

@@ -176,3 +176,13 @@ def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards(tmp_path):
     assert s["version"] >= STEPS and s["counters"]["applied"] == s["version"], s["counters"]
     assert "died of SIGKILL" in (tmp_path / "serve.log").read_text()
     replay_identical(state)
+
+
+def test_the_wire_dtype_works_per_shard_and_the_run_replays_bit_identical(tmp_path):
+    """--wire-dtype bf16: each shard sends its slices and takes its blocks in bf16; replay (which
+    quantizes the full iterate and gradient as they travelled) agrees bit for bit, so each shard
+    rounded exactly its part."""
+    s = run_to_end(tmp_path, "bf16", "--shards", "2", "--wire-dtype", "bf16")
+    assert s["version"] == STEPS and s["counters"]["rejected"] == 0
+    assert s["evaluations"][-1]["accuracy"] > 0.8
+    replay_identical(str(tmp_path / "bf16"))

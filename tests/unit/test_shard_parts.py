@@ -179,3 +179,33 @@ def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
         assert hub.hold_reason() == "shard(s) 0,1 not connected"  # connected, but no core built (applied -1)
     finally:
         hub.close()
+
+
+def test_metrics_have_one_series_per_shard():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ps.metrics import SnapshotCollector
+
+    c = SnapshotCollector()
+    shards = [{"index": i, "connected": i == 0, "lag_records": 3 * i, "rss_bytes": 1e6 * (i + 1), "blocks_held": i,
+               "joins": 1 + i} for i in range(2)]
+    c.publish({"counters": {k: 0 for k in ("applied", "dropped", "lost", "failed", "cancelled", "rejected", "issued",
+                                           "late", "unknown", "invalid", "stray", "refused", "worker_errors",
+                                           "workers_joined", "workers_lost", "quarantined", "benched")},
+               "version": 5, "workers": 1, "outstanding": 0, "step_rate": 0.0, "age_counts": {}, "shards": shards})
+    reg = CollectorRegistry()
+    reg.register(c)
+    text = generate_latest(reg).decode()
+    assert 'latecomer_shard_up{shard="0"} 1.0' in text and 'latecomer_shard_up{shard="1"} 0.0' in text
+    assert 'latecomer_shard_lag_records{shard="1"} 3.0' in text and 'latecomer_shard_joins{shard="1"} 2.0' in text
+
+
+def test_status_shows_a_line_per_shard_and_the_hold():
+    from protocol.messages import Status
+    from ps.ops.status import render_status
+
+    text = render_status(Status(info={"version": 3, "held": "shard(s) 1 not connected",
+                                      "shard.0": "up lag 0 rss 80MB blocks 1 joins 1",
+                                      "shard.1": "GONE lag 12 rss 79MB blocks 0 joins 2"}))
+    assert "shards: 2; HOLDING the issuing of jobs: shard(s) 1 not connected" in text
+    assert "  shard.1: GONE lag 12 rss 79MB blocks 0 joins 2" in text
