@@ -277,6 +277,7 @@ class ShardHub:
         if len(buf) != (hi - lo) * dt.itemsize:
             log.warning("shard %d sent %d bytes of parameters, not %d", slot.index, len(buf), (hi - lo) * dt.itemsize)
             return
+        slot.applied = max(slot.applied, m["lsn"])
         g["parts"][slot.index] = np.frombuffer(buf, dtype=dt).copy()
         g["versions"][slot.index] = m["version"]
         if len(g["parts"]) == self.n:

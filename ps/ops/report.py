@@ -459,6 +459,7 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
         lines += ["## Counters (summary.json, the whole run)", "", "| counter | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in c.items()]
         lines += [f"| outstanding | {summary.get('outstanding')} |", ""]
+        lines += _shard_lines(summary)
     lines += ["## Events (events.jsonl)", "",
               f"{len(events)} events over {_fmt(max(ts) - min(ts) if ts else 0.0, '.1f')} s", "",
               "| event | count |", "|---|---|"]
@@ -480,6 +481,24 @@ def render_markdown(events: Sequence[dict[str, Any]], summary: dict[str, Any] | 
     if figures:
         lines += ["## Figures", ""] + [f"![{name}]({name})" for name in figures] + [""]
     return "\n".join(lines)
+
+
+def _shard_lines(summary: dict[str, Any]) -> list[str]:
+    """A sharded server's shards at the end of the run (summary.json ``shards``)."""
+    shards = summary.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return []
+    lines = ["## Shards (summary.json)", "", "| shard | values | endpoint | joins | records behind | RSS (MB) | "
+             "blocks held |", "|---|---|---|---|---|---|---|"]
+    for sh in shards:
+        if not isinstance(sh, dict):
+            continue
+        lo, hi = (sh.get("range") or [0, 0])[:2]
+        lines.append(f"| {sh.get('index')} | [{lo}, {hi}) | {sh.get('endpoint')} | {sh.get('joins')} | "
+                     f"{sh.get('lag_records')} | {_fmt(float(sh.get('rss_bytes', 0)) / 1e6, '.0f')} | "
+                     f"{sh.get('blocks_held')} |")
+    return lines + ["", f"Replies dropped because a shard's gradient block never came: "
+                        f"{summary.get('blocks_timed_out', 0)}", ""]
 
 
 def _session_lines(sessions: Sequence[dict[str, Any]], ts: Sequence[float]) -> list[str]:

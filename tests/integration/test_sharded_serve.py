@@ -101,6 +101,11 @@ def test_sharded_trains_digits_to_the_unsharded_accuracy_and_replays_bit_identic
     assert shards[1]["range"][1] == x.size
     assert sharded["counters"]["applied"] == STEPS and sharded["counters"]["lost"] == 0
     replay_identical(str(tmp_path / "sharded"))
+    from ps.ops.report import make_report
+
+    make_report(str(tmp_path / "sharded"), str(tmp_path / "report"))
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Shards" in text and f"| 1 | [{shards[1]['range'][0]}, {x.size}) |" in text
 
 
 def newest_checkpoint_lsn(d: str) -> int:
