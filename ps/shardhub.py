@@ -109,6 +109,7 @@ class ShardHub:
         self.by_rid: dict[bytes, Slot] = {}
         self.tap: list[tuple[int, bytes]] = []
         persist.journal.tap = self.tap
+        persist.retain_from = 0  # every record is kept until the shards say which they still need
         self.pending: dict[int, Pending] = {}
         self.gathers: dict[int, dict] = {}
         self.done: list[tuple[int, int, int, np.ndarray]] = []  # (token, lsn, version, x) gathered
@@ -204,7 +205,10 @@ class ShardHub:
             if not free:
                 return self._refuse(rid, f"all {self.n} shard slots are taken")
             slot = free[0]
-        if slot.rid not in (None, rid) and slot.connected and now - slot.last_seen < self.liveness_s:
+        # A shard process of this run's slot (its --state locked) takes over from one not heard from
+        # since; a new shard may not push out a live one.
+        if slot.rid not in (None, rid) and slot.connected and now - slot.last_seen < self.liveness_s \
+                and m["run_id"] != core.cfg.run_id:
             return self._refuse(rid, f"slot {slot.index} is held by a live shard")
         if m["applied"] > journal.durable_lsn:
             return self._refuse(rid, f"the shard has applied record {m['applied']}, past the end of the coordinator's "

@@ -9,7 +9,7 @@ workers, digits. What each test observes:
   records after it), training finishes, and replay is bit-identical to the shards' final
   iterate: no accepted reply was lost on the shard that died;
 * kill -9 of the coordinator (its supervisor starts it again, its local shards die with it and
-  are started again): the same, from the journal.
+  are started again): the same, from the journal, with the wire dtype bf16 per shard.
 """
 
 from __future__ import annotations
@@ -158,9 +158,12 @@ def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tm
     replay_identical(state)
 
 
-def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards(tmp_path):
+def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards_in_bf16(tmp_path):
+    """Also --wire-dtype bf16: each shard sends its slices and takes its blocks in bf16; replay
+    (which quantizes the whole iterate and gradient as they travelled) agrees bit for bit, so each
+    shard rounded exactly its part."""
     state = str(tmp_path / "run")
-    server = spawn(*serve_args(state, "--shards", "2"), log=str(tmp_path / "serve.log"))
+    server = spawn(*serve_args(state, "--shards", "2", "--wire-dtype", "bf16"), log=str(tmp_path / "serve.log"))
     procs = [server]
     try:
         log = tmp_path / "serve.log"
@@ -179,15 +182,7 @@ def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards(tmp_path):
         reap(procs, grace_s=10)
     s = summary(state)
     assert s["version"] >= STEPS and s["counters"]["applied"] == s["version"], s["counters"]
+    assert s["counters"]["rejected"] == 0 and s["evaluations"][-1]["accuracy"] > 0.8
     assert "died of SIGKILL" in (tmp_path / "serve.log").read_text()
     replay_identical(state)
 
-
-def test_the_wire_dtype_works_per_shard_and_the_run_replays_bit_identical(tmp_path):
-    """--wire-dtype bf16: each shard sends its slices and takes its blocks in bf16; replay (which
-    quantizes the full iterate and gradient as they travelled) agrees bit for bit, so each shard
-    rounded exactly its part."""
-    s = run_to_end(tmp_path, "bf16", "--shards", "2", "--wire-dtype", "bf16")
-    assert s["version"] == STEPS and s["counters"]["rejected"] == 0
-    assert s["evaluations"][-1]["accuracy"] > 0.8
-    replay_identical(str(tmp_path / "bf16"))

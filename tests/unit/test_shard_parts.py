@@ -209,3 +209,43 @@ def test_status_shows_a_line_per_shard_and_the_hold():
                                       "shard.1": "GONE lag 12 rss 79MB blocks 0 joins 2"}))
     assert "shards: 2; HOLDING the issuing of jobs: shard(s) 1 not connected" in text
     assert "  shard.1: GONE lag 12 rss 79MB blocks 0 joins 2" in text
+
+
+def test_records_go_to_a_shard_only_once_durable_and_in_order(run):
+    """The hub ships the coordinator's journal records to a joined shard up to the journal's durable
+    LSN (group commit: after its fsync), never past it, and from the journal's segments when the
+    shard is further behind than the records held in memory."""
+    core, inputs, _shard, _sent, _ = run
+    journal = inputs.persist.journal
+    ctx = zmq.Context.instance()
+    hub = ShardHub(ctx, "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist, ranges=((0, 4), (4, 12)),
+                   clock=lambda: 0.0)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(hub.endpoint)
+        dealer.send(pack("shello", index=1, run_id=0, boot=5, endpoint="tcp://127.0.0.1:7", applied=-1, ckpt=-1))
+        assert hub.sock.poll(5000)
+        hub.receive(1.0)
+        assert dealer.poll(5000)
+        welcome = unpack(dealer.recv(), ("swelcome",))
+        assert welcome["index"] == 1 and welcome["from"] == 0
+        durable = journal.durable_lsn
+        inputs.tick(2.0)  # written, not yet synced (fsync batch)
+        assert journal.durable_lsn == durable < journal.next_lsn - 1
+        hub.ship(1.0)
+        got = []
+        while dealer.poll(2000):
+            head, *frames = dealer.recv_multipart()
+            m = unpack(head, ("recs",))
+            got += [msgpack.unpackb(f)["lsn"] for f in frames]
+            if m["count"] == 0 or got[-1] == durable:
+                break
+        assert got == list(range(durable + 1))  # from the journal's segments: the tap began after the start record
+        journal.sync()
+        hub.ship(1.0)
+        assert dealer.poll(2000)
+        head, *frames = dealer.recv_multipart()
+        assert [msgpack.unpackb(f)["lsn"] for f in frames] == [journal.next_lsn - 1]  # from the tap, once durable
+    finally:
+        dealer.close(linger=0)
+        hub.close()
