@@ -166,6 +166,8 @@ class Shard:
         self.data.sndhwm = self.data.rcvhwm = 256
         if self.core is not None:
             self._limit_messages()
+        else:  # headers only until the core (and so the slice's size) is known; workers come after
+            self.data.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 4096)
         try:
             self.data.bind(bind)
         except zmq.ZMQError as e:
