@@ -75,6 +75,7 @@ class Slot:
     blocks: int = 0
     records_s: float = 0.0
     joins: int = 0
+    built: bool = False  # it has applied the run's start record (its data socket takes whole blocks)
     reader: Iterator[Record] | None = None
     peek: Record | None = None
 
@@ -141,8 +142,10 @@ class ShardHub:
         os.replace(path + ".tmp", path)
 
     def shards_map(self) -> tuple:
-        """What Welcome.shards tells workers: every shard's (endpoint, lo, hi); () until all are known."""
-        if not all(s.endpoint for s in self.slots):
+        """What Welcome.shards tells workers: every shard's (endpoint, lo, hi); () until every shard
+        has joined and built its core (a shard's data socket takes whole blocks only from then on, and
+        libzmq fixes a connection's message size limit when it is made)."""
+        if not all(s.endpoint and s.built for s in self.slots):
             return ()
         return tuple((s.endpoint, lo, hi) for s, (lo, hi) in zip(self.slots, self.ranges, strict=True))
 
@@ -242,6 +245,7 @@ class ShardHub:
 
     def _on_progress(self, slot: Slot, m: dict) -> None:
         slot.applied, slot.ckpt, slot.version = m["applied"], m["ckpt"], m["version"]
+        slot.built = slot.built or slot.applied >= 0
         slot.applied_count, slot.rss, slot.blocks, slot.records_s = (m["applied_count"], m["rss"], m["blocks"],
                                                                      m["records_s"])
         core = self.core
