@@ -305,9 +305,15 @@ class Shard:
         s.connect(self.coordinator)
         return s
 
-    def _limit_messages(self) -> None:
+    def _limit_messages(self, rebind: bool = False) -> None:
+        """The data socket's largest message: a float64 block of this shard's slice. libzmq copies a
+        socket's options into a listener when it binds, so a shard that learned its slice after
+        binding binds again (the same endpoint; workers connect only once every shard has its core)."""
         lo, hi = self.range
         self.data.setsockopt(zmq.MAXMSGSIZE, max((hi - lo) * 8, MAX_HEADER_BYTES) + 4096)
+        if rebind:
+            self.data.unbind(self.bound)
+            self.data.bind(self.bound)
 
     def _send_ctl(self, header: bytes, frames: tuple = ()) -> None:
         try:
@@ -472,7 +478,7 @@ class Shard:
             self._build(run, rec.body["now"])
             if self.state_dir:
                 write_run(self.state_dir, run)
-            self._limit_messages()
+            self._limit_messages(rebind=True)
         else:
             self.inputs.apply(rec, None, self.wire)
             self.core.drain_events()

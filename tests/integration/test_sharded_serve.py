@@ -1,13 +1,12 @@
 """A sharded server with real processes (issue 17): ``serve --shards 2``, shard processes, 3
 workers, digits. What each test observes:
 
-* the sharded run trains to the accuracy of the unsharded run of the same settings (the
-  independent expectation), and ``latecomer replay`` of its journal through one unsharded core
-  gives the final iterate the shards hold, bit for bit;
 * kill -9 of a shard mid-run: the coordinator holds the issuing of jobs, the shard started again
   resumes from its newest checkpoint at exactly that checkpoint's LSN (the coordinator sends the
-  records after it), training finishes, and replay is bit-identical to the shards' final
-  iterate: no accepted reply was lost on the shard that died;
+  records after it), training finishes at the accuracy of the unsharded run of the same
+  settings (the independent expectation), and ``latecomer replay`` of the journal through one
+  unsharded core gives the shards' final iterate bit for bit: no accepted reply was lost on the
+  shard that died; ``latecomer report`` has the shards' table;
 * kill -9 of the coordinator (its supervisor starts it again, its local shards die with it and
   are started again): the same, from the journal, with the wire dtype bf16 per shard.
 """
@@ -86,26 +85,26 @@ def run_to_end(tmp, name: str, *extra: str) -> dict:
     return summary(state)
 
 
-def test_sharded_trains_digits_to_the_unsharded_accuracy_and_replays_bit_identical(tmp_path):
-    plain = run_to_end(tmp_path, "plain")
-    sharded = run_to_end(tmp_path, "sharded", "--shards", "2")
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The unsharded run of the same settings: the accuracy a sharded run must reach."""
+    s = run_to_end(tmp_path_factory.mktemp("plain"), "plain")
+    assert s["version"] == STEPS and s["evaluations"][-1]["accuracy"] > 0.85, s["evaluations"][-1]
+    return s
+
+
+def same_training(sharded: dict, plain: dict, state: str) -> None:
+    """Trained as the unsharded server trains, evaluated on the iterate the shards hold at the end,
+    and a shard table whose ranges cover the vector."""
     a_plain, a_sharded = plain["evaluations"][-1]["accuracy"], sharded["evaluations"][-1]["accuracy"]
-    assert plain["version"] == sharded["version"] == STEPS
-    assert sharded["evaluations"][-1]["version"] == STEPS  # evaluated on the iterate gathered at the end
-    assert a_plain > 0.85, plain["evaluations"][-1]
+    assert sharded["version"] == STEPS and sharded["evaluations"][-1]["version"] == STEPS
     assert abs(a_sharded - a_plain) <= 0.04, (a_plain, a_sharded)
     shards = sharded["shards"]
+    x = np.load(os.path.join(state, "final_x.npy"))
     assert [s["index"] for s in shards] == [0, 1]
     assert shards[0]["range"][0] == 0 and shards[0]["range"][1] == shards[1]["range"][0]
-    x = np.load(tmp_path / "sharded" / "final_x.npy")
     assert shards[1]["range"][1] == x.size
-    assert sharded["counters"]["applied"] == STEPS and sharded["counters"]["lost"] == 0
-    replay_identical(str(tmp_path / "sharded"))
-    from ps.ops.report import make_report
-
-    make_report(str(tmp_path / "sharded"), str(tmp_path / "report"))
-    text = (tmp_path / "report" / "report.md").read_text()
-    assert "## Shards" in text and f"| 1 | [{shards[1]['range'][0]}, {x.size}) |" in text
+    assert sharded["counters"]["applied"] == STEPS
 
 
 def newest_checkpoint_lsn(d: str) -> int:
@@ -113,7 +112,9 @@ def newest_checkpoint_lsn(d: str) -> int:
     return max(lsns)
 
 
-def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tmp_path):
+def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tmp_path, plain):
+    """serve --shards 2 (one local shard, one `latecomer shard` started here) with 3 workers trains
+    digits to the unsharded accuracy, through a kill -9 of a shard."""
     state, shard_dir = str(tmp_path / "run"), str(tmp_path / "shard1")
     server = spawn(*serve_args(state, "--shards", "2", "--local-shards", "1"), log=str(tmp_path / "serve.log"))
     procs = [server]
@@ -153,12 +154,17 @@ def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tm
     finally:
         reap(procs, grace_s=10)
     s = summary(state)
-    assert s["version"] == STEPS and s["counters"]["applied"] == STEPS, s["counters"]
+    same_training(s, plain, state)
     assert s["shards"][1]["joins"] == 2
     replay_identical(state)
+    from ps.ops.report import make_report
+
+    make_report(state, str(tmp_path / "report"))
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Shards" in text and f"| 1 | [{s['shards'][1]['range'][0]}, {s['shards'][1]['range'][1]}) |" in text
 
 
-def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards_in_bf16(tmp_path):
+def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards_in_bf16(tmp_path, plain):
     """Also --wire-dtype bf16: each shard sends its slices and takes its blocks in bf16; replay
     (which quantizes the whole iterate and gradient as they travelled) agrees bit for bit, so each
     shard rounded exactly its part."""
@@ -182,7 +188,27 @@ def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards_in_bf16(tmp_p
         reap(procs, grace_s=10)
     s = summary(state)
     assert s["version"] >= STEPS and s["counters"]["applied"] == s["version"], s["counters"]
-    assert s["counters"]["rejected"] == 0 and s["evaluations"][-1]["accuracy"] > 0.8
+    assert s["counters"]["rejected"] == 0
+    assert abs(s["evaluations"][-1]["accuracy"] - plain["evaluations"][-1]["accuracy"]) <= 0.04
     assert "died of SIGKILL" in (tmp_path / "serve.log").read_text()
     replay_identical(state)
 
+
+
+def test_slices_larger_than_a_header_reach_the_shards(tmp_path):
+    """Blocks of 100,000 float32 (400 KB, past the 64 KB a shard's data socket takes before its core
+    is built): the shards take them, the run reaches its steps with every reply applied."""
+    state = str(tmp_path / "big")
+    server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "synthetic",
+                   "--problem-opt", "d=200000", "--problem-opt", "blocks=2", "--algorithm", "asgd",
+                   "--max-steps", "40", "--eval-every", "0", "--shards", "2", "--log-level", "info")
+    procs = [server]
+    try:
+        endpoint = wait_line(server, r"listening on (\S+)", 60).group(1)
+        procs.append(spawn("work", "--server", endpoint, "--credit", "2", "--give-up", "60",
+                           log=str(tmp_path / "w.log")))
+        finish(server, procs[1:], 120)
+    finally:
+        reap(procs, grace_s=10)
+    s = summary(state)
+    assert s["version"] == 40 and s["counters"]["applied"] == 40 and s["blocks_timed_out"] == 0, s["counters"]
