@@ -149,6 +149,7 @@ class Shard:
         self.since_ckpt, self.ckpt_at = 0, clock()
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
+        self.span = (0, 0)  # the values the coordinator's welcome gives this shard
         self.lock = None
         if state_dir:
             from ps.persist import StateLock
@@ -164,17 +165,10 @@ class Shard:
         self.data.linger = 0
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.data.sndhwm = self.data.rcvhwm = 256
+        self.bind_to, self.advertise, self.bound = bind, advertise, ""
+        self.endpoint = advertise or ""  # told the coordinator once bound
         if self.core is not None:
-            self._limit_messages()
-        else:  # headers only until the core (and so the slice's size) is known; workers come after
-            self.data.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES + 4096)
-        try:
-            self.data.bind(bind)
-        except zmq.ZMQError as e:
-            self.data.close(linger=0)
-            raise OSError(f"cannot bind {bind}: {e}") from None
-        self.bound = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoint = advertise or self.bound
+            self._bind_data(self.range)
         self.ctl = self._control_socket()
         if state_dir:
             os.makedirs(os.path.join(state_dir, "blocks"), exist_ok=True)
@@ -305,15 +299,19 @@ class Shard:
         s.connect(self.coordinator)
         return s
 
-    def _limit_messages(self, rebind: bool = False) -> None:
-        """The data socket's largest message: a float64 block of this shard's slice. libzmq copies a
-        socket's options into a listener when it binds, so a shard that learned its slice after
-        binding binds again (the same endpoint; workers connect only once every shard has its core)."""
-        lo, hi = self.range
+    def _bind_data(self, span: tuple[int, int]) -> None:
+        """Bind the data socket, its largest message a float64 block of the slice ``span`` (libzmq
+        copies a socket's options into the listener when it binds, so the slice must be known first:
+        a restored shard knows it, a new one learns it from the coordinator's welcome)."""
+        lo, hi = span
         self.data.setsockopt(zmq.MAXMSGSIZE, max((hi - lo) * 8, MAX_HEADER_BYTES) + 4096)
-        if rebind:
-            self.data.unbind(self.bound)
-            self.data.bind(self.bound)
+        try:
+            self.data.bind(self.bind_to)
+        except zmq.ZMQError as e:
+            raise OSError(f"cannot bind {self.bind_to}: {e}") from None
+        self.bound = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self.advertise or self.bound
+        log.info("shard data on %s", self.endpoint)
 
     def _send_ctl(self, header: bytes, frames: tuple = ()) -> None:
         try:
@@ -384,7 +382,7 @@ class Shard:
             if now > self.rate_t:
                 self.records_s, self.records_n, self.rate_t = self.records_n / (now - self.rate_t + 1e-9), 0, now
             core = self.core
-            self._send_ctl(pack("progress", applied=self.applied, ckpt=self.ckpt_lsn,
+            self._send_ctl(pack("progress", applied=self.applied, ckpt=self.ckpt_lsn, endpoint=self.endpoint,
                                 version=core.version if core else 0,
                                 applied_count=core.counters.applied if core else 0, rss=rss_bytes(),
                                 blocks=len(self.blocks), records_s=float(self.records_s)))
@@ -437,6 +435,13 @@ class Shard:
             self.stopping = f"the coordinator gave slot {m['index']}, this shard's state is of slot {self.index}"
             return
         self.run_id, self.index, self.n_shards = m["run_id"], m["index"], m["shards"]
+        self.span = (m["lo"], m["hi"])
+        if not self.bound:
+            try:
+                self._bind_data(self.span)
+            except OSError as e:
+                self.stopping = str(e)
+                return
         if self.state_dir:
             self._save_info()
         self.welcomed = True
@@ -476,9 +481,10 @@ class Shard:
                                  f"not the run's start")
             run = dict(rec.body["run"])
             self._build(run, rec.body["now"])
+            if self.range != self.span:
+                raise StateError(f"the run gives this shard the values {self.range}, the coordinator said {self.span}")
             if self.state_dir:
                 write_run(self.state_dir, run)
-            self._limit_messages(rebind=True)
         else:
             self.inputs.apply(rec, None, self.wire)
             self.core.drain_events()

@@ -73,7 +73,7 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     elif slot is not None and s.index != slot:
         raise click.BadParameter(f"{state_dir} holds slot {s.index}", param_hint="--slot")
     s.install_signal_handlers()
-    click.echo(f"latecomer shard: data on {s.endpoint}, coordinator {coordinator}")
+    click.echo(f"latecomer shard: coordinator {coordinator}" + (f", data on {s.endpoint}" if s.endpoint else ""))
     reason = s.run()
     click.echo(f"latecomer shard: stopped ({reason})")
 

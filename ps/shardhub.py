@@ -204,7 +204,7 @@ class ShardHub:
         if m["index"] >= 0:
             slot = self.slots[m["index"]]
         else:
-            free = [s for s in self.slots if not s.endpoint and not s.connected]
+            free = [s for s in self.slots if not s.endpoint and not s.connected and not s.joins]
             if not free:
                 return self._refuse(rid, f"all {self.n} shard slots are taken")
             slot = free[0]
@@ -228,12 +228,7 @@ class ShardHub:
         slot.applied, slot.ckpt, slot.next, slot.last_seen = m["applied"], m["ckpt"], start, now
         slot.reader, slot.peek, slot.joins = None, None, slot.joins + 1
         self.by_rid[rid] = slot
-        if slot.endpoint != m["endpoint"]:
-            if slot.endpoint:
-                log.warning("shard %d moved from %s to %s: workers welcomed before must say hello again", slot.index,
-                            slot.endpoint, m["endpoint"])
-            slot.endpoint = m["endpoint"]
-            self._save_endpoints()
+        self._endpoint(slot, m["endpoint"])
         for p in self.pending.values():
             p.at = now  # its blocks may come now
         for token, g in self.gathers.items():
@@ -241,10 +236,23 @@ class ShardHub:
                 self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
         log.info("shard %d joined from %s (%s): records from %d", slot.index, m["endpoint"],
                  "afresh" if m["applied"] < 0 else f"after record {m['applied']}", start)
-        self._send(rid, pack("swelcome", index=slot.index, shards=self.n, run_id=core.cfg.run_id, **{"from": start}))
+        lo, hi = self.ranges[slot.index]
+        self._send(rid, pack("swelcome", index=slot.index, shards=self.n, run_id=core.cfg.run_id, lo=lo, hi=hi,
+                             **{"from": start}))
+
+    def _endpoint(self, slot: Slot, endpoint: str) -> None:
+        """Where workers reach the shard (a new shard says it once bound: in its progress)."""
+        if not endpoint or slot.endpoint == endpoint:
+            return
+        if slot.endpoint:
+            log.warning("shard %d moved from %s to %s: workers welcomed before must say hello again", slot.index,
+                        slot.endpoint, endpoint)
+        slot.endpoint = endpoint
+        self._save_endpoints()
 
     def _on_progress(self, slot: Slot, m: dict) -> None:
         slot.applied, slot.ckpt, slot.version = m["applied"], m["ckpt"], m["version"]
+        self._endpoint(slot, m["endpoint"])
         slot.built = slot.built or slot.applied >= 0
         slot.applied_count, slot.rss, slot.blocks, slot.records_s = (m["applied_count"], m["rss"], m["blocks"],
                                                                      m["records_s"])

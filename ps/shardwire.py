@@ -7,15 +7,17 @@ each checked here (types, ranges, sizes) before anything reads it, so a bad peer
 
 shard -> coordinator
     ``shello``   {index, run_id, boot, endpoint, applied, ckpt}: a shard (re)joins. ``index`` -1
-                 and ``run_id`` 0: a new shard, which takes the first free slot.
+                 and ``run_id`` 0: a new shard, which takes the first free slot; ``endpoint`` ""
+                 until its data socket is bound (a new shard binds once it knows its slice).
     ``have``     {jobs: [[job_id, created_at, code, text], ...]}: gradient blocks journaled (code
                  0) or refused (an ErrorCode and its text).
-    ``progress`` {applied, ckpt, version, applied_count, rss, blocks, records_s}: every 0.2 s.
+    ``progress`` {applied, ckpt, version, applied_count, rss, blocks, records_s, endpoint}: every 0.2 s.
     ``params``   {token, lsn, version} + one frame: the shard's slice of x after record ``lsn``.
     ``refuse``   {message}: the shard cannot go on (the run it was given does not fit it).
 
 coordinator -> shard
-    ``swelcome`` {index, shards, run_id, from}: the slot, and the LSN of the next record it gets.
+    ``swelcome`` {index, shards, run_id, from, lo, hi}: the slot, the LSN of the next record it
+                 gets, and the values [lo, hi) it owns (its data socket's message bound).
     ``recs``     {first, count} + ``count`` frames: journal records, each its msgpack body.
     ``params?``  {token, lsn}: answer ``params`` once record ``lsn`` is applied.
     ``stop``     {reason}: the run is over: checkpoint and exit.
@@ -60,11 +62,12 @@ _FIELDS: dict[str, dict[str, Any]] = {
                "boot": lambda v: _int(v, 0, (1 << 64) - 1), "endpoint": _text, "applied": _int, "ckpt": _int},
     "have": {"jobs": None},
     "progress": {"applied": _int, "ckpt": _int, "version": lambda v: _int(v, 0), "applied_count": lambda v: _int(v, 0),
-                 "rss": lambda v: _int(v, 0), "blocks": lambda v: _int(v, 0), "records_s": _num},
+                 "rss": lambda v: _int(v, 0), "blocks": lambda v: _int(v, 0), "records_s": _num, "endpoint": _text},
     "params": {"token": lambda v: _int(v, 0), "lsn": _int, "version": lambda v: _int(v, 0)},
     "refuse": {"message": _text},
     "swelcome": {"index": lambda v: _int(v, 0, 63), "shards": lambda v: _int(v, 1, 64),
-                 "run_id": lambda v: _int(v, 0, (1 << 64) - 1), "from": lambda v: _int(v, 0)},
+                 "run_id": lambda v: _int(v, 0, (1 << 64) - 1), "from": lambda v: _int(v, 0),
+                 "lo": lambda v: _int(v, 0), "hi": lambda v: _int(v, 0)},
     "recs": {"first": lambda v: _int(v, 0), "count": lambda v: _int(v, 0, 1 << 20)},
     "params?": {"token": lambda v: _int(v, 0), "lsn": _int},
     "stop": {"reason": _text},

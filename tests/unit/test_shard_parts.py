@@ -39,7 +39,9 @@ def run(tmp_path):
     inputs.message("w1", Ready(credit=2), 1.1)
     journal.sync()
     shard = Shard("tcp://127.0.0.1:9", bind="tcp://127.0.0.1:0")
-    shard.index, shard.welcomed, shard.n_shards = 1, True, 2
+    assert shard.endpoint == ""  # a new shard binds its data socket once it knows its slice
+    shard._on_welcome({"index": 1, "shards": 2, "run_id": core.cfg.run_id, "from": 0, "lo": 4, "hi": 12})
+    assert shard.welcomed and shard.endpoint.startswith("tcp://127.0.0.1:")
     sent = []
     shard._send_data = lambda rid, msg: sent.append((rid, msg))
     feed(shard, str(tmp_path / "c"))
