@@ -7,13 +7,16 @@ points are that shard's slices; the slices concatenated in shard order are the i
 reply goes as gradient slices to each shard, then as a header (empty gradients) to the
 coordinator, which counts it once every shard has the block.
 
-A fetch unanswered for ``REFETCH_S`` is asked again (a shard that restarted lost it); a
+A fetch unanswered for a while is asked again (a shard that restarted lost it): after four
+times the longest a shard took to answer one so far, at least ``REFETCH_MIN_S`` (a first fetch:
+``REFETCH_FIRST_S``). Sooner would make a shard on a slow link send the same slices twice. A
 shard that answers UNKNOWN_JOB ends the job here (it was settled: written off, cancelled).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +30,8 @@ from worker.sockio import recv_frames, send_frames
 
 log = logging.getLogger("latecomer.worker")
 
-REFETCH_S = 1.0
+REFETCH_MIN_S = 2.0  # a fetch is asked again no sooner than this ...
+REFETCH_FIRST_S = 10.0  # ... and, before any shard has answered one, this
 _NOBLOCK = zmq.NOBLOCK
 
 
@@ -37,6 +41,7 @@ class Assembly:
     need: tuple[int, ...]
     pieces: dict[int, Job] = field(default_factory=dict)  # shard index -> its answer
     asked_at: float = 0.0
+    first_asked: float = 0.0
 
 
 class ShardLinks:
@@ -56,6 +61,8 @@ class ShardLinks:
             s.connect(ep)
             self.socks.append(s)
         self.assembling: dict[int, Assembly] = {}
+        self.slowest = 0.0  # the longest a shard took to answer a fetch (s)
+        self.clock = time.monotonic
 
     def close(self) -> None:
         for s in self.socks:
@@ -63,7 +70,7 @@ class ShardLinks:
         self.socks = []
 
     def fetch(self, job: Job, need: tuple[int, ...], now: float) -> None:
-        a = self.assembling[job.job_id] = Assembly(job, need, asked_at=now)
+        a = self.assembling[job.job_id] = Assembly(job, need, asked_at=now, first_asked=now)
         self._ask(a, range(len(self.socks)))
 
     def _ask(self, a: Assembly, shards: Any) -> None:
@@ -72,11 +79,15 @@ class ShardLinks:
             try:
                 send_frames(self.socks[i], frames, _NOBLOCK)
             except zmq.Again:
-                pass  # asked again after REFETCH_S
+                pass  # asked again (refetch)
+
+    def refetch_after(self) -> float:
+        return max(REFETCH_MIN_S, 4 * self.slowest) if self.slowest else REFETCH_FIRST_S
 
     def refetch(self, now: float) -> None:
+        wait = self.refetch_after()
         for a in self.assembling.values():
-            if now - a.asked_at >= REFETCH_S:
+            if now - a.asked_at >= wait:
                 a.asked_at = now
                 self._ask(a, [i for i in range(len(self.socks)) if i not in a.pieces])
 
@@ -104,6 +115,7 @@ class ShardLinks:
                 if a is None or msg.point_ids != a.need:
                     continue
                 a.pieces[i] = msg
+                self.slowest = max(self.slowest, self.clock() - a.asked_at)
                 if len(a.pieces) == len(self.socks):
                     del self.assembling[msg.job_id]
                     out.append(("job", self._whole(a)))
