@@ -341,19 +341,9 @@ class Shard:
             while self.stopping is None:
                 ready = dict(poller.poll(self._timeout_ms()))
                 if self.ctl in ready:
-                    for _ in range(256):
-                        try:
-                            frames = self.ctl.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_control(frames)
+                    self._drain(self.ctl, self._on_control)
                 if self.data in ready:
-                    for _ in range(256):
-                        try:
-                            frames = self.data.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._on_data(frames)
+                    self._drain(self.data, self._on_data)
                 self._timers()
         except BaseException:
             self.failed = True
@@ -361,6 +351,16 @@ class Shard:
         finally:
             self.close()
         return self.stopping or "stopped"
+
+    @staticmethod
+    def _drain(sock: zmq.Socket, handle: Any, most: int = 256) -> None:
+        """Handle what ``sock`` holds, at most ``most`` messages (then the loop's timers run)."""
+        for _ in range(most):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
 
     def _timeout_ms(self) -> int:
         due = self.journal.sync_due_in() if self.journal is not None and self.haves else math.inf
