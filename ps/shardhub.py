@@ -17,10 +17,16 @@ core of its own over its blocks and is fed that journal's records in LSN order
 * **Replies.** A worker's reply header is held (:meth:`take_reply`) until every shard has said
   ``have`` for its job: the block journaled (durable), or refused (shape, NaN: the reply is then
   refused with that reason, as the unsharded server would refuse it). Only then does the core
-  see it, so a reply counts only when all its blocks have arrived. A header whose blocks have
-  not all come ``BLOCK_WAIT`` after it (counted while every shard is up) is discarded, and the
-  job is written off at the worker's next heartbeat (it is no longer among the jobs the
-  daemon reports busy for it), the same way on every shard, since they follow the journal.
+  see it, so a reply counts only when all its blocks have arrived. The blocks travel on the
+  worker's own connections to the shards, so while the worker lives (its liveness is the
+  daemon's, over the headers-only coordinator link) and every shard is up, they are on their
+  way, however slow the shard's link: the header waits. It is discarded, and the job written
+  off at the worker's next heartbeat (it is no longer among the jobs the daemon reports busy
+  for it), the same way on every shard since they follow the journal, when a shard that has
+  not said it has the block rejoined since the header came (a restarted shard lost what it
+  had not journaled) and ``2 × liveness`` passed after that, or after ``BLOCK_WAIT_MAX_S`` in
+  any case (a connection that dropped under the block). A worker that dies takes its held
+  headers with it: its jobs are written off, and a header of a settled job is counted late.
 * **Shards gone.** A shard silent for the liveness timeout is gone; while any is gone, or not
   yet joined, or disagreeing, the daemon holds the issuing of jobs (a journaled ``hold``
   record; ``release`` once all are back), and workers' fetches from the missing shard wait.
@@ -53,6 +59,7 @@ WINDOW = 4096  # records shipped to a shard beyond what it has applied, at most
 BATCH_RECORDS = 512  # records per message ...
 BATCH_BYTES = 8 << 20  # ... and bytes
 KEEPALIVE_S = 0.5  # an empty records message at least this often (the shard's liveness of us)
+BLOCK_WAIT_MAX_S = 120.0  # the longest a reply header waits for its blocks (at least 2 x liveness)
 TAP_MAX = 65536  # records held in memory for live shards; one further behind reads the journal
 SHARDS_FILE = "shards.json"  # the coordinator's record of its shards' endpoints
 
@@ -83,7 +90,8 @@ class Slot:
 @dataclass
 class Pending:
     item: Any = None  # the reply's Inbound (None: only haves so far)
-    at: float = 0.0  # since when its blocks are awaited (reset when a shard rejoins)
+    at: float = 0.0  # when the header came
+    rejoined: float = -math.inf  # when a shard whose block is missing last rejoined
     haves: dict = field(default_factory=dict)  # shard index -> None (journaled) or (code, text)
 
 
@@ -96,7 +104,8 @@ class ShardHub:
         self.core, self.persist, self.ranges, self.clock = core, persist, tuple(ranges), clock
         self.state_dir = persist.state_dir
         self.liveness_s = core.cfg.liveness_timeout_s
-        self.block_wait_s = 2 * self.liveness_s
+        self.block_wait_s = 2 * self.liveness_s  # after a shard missing a block rejoined
+        self.block_wait_max_s = max(BLOCK_WAIT_MAX_S, self.block_wait_s)  # in any case
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -229,8 +238,7 @@ class ShardHub:
         slot.reader, slot.peek, slot.joins = None, None, slot.joins + 1
         self.by_rid[rid] = slot
         self._endpoint(slot, m["endpoint"])
-        for p in self.pending.values():
-            p.at = now  # its blocks may come now
+        self._rejoined(slot, now)
         for token, g in self.gathers.items():
             if slot.index not in g["parts"]:
                 self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
@@ -239,6 +247,13 @@ class ShardHub:
         lo, hi = self.ranges[slot.index]
         self._send(rid, pack("swelcome", index=slot.index, shards=self.n, run_id=core.cfg.run_id, lo=lo, hi=hi,
                              **{"from": start}))
+
+    def _rejoined(self, slot: Slot, now: float) -> None:
+        """Shard ``slot`` (re)joined: a block it had not journaled is gone with its old process,
+        so the headers still missing its block wait ``block_wait_s`` more at most."""
+        for p in self.pending.values():
+            if slot.index not in p.haves:
+                p.rejoined = now
 
     def _endpoint(self, slot: Slot, endpoint: str) -> None:
         """Where workers reach the shard (a new shard says it once bound: in its progress)."""
@@ -399,7 +414,8 @@ class ShardHub:
 
     def ready_replies(self, now: float) -> list[tuple[Any, Any]]:
         """(reply Inbound, refusal or None) whose blocks every shard has (or refused); headers
-        waiting too long are dropped, haves of settled jobs forgotten."""
+        whose blocks are lost are dropped (see the module's docstring), haves of settled jobs
+        forgotten."""
         out, ledger, up = [], self.core.ledger, all(s.connected for s in self.slots)
         for jid in list(self.pending):
             p = self.pending[jid]
@@ -415,13 +431,20 @@ class ShardHub:
                 del self.pending[jid]
                 refusal = next((p.haves[i] for i in range(self.n) if p.haves[i] is not None), None)
                 out.append((p.item, refusal))
-            elif up and now - p.at > self.block_wait_s:
+            elif up and self._lost(p, now):
                 del self.pending[jid]
                 self.blocks_timed_out += 1
                 missing = [i for i in range(self.n) if i not in p.haves]
-                log.warning("job %d: the gradient blocks of shard(s) %s did not arrive within %.1f s: its reply is "
-                            "dropped, and the job written off", jid, ",".join(map(str, missing)), self.block_wait_s)
+                why = (f"within {self.block_wait_s:g} s of the shard's restart" if p.rejoined > p.at
+                       else f"within {self.block_wait_max_s:g} s")
+                log.warning("job %d: the gradient blocks of shard(s) %s did not arrive %s: its reply is dropped, "
+                            "and the job written off", jid, ",".join(map(str, missing)), why)
         return out
+
+    def _lost(self, p: Pending, now: float) -> bool:
+        if p.rejoined > p.at and now - p.rejoined > self.block_wait_s:
+            return True
+        return now - p.at > self.block_wait_max_s
 
     def pending_for(self, wid: str) -> list[int]:
         """Jobs of ``wid`` whose reply is held here: still busy, as far as the core's reconciliation goes."""

@@ -7,10 +7,14 @@ points are that shard's slices; the slices concatenated in shard order are the i
 reply goes as gradient slices to each shard, then as a header (empty gradients) to the
 coordinator, which counts it once every shard has the block.
 
-A fetch unanswered for a while is asked again (a shard that restarted lost it): after four
-times the longest a shard took to answer one so far, at least ``REFETCH_MIN_S`` (a first fetch:
-``REFETCH_FIRST_S``). Sooner would make a shard on a slow link send the same slices twice. A
-shard that answers UNKNOWN_JOB ends the job here (it was settled: written off, cancelled).
+A fetch is asked again only on evidence that the shard lost it (a shard that restarted, a
+connection that dropped): the shard answered a fetch asked after it (a shard answers a worker's
+fetches in the order their jobs were issued, which is the order the worker asks them), or the
+shard has sent this worker nothing for a while since it was asked: four times the longest a
+shard took to answer one so far, at least ``REFETCH_MIN_S`` (before any answer,
+``REFETCH_FIRST_S``). A shard busy sending earlier slices over a slow link is never asked
+again, so it never sends the same slices twice. A shard that answers UNKNOWN_JOB ends the job
+here (it was settled: written off, cancelled).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Assembly:
     pieces: dict[int, Job] = field(default_factory=dict)  # shard index -> its answer
     asked_at: float = 0.0
     first_asked: float = 0.0
+    seq: int = 0  # the order it was (last) asked in
 
 
 class ShardLinks:
@@ -62,6 +67,9 @@ class ShardLinks:
             self.socks.append(s)
         self.assembling: dict[int, Assembly] = {}
         self.slowest = 0.0  # the longest a shard took to answer a fetch (s)
+        self.heard = [0.0] * len(self.socks)  # when each shard last sent us anything
+        self.answered = [0] * len(self.socks)  # the latest ``seq`` each shard answered
+        self.seq = 0
         self.clock = time.monotonic
 
     def close(self) -> None:
@@ -74,6 +82,8 @@ class ShardLinks:
         self._ask(a, range(len(self.socks)))
 
     def _ask(self, a: Assembly, shards: Any) -> None:
+        self.seq += 1
+        a.seq = self.seq
         frames = encode(Fetch(job_id=a.job.job_id, created_at=a.job.created_at, iterate_ids=a.need))
         for i in shards:
             try:
@@ -84,12 +94,19 @@ class ShardLinks:
     def refetch_after(self) -> float:
         return max(REFETCH_MIN_S, 4 * self.slowest) if self.slowest else REFETCH_FIRST_S
 
+    def lost_at(self, a: Assembly, now: float, wait: float) -> list[int]:
+        """The shards that have evidently lost fetch ``a``: each answered a later fetch, or has
+        been silent to us for ``wait`` since ``a`` was asked."""
+        return [i for i in range(len(self.socks)) if i not in a.pieces
+                and (self.answered[i] > a.seq or now - max(a.asked_at, self.heard[i]) >= wait)]
+
     def refetch(self, now: float) -> None:
         wait = self.refetch_after()
         for a in self.assembling.values():
-            if now - a.asked_at >= wait:
+            lost = self.lost_at(a, now, wait)
+            if lost:
                 a.asked_at = now
-                self._ask(a, [i for i in range(len(self.socks)) if i not in a.pieces])
+                self._ask(a, lost)
 
     def cancel(self, ids: set[int]) -> None:
         for j in ids:
@@ -105,6 +122,8 @@ class ShardLinks:
                 frames = recv_frames(sock, _NOBLOCK)
             except zmq.Again:
                 break
+            now = self.clock()
+            self.heard[i] = now
             try:
                 msg = decode(frames)
             except RemoteProtocolError as e:
@@ -115,7 +134,8 @@ class ShardLinks:
                 if a is None or msg.point_ids != a.need:
                     continue
                 a.pieces[i] = msg
-                self.slowest = max(self.slowest, self.clock() - a.asked_at)
+                self.answered[i] = max(self.answered[i], a.seq)
+                self.slowest = max(self.slowest, now - a.asked_at)
                 if len(a.pieces) == len(self.socks):
                     del self.assembling[msg.job_id]
                     out.append(("job", self._whole(a)))

@@ -169,15 +169,30 @@ def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
         hub._on_haves(hub.slots[1], [(0, e0.created_at, int(ErrorCode.NON_FINITE), "gradient holds NaN")], 10.3)
         (it, refusal), = hub.ready_replies(10.4)
         assert it is item and refusal == (ErrorCode.NON_FINITE, "shard 1: gradient holds NaN")
-        # A header whose blocks do not all come is dropped after block_wait_s (counted while every shard is up).
+        # While the worker lives and every shard is up, a header waits for its blocks however slow the
+        # shard's link (long past 2 x liveness); after block_wait_max_s it is dropped.
         for s in hub.slots:
             s.connected = True
         item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
         assert hub.take_reply(item1, 20.0)
         hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 20.1)
-        assert hub.ready_replies(20.0 + hub.block_wait_s - 0.1) == [] and hub.pending_for("w1") == [1]
-        assert hub.ready_replies(20.0 + hub.block_wait_s + 0.1) == [] and hub.pending_for("w1") == []
+        assert hub.block_wait_max_s >= 10 * hub.block_wait_s
+        assert hub.ready_replies(20.0 + 5 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
+        assert hub.ready_replies(20.0 + hub.block_wait_max_s - 0.1) == [] and hub.pending_for("w1") == [1]
+        assert hub.ready_replies(20.0 + hub.block_wait_max_s + 0.1) == [] and hub.pending_for("w1") == []
         assert hub.blocks_timed_out == 1
+        # A shard whose block is missing restarted after the header came: what it had not journaled
+        # is gone, so the header waits block_wait_s after the rejoin, no longer. A rejoin of the
+        # shard that has its block changes nothing.
+        item2 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")  # sent again
+        assert hub.take_reply(item2, 300.0)
+        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 300.1)
+        hub._rejoined(hub.slots[0], 301.0)
+        assert hub.ready_replies(301.0 + 2 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
+        hub._rejoined(hub.slots[1], 302.0)
+        assert hub.ready_replies(302.0 + hub.block_wait_s - 0.1) == [] and hub.pending_for("w1") == [1]
+        assert hub.ready_replies(302.0 + hub.block_wait_s + 0.1) == [] and hub.pending_for("w1") == []
+        assert hub.blocks_timed_out == 2
         assert hub.hold_reason() == "shard(s) 0,1 not connected"  # connected, but no core built (applied -1)
     finally:
         hub.close()
@@ -251,3 +266,68 @@ def test_records_go_to_a_shard_only_once_durable_and_in_order(run):
     finally:
         dealer.close(linger=0)
         hub.close()
+
+
+def test_a_worker_asks_a_shard_again_only_on_evidence_that_it_lost_a_fetch():
+    """A shard busy sending earlier slices over a slow link is never asked again (it would send
+    the same slices twice); a fetch it lost is: it answered a later one, or it fell silent."""
+    from protocol.codec import decode
+    from worker.shards import REFETCH_FIRST_S, ShardLinks
+
+    ctx = zmq.Context.instance()
+    shard = ctx.socket(zmq.ROUTER)
+    shard.linger = 0
+    shard.bind("tcp://127.0.0.1:0")
+    links = ShardLinks(ctx, ((shard.getsockopt_string(zmq.LAST_ENDPOINT), 0, 4),), b"w1/1")
+    t = [100.0]
+    links.clock = lambda: t[0]
+
+    def job(j: int, points=()) -> Job:
+        return Job(job_id=j, kind=1, created_at=j, iterate_ids=(j,), seed=j, point_ids=(j,) if points else (),
+                   points=points)
+
+    def fetched(n: int) -> list[int]:
+        got = []
+        for _ in range(n):
+            assert shard.poll(5000), f"expected {n} fetches, got {got}"
+            rid, *frames = shard.recv_multipart()
+            got.append(decode(frames).job_id)
+        assert not shard.poll(100), "a fetch more than expected"
+        return got
+
+    def answer(j: int) -> None:
+        shard.send_multipart([b"w1/1", *encode(job(j, (np.zeros(4, np.float32),)))])
+        for _ in range(50):
+            if links.socks[0].poll(100):
+                break
+        links.receive(0)
+
+    try:
+        for j in (1, 2, 3):
+            links.fetch(job(j), (j,), t[0])
+        assert fetched(3) == [1, 2, 3]
+        # Before any answer: silence for REFETCH_FIRST_S since the asks means lost (a restarted shard).
+        t[0] += REFETCH_FIRST_S - 0.5
+        links.refetch(t[0])
+        assert fetched(0) == []
+        # The shard answers job 1 after 9.5 s: it is busy on a slow link. Job 2 and 3 are not asked
+        # again while it keeps sending (here: 4 x 9.5 s of wait, after its latest message).
+        answer(1)
+        for _ in range(3):
+            t[0] += 30.0
+            links.refetch(t[0])
+            answer(99)  # anything from the shard (an unrelated job's slice) is a sign of life
+        assert fetched(0) == []
+        # It answers job 3, asked after job 2: job 2 was lost there, and is asked again at once.
+        answer(3)
+        links.refetch(t[0])
+        assert fetched(1) == [2]
+        # Silent for 4 x the slowest answer since: asked again.
+        t[0] += 4 * links.slowest + 0.1
+        links.refetch(t[0])
+        assert fetched(1) == [2]
+        answer(2)
+        assert links.assembling == {}
+    finally:
+        links.close()
+        shard.close(linger=0)
