@@ -45,6 +45,7 @@ SETTLED = ("applied", "dropped", "lost", "failed", "cancelled", "rejected")
 RATE = "8mbit"  # 80 KB at 8 Mbit/s: 80 ms per message and direction
 LOSS = 0.03  # fraction of packets (skbs) dropped in each direction
 DELAY_MS = 50  # one-way
+SURVIVORS_S = 30  # bound: the two survivors each get 5 replies applied after the cut
 
 
 def sh(*cmd: str, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -298,6 +299,20 @@ def story(events, wid, since=0):
             if e.get("worker_id") == wid and e["ev"] in keep][:20]
 
 
+def survivors_report(lab: Lab, events, since: int, err: Exception) -> str:
+    """Why the survivors did not get 5 replies each applied after the cut: per worker, what was
+    applied since, its story since, its link's qdisc counters and its stderr's tail."""
+    later = events[since:]
+    lines = [f"{err}; {len(later)} events since w1 was declared dead; applied since, per worker: "
+             f"{ {w: applied_by(later, w) for w in ('w1', 'w2', 'w3')} }"]
+    for w in ("w2", "w3"):
+        if applied_by(later, w) < 5:
+            lines.append(f"{w} ({lab.impairments.get(w, 'no impairment')}): story {story(events, w, since)}; "
+                         f"last events {[(e['ev'], e.get('job_id')) for e in later if e.get('worker_id') == w][-8:]}; "
+                         f"qdisc {lab.qdisc_stats(w)!r}; stderr tail {lab.stderr_tail(w, 800)!r}")
+    return "\n".join(lines)
+
+
 def round_trips(events, wid):
     """Seconds from issue to apply of each of ``wid``'s applied jobs (server clock)."""
     issued = {e["job_id"]: e["t"] for e in events if e["ev"] == "issued"}
@@ -352,8 +367,12 @@ def test_link_cut_worker_is_declared_dead_and_rejoins_when_the_link_is_back(lab,
         assert len(old_jobs) == left[0]["lost"] == 1, story(ev, "w1")  # credit 1: the job it held
         n_dead = ev.index(left[0])
         # training goes on with the other two, over their impaired links
-        wait_events(events, lambda ev: applied_by(ev[n_dead:], "w2") >= 5 and applied_by(ev[n_dead:], "w3") >= 5,
-                    timeout=30)
+        try:
+            wait_events(events, lambda ev: applied_by(ev[n_dead:], "w2") >= 5 and applied_by(ev[n_dead:], "w3") >= 5,
+                        timeout=SURVIVORS_S)
+        except TimeoutError as e:
+            raise AssertionError(survivors_report(lab, read_events(events), n_dead, e)) from e
+        survivors_s = time.monotonic() - cut_at
         # the cut-off worker notices the silence by itself and keeps trying to reconnect
         wait_file(tmp_path / "w1.stderr", r"server silent for .* reconnecting", timeout=LIVENESS_S + 5)
         worker_noticed_s = time.monotonic() - cut_at
@@ -386,6 +405,7 @@ def test_link_cut_worker_is_declared_dead_and_rejoins_when_the_link_is_back(lab,
     assert c["workers_lost"] == 1 and c["workers_joined"] == 4
     applied_impaired = {w: len(round_trips(ev, w)) for w in ("w2", "w3")}
     print(f"\nnetns link cut: declared dead {detected_s:.2f} s after link down (liveness timeout {LIVENESS_S} s); "
+          f"the survivors had 5 replies each applied since {survivors_s:.2f} s after the cut; "
           f"the worker noticed the silence after {worker_noticed_s:.2f} s; "
           f"rejoined and contributing {rejoined_s:.2f} s after link up; impairments "
           f"{ {w: lab.impairments.get(w) or f'none ({skipped[k]})' for w, k in (('w2', 'rate'), ('w3', 'loss'))} }; "
