@@ -3,8 +3,10 @@ files with finite numbers for every method, and the same seed gives the same CSV
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import math
+import multiprocessing
 import os
 
 import pytest
@@ -57,15 +59,58 @@ def _check_outputs(result: dict, name: str) -> None:
     assert values and all(not math.isnan(x) for x in values)
 
 
-# two quick runs each: about 8 s (rennala-mvr), 5 s (delayed-vr), 25 s (async-vs-sync, marked slow),
-# 14 s (ordered-momentum), 8 s (wire-dtype)
+# Quick runs are shared across this module: each (experiment, seed, copy) is computed once, in
+# its own directory; copies "a" and "b" are two independent runs of the same configuration.
+# The determinism test uses the seed the experiment's own test below asserts on, so that test
+# reads the same run instead of computing it again.
+SEED = {"ordered-momentum": 0, "wire-dtype": 0, "ringmaster-lmo": 5}
+
+
+def _quick(name: str, out: str, seed: int) -> dict:
+    return experiments.get(name)(out, quick=True, seed=seed, progress=False)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """``get(name, seed, copy)``: that run's result, computed here once. ``start(...)`` computes
+    one in a fresh (spawned) process meanwhile, the machine's other core: the determinism test's
+    copy "b" runs there while "a" runs here, so the two share no process state either."""
+    done: dict[tuple[str, int, str], dict] = {}
+    pending: dict[tuple[str, int, str], concurrent.futures.Future] = {}
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def out_dir(key) -> str:
+        return str(tmp_path_factory.mktemp("{}-s{}-{}".format(*key)))
+
+    def start(name: str, seed: int, copy: str) -> None:
+        key = (name, seed, copy)
+        if key not in done and key not in pending:
+            pending[key] = pool.submit(_quick, name, out_dir(key), seed)
+
+    def get(name: str, seed: int, copy: str = "a") -> dict:
+        key = (name, seed, copy)
+        if key in pending:
+            done[key] = pending.pop(key).result(timeout=600)
+        elif key not in done:
+            done[key] = _quick(name, out_dir(key), seed)
+        return done[key]
+
+    get.start = start
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+# one quick run, on a quiet 2-core machine: about 14 s (rennala-mvr), 8 s (delayed-vr), 36 s
+# (async-vs-sync, marked slow), 27 s (ordered-momentum), 11 s (ringmaster-lmo), 9 s (wire-dtype);
+# copy "b" runs in another process while copy "a" runs here
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "async-vs-sync" else n
                                   for n in sorted(experiments.EXPERIMENTS)])
-def test_quick_experiment_writes_files_and_is_deterministic(name, tmp_path):
-    run = experiments.get(name)
-    a = run(str(tmp_path / "a"), quick=True, seed=3, progress=False)
+def test_quick_experiment_writes_files_and_is_deterministic(name, quick_run):
+    seed = SEED.get(name, 3)
+    quick_run.start(name, seed, "b")
+    a = quick_run(name, seed, "a")
     _check_outputs(a, name)
-    b = run(str(tmp_path / "b"), quick=True, seed=3, progress=False)
+    b = quick_run(name, seed, "b")
     for pa, pb in zip(a["csv"], b["csv"], strict=True):
         with open(pa, "rb") as fa, open(pb, "rb") as fb:
             assert fa.read() == fb.read(), os.path.basename(pa)
@@ -88,10 +133,10 @@ def test_cli_runs_a_quick_experiment(tmp_path):
     assert "A12 snapshot VR" in res.output
 
 
-def test_ordered_momentum_quick_covers_both_objectives(tmp_path):
+def test_ordered_momentum_quick_covers_both_objectives(quick_run):
     from experiments import ordered_momentum
 
-    res = ordered_momentum.run(str(tmp_path), quick=True, seed=0, progress=False)
+    res = quick_run("ordered-momentum", 0)
     assert set(res["headline"]) == {"standard f1", "standard recall_slow", "cubic f1", "cubic recall_slow"}
     for values in res["headline"].values():
         assert set(values) == EXPECTED_METHODS["ordered-momentum"]
@@ -144,11 +189,10 @@ def test_sync_sgd_waits_for_every_worker_once_per_round():
     assert all(v == list(range(10)) for v in per_worker.values()), "each worker: exactly one job per round"
 
 
-def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_path):
-    """About 9 s per quick run (grids and the authors' recipes): the quadratic (sign, l2, Muon on
-    the 1×d vector) and the char transformer (sign, Muon)."""
-    run = experiments.get("ringmaster-lmo")
-    a = run(str(tmp_path / "a"), quick=True, seed=5, progress=False)
+def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(quick_run):
+    """About 12 s per quick run (grids and the authors' recipes): the quadratic (sign, l2, Muon on
+    the 1×d vector) and the char transformer (sign, Muon). Its two runs are the determinism test's."""
+    a = quick_run("ringmaster-lmo", 5, "a")
     _check_outputs(a, "ringmaster-lmo")
     assert sorted(os.path.basename(p) for p in a["png"]) == ["charlm.png", "quadratic.png", "recipe-charlm.png",
                                                               "recipe-quadratic.png"]  # + the authors' recipes
@@ -165,18 +209,18 @@ def test_quick_ringmaster_lmo_covers_both_problems_and_every_delay_model(tmp_pat
     with open(a["markdown"], encoding="utf-8") as f:
         text = f.read()
     assert "## quadratic" in text and "## charlm" in text and "baseline / Ringmaster" in text
-    b = run(str(tmp_path / "b"), quick=True, seed=5, progress=False)
+    b = quick_run("ringmaster-lmo", 5, "b")
     with open(a["csv"][0], "rb") as fa, open(b["csv"][0], "rb") as fb:
         assert fa.read() == fb.read()
 
 
-def test_quick_wire_dtype_quantization_matters_only_without_gradient_noise(tmp_path):
-    """About 4 s. Same seeds and delays for f32, f16 and bf16: under SGD noise bf16 ends within 2 %
-    of f32; with exact gradients (σ = 0) quantization is the only noise left and sets a floor
-    f32 < f16 < bf16, each more than 2× above the previous one."""
+def test_quick_wire_dtype_quantization_matters_only_without_gradient_noise(quick_run):
+    """The determinism test's run (about 9 s). Same seeds and delays for f32, f16 and bf16: under
+    SGD noise bf16 ends within 2 % of f32; with exact gradients (σ = 0) quantization is the only
+    noise left and sets a floor f32 < f16 < bf16, each more than 2× above the previous one."""
     import csv as _csv
 
-    res = experiments.get("wire-dtype")(str(tmp_path), quick=True, seed=0, progress=False)
+    res = quick_run("wire-dtype", 0)
     h = res["headline"]
     assert set(h) == {f"{g}, {m}" for g in ("quadratic σ=0.01", "quadratic σ=0", "logreg")
                       for m in ("ordered-momentum", "asgd")}
