@@ -230,6 +230,14 @@ class Algorithm:
         an algorithm says it is shardable by returning ""."""
         return "it does not say that its vector work is elementwise or per layout block (shard_refusal)"
 
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        """One bool per block of ``layout``: True where this algorithm's vector work on the block
+        is elementwise, so that a sharded server may cut the block between any two coordinates
+        (``algorithms/sharding.py``). The default splits nothing (whole blocks only); an
+        elementwise algorithm says True everywhere, a per-block LMO/Muon step True on the blocks
+        it steps elementwise."""
+        return (False,) * len(tuple(layout))
+
     # ---- state save/load: plain arrays and numbers, validated on load
     def to_state_dict(self, state: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -35,6 +35,9 @@ class PerReplyAlgorithm(Algorithm):
     def shard_refusal(self) -> str:
         return ""  # elementwise steps (A1-A7), per-block LMO/Muon (A10, its baseline); see RingmasterLMO
 
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        return (True,) * len(tuple(layout))  # elementwise (the LMO methods override it)
+
     def from_state_dict(self, d: dict[str, Any]) -> Any:
         state = super().from_state_dict(d)
         for name in self.iterate_fields:

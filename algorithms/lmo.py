@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "CLASSIC_NS5", "POLAR_EXPRESS_NS5", "NS_TABLES", "NS_EPS", "newton_schulz", "ns_coefficients", "lmo_sign",
     "lmo_l2", "lmo_spectral", "muon_direction", "check_layout", "check_lmo_mask", "default_lmo_mask",
+    "momentum_blocks",
     "layout_numel", "pa_schedule", "coupled_threshold",
 ]
 
@@ -159,6 +160,13 @@ def check_layout(layout: object) -> None:
 def default_lmo_mask(layout: Layout) -> tuple[bool, ...]:
     """The rule without a problem's ``lmo_mask``: Newton–Schulz on every block with ≥ 2 dims."""
     return tuple(len(shape) >= 2 for _, shape in layout)
+
+
+def momentum_blocks(layout: Layout, lmo_mask: object = None) -> tuple[bool, ...]:
+    """True for the blocks :func:`muon_direction` steps with ``u_blk`` itself (elementwise: a
+    sharded server may split them), False for those that get Newton–Schulz."""
+    mask = check_lmo_mask(tuple(layout), lmo_mask)
+    return tuple(not m for m in (default_lmo_mask(tuple(layout)) if mask is None else mask))
 
 
 def check_lmo_mask(layout: Layout, lmo_mask: object) -> tuple[bool, ...] | None:

@@ -28,7 +28,15 @@ import numpy as np
 from algorithms._common import frozen, grad_job
 from algorithms._pool import step_into
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper
-from algorithms.lmo import NS_TABLES, check_layout, check_lmo_mask, layout_numel, muon_direction, ns_coefficients
+from algorithms.lmo import (
+    NS_TABLES,
+    check_layout,
+    check_lmo_mask,
+    layout_numel,
+    momentum_blocks,
+    muon_direction,
+    ns_coefficients,
+)
 from protocol.messages import JobKind
 
 __all__ = ["RennalaSGD", "RennalaMVR", "RennalaMVRInexact", "RennalaMuon", "RennalaState", "RennalaMVRState",
@@ -112,6 +120,9 @@ class _Rennala(Algorithm):
 
     def shard_refusal(self) -> str:
         return ""  # elementwise sums and steps; Rennala Muon's Newton–Schulz is per block
+
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        return (True,) * len(tuple(layout))  # Rennala Muon overrides it
 
     def metrics(self, state: Any) -> dict[str, float]:
         """``batch_fill`` = c/B: accepted results of the current round over its batch size
@@ -515,6 +526,9 @@ class RennalaMuon(_PlainBatch, _Rennala):
         object.__setattr__(bound, "layout", tuple(layout))
         object.__setattr__(bound, "lmo_mask", mask)
         return bound
+
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        return momentum_blocks(layout, lmo_mask)  # Newton–Schulz blocks stay whole
 
     def state_class(self) -> type:
         return RennalaMuonState

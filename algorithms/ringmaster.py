@@ -29,6 +29,7 @@ from algorithms.lmo import (
     check_lmo_mask,
     coupled_threshold,
     layout_numel,
+    momentum_blocks,
     muon_direction,
     ns_coefficients,
     pa_schedule,
@@ -119,6 +120,14 @@ class _LMOMomentum(PerReplyAlgorithm):
 
     def state_class(self) -> type:
         return LMOMomentumState
+
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        lmo = getattr(self, "lmo", "muon")  # DelayAdaptiveMuon: always Muon
+        if lmo == "sign":
+            return (True,) * len(tuple(layout))
+        if lmo == "l2":  # refused for sharding anyway (a global norm)
+            return (False,) * len(tuple(layout))
+        return momentum_blocks(layout, lmo_mask)  # Newton–Schulz blocks stay whole
 
     def init(self, x0: np.ndarray, *, seed: int):
         x = frozen(np.array(x0, copy=True))

@@ -2,9 +2,11 @@
 
 Two parts:
 
-* :func:`plan_shards` assigns whole layout blocks to S shards: contiguous runs of blocks whose
-  largest run is as small as possible, so a matrix is never split (a per-matrix LMO/Muon step
-  stays on one shard) and each shard owns one contiguous range [lo, hi) of the flat vector.
+* :func:`plan_shards` cuts the layout into S contiguous ranges [lo, hi) of the flat vector,
+  the largest as small as possible. A cut falls between two blocks, or inside a block the
+  algorithm says it may split (``Algorithm.splittable_blocks``: its vector work there is
+  elementwise), never inside any other: a per-matrix LMO/Muon step stays on one shard. A split
+  block's pieces are flat blocks of the shards' sub-layouts (``name[a:b]``).
 * :class:`Sharded` is an :class:`~algorithms.base.Algorithm` around S + 1 instances of one
   algorithm: a *coordinator*, run on an empty slice of the vector (every decision, no vector
   work), and S shards, the i-th bound to shard i's sub-layout (and its slice of ``lmo_mask``)
@@ -43,7 +45,8 @@ import numpy as np
 
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, bind_layout
 
-__all__ = ["ShardPlan", "plan_shards", "Sharded", "ShardedState", "ShardDisagreement", "shard_refusal"]
+__all__ = ["ShardPlan", "plan_shards", "Sharded", "ShardedState", "ShardDisagreement", "shard_refusal",
+           "splittable_blocks"]
 
 
 _MERGED_KEPT = 2  # concatenated iterates kept besides the current job's (an id is asked for by many jobs; a pair
@@ -56,47 +59,85 @@ class ShardDisagreement(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which whole layout blocks each shard owns.
+    """Which layout blocks, or pieces of blocks, each shard owns.
 
-    ``blocks[i]`` = (first, stop) block indices of shard i (a contiguous run);
-    ``ranges[i]`` = (lo, hi) the flat-vector range of those blocks.
+    ``blocks[i]`` = (first, stop) indices of the blocks shard i touches (a contiguous run; a
+    split block is touched by two or more shards);
+    ``ranges[i]`` = (lo, hi) shard i's range of the flat vector;
+    ``pieces[i]`` = ((block index, start, stop), ...) the coordinates of each block it owns,
+    counted within the block (start 0, stop its size: the whole block). Empty: whole blocks,
+    ``blocks[i]``.
     """
 
     layout: tuple
     blocks: tuple[tuple[int, int], ...]
     ranges: tuple[tuple[int, int], ...]
+    pieces: tuple = ()
 
     @property
     def shards(self) -> int:
         return len(self.blocks)
 
-    def sub_layout(self, i: int) -> tuple:
+    @property
+    def split(self) -> bool:
+        """Whether some block is cut between shards."""
+        return any(a != 0 or b != math.prod(self.layout[k][1]) for p in self.pieces for k, a, b in p)
+
+    def _pieces(self, i: int) -> tuple:
+        if self.pieces:
+            return self.pieces[i]
         a, b = self.blocks[i]
-        return tuple(self.layout[a:b])
+        return tuple((k, 0, math.prod(self.layout[k][1])) for k in range(a, b))
+
+    def sub_layout(self, i: int) -> tuple:
+        out = []
+        for k, a, b in self._pieces(i):
+            name, shape = self.layout[k]
+            out.append(self.layout[k] if (a, b) == (0, math.prod(shape)) else (f"{name}[{a}:{b}]", (b - a,)))
+        return tuple(out)
 
     def sub_mask(self, i: int, lmo_mask: Sequence[bool] | None) -> tuple[bool, ...] | None:
+        """Shard i's slice of ``lmo_mask``. Without one, None, unless a block is split: then the
+        default rule's flags over the whole layout, sliced (a piece of a block is a flat block,
+        which the rule would read differently)."""
         if lmo_mask is None:
-            return None
-        a, b = self.blocks[i]
-        return tuple(lmo_mask)[a:b]
+            if not self.split:
+                return None
+            from algorithms.lmo import default_lmo_mask
+            lmo_mask = default_lmo_mask(self.layout)
+        mask = tuple(lmo_mask)
+        return tuple(bool(mask[k]) for k, _, _ in self._pieces(i))
 
 
 def _sizes(layout: tuple) -> list[int]:
     return [math.prod(shape) for _, shape in layout]
 
 
-def plan_shards(layout: tuple, shards: int) -> ShardPlan:
-    """Whole blocks of ``layout`` over ``shards`` shards, contiguous runs, the largest run as
-    small as possible (ties: the earliest cuts). Deterministic.
+def plan_shards(layout: tuple, shards: int, splittable: Sequence[bool] | None = None) -> ShardPlan:
+    """``layout`` over ``shards`` shards, contiguous ranges, the largest as small as possible.
+    Deterministic.
+
+    Without ``splittable`` (or with none True), whole blocks: contiguous runs of blocks (ties:
+    the earliest cuts). With ``splittable`` (one bool per block), a cut may also fall inside a
+    block flagged True: the smallest largest range is found by bisection over a greedy fill
+    (cuts as late as possible), then a shard is cut in two near its middle while there are
+    fewer than ``shards``.
 
     Raises:
-        ValueError: ``shards`` < 1, or more shards than blocks (a block is never split).
+        ValueError: ``shards`` < 1, a ``splittable`` of the wrong length, or more shards than
+            the layout can be cut into.
     """
     layout = tuple(layout)
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ValueError(f"Invalid shards: {shards!r} (an integer >= 1)")
     sizes = _sizes(layout)
     n = len(sizes)
+    if splittable is not None:
+        splittable = tuple(bool(b) for b in splittable)
+        if len(splittable) != n:
+            raise ValueError(f"splittable has {len(splittable)} flags for {n} layout blocks")
+        if any(s and sizes[k] > 1 for k, s in enumerate(splittable)):
+            return _plan_split(layout, sizes, shards, splittable)
     if shards > max(n, 1):
         raise ValueError(f"cannot shard {n} layout block(s) over {shards} shards: a block is never split "
                          f"(give at most {max(n, 1)} shards)")
@@ -123,6 +164,136 @@ def plan_shards(layout: tuple, shards: int) -> ShardPlan:
     blocks = tuple((bounds[i], bounds[i + 1]) for i in range(shards))
     ranges = tuple((prefix[a], prefix[b]) for a, b in blocks)
     return ShardPlan(layout, blocks, ranges)
+
+
+def _plan_split(layout: tuple, sizes: list[int], shards: int, splittable: tuple[bool, ...]) -> ShardPlan:
+    """Cuts at block boundaries, or anywhere inside a splittable block: the smallest cap on a
+    shard's size that a greedy fill meets (bisection), then shard by shard the end nearest an
+    even share of what is left among those after which the rest still fits under the cap."""
+    total = sum(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    # an unsplittable block is one atom (it cannot be cut), a splittable one as many as its coordinates
+    solid = [bool(s) and not sp for s, sp in zip(sizes, splittable, strict=True)]
+    atoms_after = [0] * (len(sizes) + 1)  # atoms in blocks k.. (whole)
+    for k in range(len(sizes) - 1, -1, -1):
+        atoms_after[k] = atoms_after[k + 1] + (1 if solid[k] else sizes[k])
+    if shards > atoms_after[0]:
+        whole = [layout[k][0] for k in range(len(sizes)) if solid[k]]
+        raise ValueError(f"cannot shard {total} coordinates over {shards} shards: at most {atoms_after[0]} (a "
+                         f"block is split only where the algorithm's vector work is elementwise; whole: "
+                         f"{', '.join(whole) or 'none'})")
+
+    def block_at(pos: int) -> int:
+        """The block holding coordinate ``pos`` (the first non-empty one starting there)."""
+        lo, hi = 0, len(sizes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if prefix[mid + 1] <= pos:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def atoms(pos: int) -> int:
+        """Atoms from ``pos`` (a cut point: a boundary, or inside a splittable block) on."""
+        k = block_at(pos) if pos < total else len(sizes)
+        return atoms_after[k] - (pos - prefix[k] if k < len(sizes) and not solid[k] else 0)
+
+    def greedy(pos: int, cap: int) -> int:
+        """Shards a fill from ``pos`` with at most ``cap`` each takes (as late cuts as can be)."""
+        count, load = 0, 0
+        k0 = block_at(pos) if pos < total else len(sizes)
+        for k in range(k0, len(sizes)):
+            left = prefix[k + 1] - max(pos, prefix[k])
+            if solid[k]:
+                if count == 0 or load + left > cap:
+                    count, load = count + 1, 0
+                load += left
+            else:
+                while left:
+                    if count == 0 or load == cap:
+                        count, load = count + 1, 0
+                    take = min(left, cap - load)
+                    load, left = load + take, left - take
+            if count > shards:
+                return count
+        return count
+
+    lo, hi = max(max((s for s, so in zip(sizes, solid, strict=True) if so), default=0), -(-total // shards)), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(0, mid) > shards:
+            lo = mid + 1
+        else:
+            hi = mid
+    cap = lo
+
+    def fits(c: int, rest: int) -> bool:
+        """The coordinates from ``c`` on make exactly ``rest`` shards under the cap."""
+        return greedy(c, cap) <= rest <= atoms(c)
+
+    def cut(pos: int, aim: float, rest: int) -> int:
+        """The cut in (pos, pos + cap] nearest ``aim`` (ties: the earlier) after which the rest
+        makes ``rest`` shards. Inside a splittable block the cuts that fit are an interval (the
+        greedy count falls, the atoms left fall, as the cut moves on): it is found by bisection."""
+        end, found = min(pos + cap, total), []
+        k = block_at(pos)
+        while k < len(sizes) and prefix[k] < end:
+            b0, b1 = prefix[k], prefix[k + 1]
+            if pos < b1 <= end and fits(b1, rest):
+                found.append(b1)
+            c_lo, c_hi = max(b0, pos) + 1, min(b1 - 1, end)  # cuts inside the block
+            if not solid[k] and c_lo <= c_hi and greedy(c_hi, cap) <= rest:
+                lo_, hi_ = c_lo, c_hi
+                while lo_ < hi_:
+                    mid = (lo_ + hi_) // 2
+                    if greedy(mid, cap) <= rest:
+                        hi_ = mid
+                    else:
+                        lo_ = mid + 1
+                c_min = lo_
+                if atoms(c_min) >= rest:
+                    lo_, hi_ = c_min, c_hi
+                    while lo_ < hi_:
+                        mid = (lo_ + hi_ + 1) // 2
+                        if atoms(mid) >= rest:
+                            lo_ = mid
+                        else:
+                            hi_ = mid - 1
+                    found.extend(min(max(c, c_min), lo_) for c in (math.floor(aim), math.ceil(aim)))
+            k += 1
+        if not found:  # unreachable: the greedy fill's own cut fits
+            raise AssertionError(f"no cut after {pos} for {rest} more shards")
+        return min(found, key=lambda c: (abs(c - aim), c))
+
+    bounds = [0]
+    for j in range(shards - 1):
+        pos = bounds[-1]
+        bounds.append(cut(pos, pos + (total - pos) / (shards - j), shards - j - 1))
+    bounds.append(total)
+    pieces, blocks = [], []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        last = b == total
+        ps = [(k, max(a, prefix[k]) - prefix[k], min(b, prefix[k + 1]) - prefix[k]) for k in range(len(sizes))
+              if (prefix[k] < b and prefix[k + 1] > a)
+              or (sizes[k] == 0 and a <= prefix[k] and (prefix[k] < b or last))]  # an empty block: where it starts
+        pieces.append(tuple(ps))
+        blocks.append((ps[0][0], ps[-1][0] + 1))
+    return ShardPlan(layout, tuple(blocks), tuple(zip(bounds[:-1], bounds[1:], strict=True)), tuple(pieces))
+
+
+def splittable_blocks(alg: Algorithm, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+    """``alg.splittable_blocks(layout, lmo_mask)``, checked (an algorithm without the method
+    splits nothing)."""
+    fn = getattr(alg, "splittable_blocks", None)
+    if fn is None:
+        return (False,) * len(tuple(layout))
+    got = tuple(bool(b) for b in fn(tuple(layout), lmo_mask))
+    if len(got) != len(tuple(layout)):
+        raise ValueError(f"splittable_blocks gave {len(got)} flags for {len(tuple(layout))} layout blocks")
+    return got
 
 
 def shard_refusal(alg: Algorithm) -> str:
@@ -215,7 +386,7 @@ class Sharded(Algorithm):
         reason = shard_refusal(self.inner)
         if reason:  # even for S = 1: the coordinator runs it on no vector at all
             raise ValueError(f"{self.inner.name or type(self.inner).__name__} cannot be sharded: {reason}")
-        plan = plan_shards(tuple(layout), self.n_shards)
+        plan = plan_shards(tuple(layout), self.n_shards, splittable_blocks(self.inner, layout, lmo_mask))
         parts = tuple(bind_layout(self.inner, plan.sub_layout(i), plan.sub_mask(i, lmo_mask))
                       for i in range(plan.shards))
         return dataclasses.replace(self, plan=plan, parts=parts, mask=mask, coordinator=bind_layout(self.inner, ()))

@@ -333,6 +333,9 @@ class _DelayedVR(Algorithm):
     def shard_refusal(self) -> str:
         return ""  # every vector operation is elementwise; M_k and the rounds come from job metadata
 
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        return (True,) * len(tuple(layout))
+
     def metrics(self, state: DelayedVRState) -> dict[str, float]:
         m = {
             "round": float(state.version - 1),

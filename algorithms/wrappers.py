@@ -238,6 +238,9 @@ class Wrapper(Algorithm):
     def shard_refusal(self) -> str:
         return self.inner.shard_refusal()
 
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        return self.inner.splittable_blocks(layout, lmo_mask)  # the wrappers' own work is elementwise
+
     def to_state_dict(self, state: Any) -> dict[str, Any]:
         return self.inner.to_state_dict(state)
 

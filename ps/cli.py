@@ -278,8 +278,9 @@ def list_algorithms(names) -> None:
               help="Precision of iterates and gradients on the wire (TCP); the server keeps float32.")
 @_allow_options
 @click.option("--shards", type=click.IntRange(0, 64), default=0, show_default=True,
-              help="Shard the parameter vector over this many shard processes (whole layout blocks each; 0: one "
-                   "server process). Needs --state (a temporary directory if not given).")
+              help="Shard the parameter vector over this many shard processes (contiguous ranges; a block is cut "
+                   "only where the algorithm's work is elementwise; 0: one server process). Needs --state (a "
+                   "temporary directory if not given).")
 @click.option("--local-shards", type=click.IntRange(min=0), default=None,
               help="How many of the shards serve starts on this host, slots 0.. (default: all); the others are "
                    "`latecomer shard --coordinator ...` started elsewhere.")
@@ -554,8 +555,8 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
               help="How iterates and gradients travel (PROTOCOL.md §6.12): simulated workers compute on the "
                    "quantized iterate and their gradients reach the server quantized.")
 @click.option("--shards", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Shard the parameter vector over this many server shards of whole layout blocks (one "
-                   "decision for all, checked; the same bits as 1).")
+              help="Shard the parameter vector over this many server shards (contiguous ranges; blocks cut only "
+                   "where the algorithm's work is elementwise; one decision for all, checked; the same bits as 1).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/sim", show_default=True, callback=output_dir,
               help="Write trace.csv, convergence.png, summary.json and final_x.npy here.")

@@ -60,7 +60,7 @@ class TrainingSpec:
 
     def build_sharded(self, shards: int, device: str = "cpu"):
         """The problem and the algorithm as :class:`algorithms.sharding.Sharded` over ``shards``
-        shards of whole layout blocks, bound to the problem's layout: its ``coordinator`` runs on
+        shards (algorithms/sharding.py), bound to the problem's layout: its ``coordinator`` runs on
         the coordinator, ``parts[i]`` on shard i (docs/ALGORITHMS.md §14)."""
         import algorithms
         from algorithms.base import bind_layout

@@ -1,4 +1,4 @@
-"""A shard of a sharded server: one process holding a range of whole layout blocks (PROTOCOL.md §12).
+"""A shard of a sharded server: one process holding a range of the parameter vector (PROTOCOL.md §12).
 
 The shard runs the same :class:`~ps.core.ServerCore` as the coordinator, with the algorithm
 bound to its blocks (``Sharded.parts[i]``, docs/ALGORITHMS.md §14), and feeds it the
@@ -229,8 +229,8 @@ class Shard:
         self.range = (lo, hi)
         self.wire = run_wire_dtype(run)
         self.inputs = ShardInputs(self.core, self.blocks)
-        log.info("shard %d of %d: blocks %d..%d, values [%d, %d) (%.1f MB of float32)", self.index, shards,
-                 *sharded.plan.blocks[self.index], lo, hi, (hi - lo) * 4 / 1e6)
+        log.info("shard %d of %d: %s, values [%d, %d) (%.1f MB of float32)", self.index, shards,
+                 ", ".join(name for name, _ in sharded.plan.sub_layout(self.index)), lo, hi, (hi - lo) * 4 / 1e6)
 
     def _restore(self, info: dict) -> None:
         """A restarted shard: its checkpoint, then the blocks journaled after it."""

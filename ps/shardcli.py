@@ -49,7 +49,7 @@ def _allow(ctx, param, value):
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
           exit_with_parent, log_level) -> None:
-    """Serve a shard of a sharded server: a range of whole layout blocks of the parameter vector.
+    """Serve a shard of a sharded server: a contiguous range of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
     a shard with --state may be restarted at any time and catches up. It exits when the

@@ -161,7 +161,8 @@ class Simulator:
         cache_size: iterates a simulated worker caches (evicting least recently used).
         wire_dtype: how iterates and gradients travel (``"f32"``, ``"f16"``, ``"bf16"``): job
             points are quantized on their way to a worker, reply gradients on their way back.
-        shards: S, the parameter vector sharded over S server shards of whole layout blocks
+        shards: S, the parameter vector sharded over S server shards (contiguous ranges; a block
+            cut only where the algorithm's work is elementwise)
             (``algorithms.sharding.Sharded``: one decision, checked equal on every shard); 1, the
             default, runs the algorithm itself. Same seed, same bits for every S.
     """

@@ -1,9 +1,11 @@
-"""Issue 17, first acceptance point: the parameter vector sharded over S server shards of whole
-layout blocks (algorithms/sharding.py) is bit-identical to S = 1 in the simulator.
+"""Issue 17, first acceptance point: the parameter vector sharded over S server shards
+(algorithms/sharding.py) is bit-identical to S = 1 in the simulator.
 
 Each algorithm runs on the digits MLP (four blocks: two weight matrices, two bias vectors) with
 5 workers of sqrt-heterogeneous speeds plus noise, a crash and rejoin, and replies lost in
-transit (so write-offs reach ``on_lost``), for S = 1 (the algorithm itself, no wrapper), 2 and 3.
+transit (so write-offs reach ``on_lost``), for S = 1 (the algorithm itself, no wrapper), 2 and 5
+(more shards than blocks: blocks whose vector work is elementwise are cut; Muon's matrices stay
+whole).
 The final iterates must be equal byte for byte and the applied (job id, created_at) sequences
 equal. Also: the block assignment, the refusals, and that a shard deciding differently raises.
 """
@@ -90,7 +92,7 @@ def test_sharded_runs_are_bit_identical_to_one_shard(digits, case):
     assert base.counters["updates"] == updates
     assert base.counters["lost"] > 0, "the scenario writes jobs off (on_lost is exercised)"
     assert len(set(base_applied)) == len(base_applied) > 0
-    for s in (2, 3):
+    for s in (2, 5):
         trace, applied = run(digits, algorithms.build(name, settings), s, updates)
         assert trace.final_x.dtype == base.final_x.dtype
         assert trace.final_x.tobytes() == base.final_x.tobytes(), f"S = {s}: final iterate differs"
@@ -232,16 +234,18 @@ def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
     from ps.cli import main
 
     outs = []
-    for s in (1, 2):
+    for s in (1, 2, 7):  # 7 shards of digits' 4 blocks: ringmaster's work is elementwise, so blocks are cut
         out = tmp_path / f"s{s}"
         r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--algorithm", "ringmaster", "--workers", "3",
                                       "--max-steps", "40", "--shards", str(s), "--out", str(out)])
         assert r.exit_code == 0, r.output
         outs.append(np.load(out / "final_x.npy"))
-    assert outs[0].dtype == np.float32 and outs[0].tobytes() == outs[1].tobytes()
-    r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--max-steps", "5", "--shards", "5",
-                                  "--out", str(tmp_path / "s5")])
-    assert r.exit_code != 0 and "never split" in r.output
+    assert outs[0].dtype == np.float32 and outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
+    # Muon keeps its two matrices whole (2 atoms) and may cut its biases (32 + 10 coordinates): 44 shards at most.
+    r = CliRunner().invoke(main, ["simulate", "--problem", "digits", "--algorithm", "ringmaster-lmo", "--max-steps",
+                                  "5", "--shards", "1000", "--out", str(tmp_path / "s1000")])
+    assert r.exit_code != 0 and "cannot shard" in r.output and "at most 44" in r.output, r.output
+    assert "whole: fc1.weight, fc2.weight" in r.output
 
 
 @pytest.mark.parametrize("case", ["storm-vr", "ringmaster-lmo-muon"])
@@ -273,3 +277,80 @@ def test_a_refused_algorithm_is_refused_with_one_shard_too(digits):
     """The coordinator runs it on no vector at all: clip_norm's norm would be 0 there."""
     with pytest.raises(ValueError, match="norm of the whole gradient"):
         bind_layout(Sharded(algorithms.build("asgd", {"clip_norm": 1.0}), n_shards=1), digits.layout)
+
+
+def brute_force_split(sizes: list[int], splittable: list[bool], s: int) -> int:
+    """The smallest largest shard over every way to cut at block boundaries or inside splittable blocks."""
+    prefix = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+    allowed = set(prefix[1:-1])
+    for k, sp in enumerate(splittable):
+        if sp:
+            allowed.update(range(prefix[k] + 1, prefix[k + 1]))
+    allowed = sorted(c for c in allowed if 0 < c < prefix[-1])
+    best = math.inf
+    for cuts in itertools.combinations(allowed, s - 1):
+        b = (0, *cuts, prefix[-1])
+        best = min(best, max(b[i + 1] - b[i] for i in range(s)))
+    return best
+
+
+def test_blocks_are_cut_only_where_splittable_and_the_largest_shard_is_as_small_as_it_can_be():
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        n = int(rng.integers(1, 5))
+        sizes = [int(v) for v in rng.integers(1, 7, n)]
+        splittable = [bool(v) for v in rng.random(n) < 0.5]
+        splittable[int(rng.integers(n))] = True
+        layout = tuple((f"b{k}", (v,)) for k, v in enumerate(sizes))
+        atoms = sum(v if sp else 1 for v, sp in zip(sizes, splittable, strict=True))
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        for s in range(1, 6):
+            if s > atoms:
+                with pytest.raises(ValueError, match=f"at most {atoms}"):
+                    plan_shards(layout, s, splittable)
+                continue
+            plan = plan_shards(layout, s, splittable)
+            assert plan.shards == s and plan.ranges[0][0] == 0 and plan.ranges[-1][1] == sum(sizes)
+            assert all(hi > lo for lo, hi in plan.ranges), "every shard owns a coordinate"
+            assert all(plan.ranges[i][1] == plan.ranges[i + 1][0] for i in range(s - 1)), "contiguous, once each"
+            for k in range(n):
+                owners = {i for i, (lo, hi) in enumerate(plan.ranges) if lo < offsets[k + 1] and hi > offsets[k]}
+                assert splittable[k] or len(owners) == 1, "a block that may not be split lies on one shard"
+            for i in range(s):
+                sub = plan.sub_layout(i)
+                assert sum(math.prod(shape) for _, shape in sub) == plan.ranges[i][1] - plan.ranges[i][0]
+            largest = max(hi - lo for lo, hi in plan.ranges)
+            assert largest == brute_force_split(sizes, splittable, s), (sizes, splittable, s, plan.ranges)
+
+
+def test_a_split_block_is_a_flat_piece_and_the_mask_follows_it():
+    layout = (("w", (4, 3)), ("b", (3,)), ("v", (10,)))
+    plan = plan_shards(layout, 4, (False, True, True))
+    assert plan.ranges == ((0, 12), (12, 16), (16, 20), (20, 25))
+    assert plan.sub_layout(0) == (("w", (4, 3)),)
+    assert plan.sub_layout(1) == (("b", (3,)), ("v[0:1]", (1,)))
+    assert plan.sub_layout(3) == (("v[5:10]", (5,)),)
+    # without a problem's mask: the default rule read on the whole layout (w gets Newton-Schulz), not on the pieces
+    assert [plan.sub_mask(i, None) for i in range(4)] == [(True,), (False, False), (False,), (False,)]
+    assert plan.sub_mask(1, (False, True, False)) == (True, False)
+    # one 40 MB vector over 4 shards: equal quarters
+    assert plan_shards((("x", (10_000_000,)),), 4, (True,)).ranges == tuple(
+        (q * 2_500_000, (q + 1) * 2_500_000) for q in range(4))
+
+
+def test_each_algorithm_says_which_blocks_it_may_split():
+    layout = LAYOUTS[0]
+    settings = {name: kw for name, kw, _ in cases(100).values()}  # ringmaster-lmo: its Muon case (the later)
+    for name in algorithms.ALGORITHMS:
+        alg = algorithms.build(name, settings[name])
+        got = alg.splittable_blocks(layout, None)
+        muon = name in ("rennala-muon", "delay-adaptive-muon", "ringmaster-lmo")
+        assert got == ((False, True, False, True) if muon else (True,) * 4), name
+    assert algorithms.build("ringmaster-lmo", {"lmo": "sign"}).splittable_blocks(layout) == (True,) * 4
+    assert algorithms.build("ringmaster-lmo").splittable_blocks(layout, (True, True, False, False)) == (
+        False, False, True, True)
+
+    class Mine(Algorithm):
+        pass
+
+    assert Mine().splittable_blocks(layout) == (False,) * 4, "an algorithm that says nothing is cut nowhere"

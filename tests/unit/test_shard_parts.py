@@ -40,7 +40,7 @@ def run(tmp_path):
     journal.sync()
     shard = Shard("tcp://127.0.0.1:9", bind="tcp://127.0.0.1:0")
     assert shard.endpoint == ""  # a new shard binds its data socket once it knows its slice
-    shard._on_welcome({"index": 1, "shards": 2, "run_id": core.cfg.run_id, "from": 0, "lo": 4, "hi": 12})
+    shard._on_welcome({"index": 1, "shards": 2, "run_id": core.cfg.run_id, "from": 0, "lo": 6, "hi": 12})
     assert shard.welcomed and shard.endpoint.startswith("tcp://127.0.0.1:")
     sent = []
     shard._send_data = lambda rid, msg: sent.append((rid, msg))
@@ -66,7 +66,7 @@ def test_the_shard_follows_the_records_and_answers_fetches_with_its_slice(run):
     core, _inputs, shard, sent, problem = run
     assert sorted(shard.core.ledger) == sorted(core.ledger) == [0, 1]
     lo, hi = shard.range
-    assert (lo, hi) == (4, 12)  # blocks of 4 values, the largest run as small as possible, earliest cut: 1 | 2
+    assert (lo, hi) == (6, 12)  # 3 blocks of 4 values; asgd's work is elementwise: the middle block is cut in halves
     e = shard.core.ledger[0]
     shard._fetch(RID, Fetch(job_id=0, created_at=e.created_at, iterate_ids=e.iterate_ids), 0.0)
     (rid, job), = sent
@@ -88,7 +88,7 @@ def test_fetches_of_settled_other_or_future_jobs(run):
 def test_a_bad_block_is_refused_and_changes_nothing(run, bad, code):
     _core, _inputs, shard, _sent, _ = run
     e = shard.core.ledger[0]
-    g = np.full(8, np.nan, np.float32) if bad == "nan" else np.zeros(5, np.float32)
+    g = np.full(6, np.nan, np.float32) if bad == "nan" else np.zeros(5, np.float32)
     r, frames = block(0, e.created_at, g)
     before = {j: (x.received, x.worker_id) for j, x in shard.core.ledger.items()}
     shard._block(RID, r, frames)
@@ -99,7 +99,7 @@ def test_a_bad_block_is_refused_and_changes_nothing(run, bad, code):
 def test_a_block_of_another_worker_or_garbage_is_dropped(run):
     _core, _inputs, shard, sent, _ = run
     e = shard.core.ledger[0]
-    r, frames = block(0, e.created_at, np.ones(8, np.float32))
+    r, frames = block(0, e.created_at, np.ones(6, np.float32))
     shard._block(b"w2/1", r, frames)
     shard._on_data([zmq.Frame(RID), zmq.Frame(b"\xc1garbage")])
     assert shard.blocks == {} and shard.haves == []
@@ -110,7 +110,7 @@ def test_a_good_block_is_held_and_applied_when_the_coordinator_accepts_its_reply
     core, inputs, shard, _sent, _ = run
     e = shard.core.ledger[0]
     g = np.arange(12, dtype=np.float32)
-    r, frames = block(0, e.created_at, g[4:])
+    r, frames = block(0, e.created_at, g[6:])
     shard._block(RID, r, frames)
     assert 0 in shard.blocks and shard.haves[0][1][2] == 0
     header = Reply(job_id=0, created_at=e.created_at, grads=(np.empty(0, np.float32),), loss=0.0, count=1)
@@ -118,7 +118,7 @@ def test_a_good_block_is_held_and_applied_when_the_coordinator_accepts_its_reply
     inputs.persist.journal.sync()
     feed(shard, inputs.persist.state_dir)
     assert shard.core.version == core.version == 1 and 0 not in shard.blocks
-    np.testing.assert_allclose(shard.core.params(), -0.1 * g[4:])  # asgd: x0 = 0, x1 = -lr g (this shard's slice)
+    np.testing.assert_allclose(shard.core.params(), -0.1 * g[6:])  # asgd: x0 = 0, x1 = -lr g (this shard's slice)
 
 
 def test_a_record_the_shard_has_no_block_for_stops_it_with_one_line(run):
@@ -157,7 +157,7 @@ def test_control_messages_round_trip():
 def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
     core, inputs, _shard, _sent, _ = run
     hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
-                   ranges=((0, 4), (4, 12)), clock=lambda: 0.0)
+                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
     try:
         e0, e1 = core.ledger[0], core.ledger[1]
         empty = (np.empty(0, np.float32),)
@@ -235,7 +235,7 @@ def test_records_go_to_a_shard_only_once_durable_and_in_order(run):
     core, inputs, _shard, _sent, _ = run
     journal = inputs.persist.journal
     ctx = zmq.Context.instance()
-    hub = ShardHub(ctx, "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist, ranges=((0, 4), (4, 12)),
+    hub = ShardHub(ctx, "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist, ranges=((0, 6), (6, 12)),
                    clock=lambda: 0.0)
     dealer = ctx.socket(zmq.DEALER)
     try:
