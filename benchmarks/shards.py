@@ -11,7 +11,7 @@ every process are gone after it, whatever happened):
 * unsharded: host ``server`` (``serve``, no ``--shards``) at ``--rate``, host ``workers`` unshaped;
 * S shards: host ``coord`` (``serve --shards S --local-shards 0``; its socket carries headers only)
   at ``--rate``, hosts ``shard0`` .. ``shard{S-1}`` (``latecomer shard``, slot i, each owning a
-  contiguous range of whole layout blocks) each at ``--rate``, host ``workers`` unshaped.
+  contiguous range of the vector) each at ``--rate``, host ``workers`` unshaped.
 
 All ``--workers`` workers (``--credit``, ``--shm off``) run in the one unshaped ``workers`` host, so
 the server side's links are the only bottleneck, as the issue asks. The problem is ``synthetic``
@@ -83,12 +83,13 @@ def _py(*args: str) -> list[str]:
     return [sys.executable, "-m", "ps", *args]
 
 
-# ``latecomer work`` with worker/shards.py's REFETCH_S set first (``--refetch-s``): a diagnostic,
-# not the shipped worker. The module is imported before the command runs, so the value holds.
+# ``latecomer work`` with worker/shards.py's silence before a fetch is asked again (REFETCH_MIN_S
+# and REFETCH_FIRST_S) set first (``--refetch-s``): a diagnostic, not the shipped worker. The
+# module is imported before the command runs, so the value holds.
 _WORK_PATCHED = ("import runpy, sys\n"
                  "import worker.shards as m\n"
-                 "assert hasattr(m, 'REFETCH_S'), 'worker/shards.py has no REFETCH_S any more'\n"
-                 "m.REFETCH_S = float(sys.argv.pop(1))\n"
+                 "assert hasattr(m, 'REFETCH_MIN_S'), 'worker/shards.py has no REFETCH_MIN_S any more'\n"
+                 "m.REFETCH_MIN_S = m.REFETCH_FIRST_S = float(sys.argv.pop(1))\n"
                  "sys.argv[0] = 'ps'\n"
                  "runpy.run_module('ps', run_name='__main__', alter_sys=True)\n")
 
@@ -433,8 +434,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     d, rate = meta["d"], meta["rate"]
     tweaks = []
     if meta.get("refetch_s") is not None:
-        tweaks.append(f"workers run with worker/shards.py's REFETCH_S = {meta['refetch_s']:g} s (patched in "
-                      f"the worker process; shipped: 1 s)")
+        tweaks.append(f"workers run with worker/shards.py's REFETCH_MIN_S = REFETCH_FIRST_S = {meta['refetch_s']:g} s "
+                      f"(patched in the worker process; shipped: 2 s and 10 s)")
     if meta.get("liveness_timeout") is not None:
         tweaks.append(f"`serve --liveness-timeout {meta['liveness_timeout']:g}`")
     lines = [
@@ -505,24 +506,29 @@ def plot(runs: dict[str, dict[str, Any]], out: str) -> None:
             continue
         xs = [s for s, _ in sh]
         xs_all.update(xs)
-        ax.plot(xs, [u for _, u in sh], color=colour, marker=marker, linestyle="-", label=f"{tag}: sharded")
+        m = run["meta"]
+        name = f"{tag} (credit {m['credit']})"
+        ax.plot(xs, [u for _, u in sh], color=colour, marker=marker, linestyle="-", label=f"{name}: sharded")
+        for r in rows:  # the rounds' range
+            rounds = [u for u in r.get("updates_per_s_rounds", []) if not math.isnan(u)]
+            if r["shards"] and len(rounds) > 1 and not r["error"]:
+                ax.vlines(r["shards"], min(rounds), max(rounds), color=colour, linewidth=2, alpha=0.6)
         base = dict(sh).get(1)
         if base:
             ax.plot(xs, [base * s for s in xs], color=colour, linestyle="--", linewidth=0.9,
-                    label=f"{tag}: ideal, S x (S=1)")
+                    label=f"{name}: ideal, S x (S=1)")
         un = next((r["updates_per_s"] for r in rows if r["shards"] == 0 and not r["error"]), None)
         if un:
-            ax.axhline(un, color=colour, linestyle="-.", linewidth=0.9, label=f"{tag}: unsharded server")
-        m = run["meta"]
-        expect = expect or (m["d"], m["rate_bits_per_s"], m["rate"], m["workers"], m["credit"])
+            ax.axhline(un, color=colour, linestyle="-.", linewidth=0.9, label=f"{name}: unsharded server")
+        expect = expect or (m["d"], m["rate_bits_per_s"], m["rate"], m["workers"])
     if expect and xs_all:
         xs = sorted(xs_all)
         d, bits = expect[0], expect[1]
         ax.plot(xs, [expected_link_bound(d, s, bits) for s in xs], color="black", linestyle=":",
                 label="link-bound expectation")
         ax.set_xticks(xs)
-        ax.set_title(f"latecomer sharded, links {expect[2]} each, d={d:.0e} float32, "
-                     f"{expect[3]} workers x credit {expect[4]}", fontsize=9)
+        ax.set_title(f"latecomer sharded: every server-side link {expect[2]}, d={d:.0e} float32, "
+                     f"{expect[3]} workers", fontsize=9)
     ax.set_xlabel("shards S")
     ax.set_ylabel("applied updates / s")
     ax.set_ylim(bottom=0)
@@ -556,6 +562,16 @@ def write_report(out: Path, tag: str, meta: dict[str, Any], rows: list[dict[str,
         new = (old.rstrip() + "\n\n" if old.strip() else "") + f"## Run `{tag}`\n\n{block}\n"
     out.write_text(new if new.endswith("\n") else new + "\n")
     return runs
+
+
+def _tagged(runs: dict[str, Any], tags: str | None) -> dict[str, Any]:
+    if tags is None:
+        return runs
+    want = [t.strip() for t in tags.split(",") if t.strip()]
+    missing = [t for t in want if t not in runs]
+    if missing:
+        raise SystemExit(f"no run tagged {missing} in the JSON (it has {sorted(runs)})")
+    return {t: runs[t] for t in want}
 
 
 def measure(s: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -618,8 +634,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/RESULTS-shards.md", help="markdown; the JSON goes beside it")
     ap.add_argument("--tag", default="shipped", help="this run's name in the report (its table, its JSON entry)")
     ap.add_argument("--plot", default=None, help="PNG of updates/s against S, every run in the JSON (default: none)")
+    ap.add_argument("--plot-tags", default=None,
+                    help="comma-separated tags the plot shows (default: every run in the JSON)")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="measure nothing: draw --plot from the JSON beside --out")
     ap.add_argument("--refetch-s", type=float, default=None,
-                    help="diagnostic: the workers' worker/shards.py REFETCH_S set to this (default: as shipped)")
+                    help="diagnostic: the workers' worker/shards.py REFETCH_MIN_S and REFETCH_FIRST_S set to this "
+                         "(default: as shipped)")
     ap.add_argument("--liveness-timeout", type=float, default=None,
                     help="serve --liveness-timeout (workers and shards; default: serve's)")
     ap.add_argument("--quiet-wait", type=float, default=600.0,
@@ -636,6 +657,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"used over {NOISY_CORES} cores in its window; the quietest try is kept")
     ap.add_argument("--keep", action="store_true", help="keep the state directories and logs (printed)")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        if not a.plot:
+            ap.error("--plot-only needs --plot")
+        runs = json.loads(Path(a.out).with_suffix(".json").read_text())["runs"]
+        plot(_tagged(runs, a.plot_tags), a.plot)
+        return 0
     counts = [int(x) for x in a.shards.split(",") if x.strip()]
     if any(s < 1 or BLOCKS % s for s in counts):
         ap.error(f"each shard count must divide the {BLOCKS} layout blocks: {counts}")
@@ -673,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
             "targets": targets(rows), "code": codes[0] if len(codes) == 1 else f"CHANGED DURING THE RUN: {codes}"}
     runs = write_report(Path(a.out), a.tag, meta, rows)
     if a.plot:
-        plot(runs, a.plot)
+        plot(_tagged(runs, a.plot_tags), a.plot)
     print("\n".join(meta["targets"]))
     return 0 if all(not r["error"] for r in rows) else 1
 
