@@ -79,6 +79,12 @@ NOISY_CORES = 0.25  # other processes' CPU in a window above which it is measure
 POLL_S = 0.1  # polling interval of the bounded waits below
 
 
+def _insecure_shard(tree: str) -> list[str]:
+    """``--insecure`` for a shard bound to a namespace's address, where the tree's shard has it
+    (since CurveZMQ on shards a non-loopback bind without --keys needs it; older trees refuse it)."""
+    return ["--insecure"] if "--insecure" in (Path(tree) / "ps" / "shardcli.py").read_text() else []
+
+
 def _py(*args: str) -> list[str]:
     return [sys.executable, "-m", "ps", *args]
 
@@ -302,7 +308,8 @@ def run_config(shards: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for i, h in enumerate(shard_hosts):
             start(f"shard{i}", h, _py("shard", "--coordinator", f"tcp://{sip}:{SHARD_PORT}",
                                       "--bind", f"tcp://{hosts.ip(h)}:{DATA_PORT}", "--slot", str(i),
-                                      "--state", str(work / f"shard{i}-state"), "--log-level", "info"))
+                                      "--state", str(work / f"shard{i}-state"), "--log-level", "info",
+                                      *_insecure_shard(a.tree)))
         for i in range(a.workers):
             start(f"worker{i}", "workers", _work(a.refetch_s, "--server", f"tcp://{sip}:{SERVE_PORT}", "--credit",
                                                  str(a.credit), "--shm", "off", "--worker-id", f"w{i}",

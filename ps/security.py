@@ -89,8 +89,17 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         return allowed, reason
 
 
+SHARD_DOMAIN = "latecomer-shards"  # the ZAP domain of a coordinator's shard socket: the server's own key only
+
+
 class ServerSecurity:
-    """CURVE server side: the secret key, and the authenticator thread holding the allow-list."""
+    """CURVE server side: the secret key, and the authenticator thread holding the allow-list.
+
+    A sharded server's processes all hold the server's key pair: each shard's data socket is a
+    CURVE server under it (workers connect as to the server, with the allow-list), and a shard
+    connects to the coordinator's shard socket as a CURVE client with it, which that socket's ZAP
+    domain (:data:`SHARD_DOMAIN`, :meth:`allow_shards`) alone admits: being a shard takes the
+    server's secret key."""
 
     def __init__(self, ctx: zmq.Context, keys_dir: str) -> None:
         self.keys_dir = keys_dir
@@ -120,6 +129,17 @@ class ServerSecurity:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.curve_server = True
+
+    def apply_shard_server(self, sock: zmq.Socket) -> None:
+        """The coordinator's shard socket: a CURVE server whose only admitted client key is the
+        server's own (a shard's), in a ZAP domain of its own (before bind)."""
+        self.auth.certs[SHARD_DOMAIN] = {self.public: True}  # what configure_curve would load from a folder
+        sock.zap_domain = SHARD_DOMAIN.encode()
+        self.apply(sock)
+
+    def apply_shard_client(self, sock: zmq.Socket) -> None:
+        """A shard's control socket to its coordinator: a CURVE client with the server's key pair."""
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self.public, self.secret, self.public
 
     def stop(self) -> None:
         self.auth.stop()

@@ -129,9 +129,6 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     wire_dtype, events, shards = opts.wire_dtype, opts.events, None
     if opts.shards and state is None:
         raise click.UsageError("a sharded server needs --state DIR: its journal feeds the shards")
-    if opts.shards and opts.keys_dir:
-        raise click.UsageError("--keys with --shards: the shards' sockets have no CurveZMQ yet; run a sharded server "
-                               "on a private network (docs/SHARDING.md)")
     if state is not None:
         core, problem, persistence, spec = open_state(state, spec, boot=boot, wire_dtype=wire_dtype, allowed=allowed,
                                                       shards=opts.shards, **opts.core_kw())

@@ -103,6 +103,15 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _server_security(ctx: zmq.Context, keys_dir: str | None) -> Any:
+    """CurveZMQ: the server's key pair, the workers on the allow-list (ps/security.py); None without keys."""
+    if not keys_dir:
+        return None
+    from ps.security import ServerSecurity
+
+    return ServerSecurity(ctx, keys_dir)
+
+
 class Shard:
     """One shard process's loop. ``run()`` returns why it stopped.
 
@@ -121,7 +130,7 @@ class Shard:
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
-                 context: zmq.Context | None = None, clock=time.monotonic) -> None:
+                 keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic) -> None:
         self.coordinator = coordinator
         self.state_dir = state_dir
         self.allowed = allowed
@@ -130,6 +139,7 @@ class Shard:
         self.clock = clock
         self.own_ctx = context is None
         self.ctx = context or zmq.Context()
+        self.security = _server_security(self.ctx, keys_dir)
         self.boot = secrets.randbits(63)
         self.index, self.run_id, self.n_shards = -1, 0, 0
         self.core: Any = None
@@ -165,6 +175,8 @@ class Shard:
         self.data.linger = 0
         self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.data.sndhwm = self.data.rcvhwm = 256
+        if self.security is not None:
+            self.security.apply(self.data)
         self.bind_to, self.advertise, self.bound = bind, advertise, ""
         self.endpoint = advertise or ""  # told the coordinator once bound
         if self.core is not None:
@@ -296,6 +308,8 @@ class Shard:
         s.routing_id = f"shard/{self.boot:x}".encode()
         s.sndhwm = s.rcvhwm = 10_000
         s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if self.security is not None:
+            self.security.apply_shard_client(s)
         s.connect(self.coordinator)
         return s
 
@@ -331,6 +345,8 @@ class Shard:
             self.stopping = f"signal {signal.Signals(signum).name}"
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        if self.security is not None:  # the allow-list re-read, as the coordinator's (SIGHUP)
+            signal.signal(signal.SIGHUP, lambda signum, frame: self.security.reload())
 
     def run(self) -> str:
         self._open_journal()
@@ -595,6 +611,8 @@ class Shard:
             self.journal.close()
         self.ctl.close(linger=500)
         self.data.close(linger=0)
+        if self.security is not None:
+            self.security.stop()
         if self.own_ctx:
             self.ctx.term()
         if self.lock is not None:

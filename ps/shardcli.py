@@ -44,11 +44,17 @@ def _allow(ctx, param, value):
               help="Trust this problem of your own where the coordinator's run names it (repeatable).")
 @click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN", callback=_allow,
               help="Trust this algorithm of your own where the coordinator's run names it (repeatable).")
+@click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="CurveZMQ, as the coordinator's --keys: the server's key pair (server.key_secret) and the workers' "
+                   "allow-list (authorized/; SIGHUP re-reads it). A coordinator with --keys admits only shards "
+                   "holding its key pair.")
+@click.option("--insecure", is_flag=True, default=False,
+              help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
 @click.option("--exit-with-parent", is_flag=True, default=False, hidden=True,
               help="Die with the process that started this one (serve's local shards).")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
-          exit_with_parent, log_level) -> None:
+          keys_dir, insecure, exit_with_parent, log_level) -> None:
     """Serve a shard of a sharded server: a contiguous range of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
@@ -56,18 +62,28 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     coordinator's run is over.
     """
     from ps.cli import _allowed, _setup_logging
+    from ps.security import is_loopback_endpoint
     from ps.shard import Shard
 
     _setup_logging(log_level)
+    if not keys_dir and not insecure and not is_loopback_endpoint(bind):
+        raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
+                               "read the traffic: give --keys DIR (the server's) or --insecure")
     if exit_with_parent:  # a coordinator killed with -9 takes its local shards along (they recover from --state)
         _exit_with_parent()
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
     try:
         s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
-                  allowed=_allowed(allow_problem, allow_algorithm), fsync=fsync, checkpoint_records=checkpoint_records)
+                  allowed=_allowed(allow_problem, allow_algorithm), fsync=fsync, checkpoint_records=checkpoint_records,
+                  keys_dir=keys_dir)
     except OSError as e:  # a bind in use, an unwritable directory
         raise click.ClickException(f"cannot start the shard: {e}") from None
+    except ValueError as e:  # an unreadable key pair or allow-list
+        raise click.BadParameter(str(e), param_hint="--keys") from None
+    if not keys_dir and not insecure and not is_loopback_endpoint(s.bind_to):  # the endpoint --state recorded
+        s.close()
+        raise click.UsageError(f"this shard's --state binds {s.bind_to}: without --keys give --insecure")
     if slot is not None and s.index < 0:
         s.index = slot
     elif slot is not None and s.index != slot:
@@ -106,6 +122,8 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
         extra.append(f"--allow-problem={spec.problem}")
     if spec.algorithm and ":" in spec.algorithm:
         extra.append(f"--allow-algorithm={spec.algorithm}")
+    if daemon.security is not None:  # CurveZMQ: the local shards hold the server's key pair too
+        extra.append(f"--keys={daemon.security.keys_dir}")
     local = LocalShards(daemon.hub.endpoint, state_dir, daemon.hub.n if count is None else count,
                         extra=tuple(extra), log_level="info")
     local.start()

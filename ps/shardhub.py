@@ -111,8 +111,8 @@ class ShardHub:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.sndhwm = self.sock.rcvhwm = 10_000
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(hi - lo for lo, hi in self.ranges) * 8 + (1 << 20))
-        if security is not None:
-            security.apply(self.sock)
+        if security is not None:  # only a holder of the server's secret key is a shard (ps/security.py)
+            security.apply_shard_server(self.sock)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.slots = [Slot(i) for i in range(n_shards)]

@@ -416,7 +416,7 @@ class Worker:
             self.shards.close()
             self.shards = None
         if shards:
-            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode())
+            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode(), curve=self.curve)
             log.info("sharded server: %d shards", len(shards))
 
     def _from_shard(self, i: int) -> None:

@@ -52,7 +52,10 @@ class Assembly:
 class ShardLinks:
     """DEALER sockets to every shard's data endpoint and the jobs being assembled from them."""
 
-    def __init__(self, ctx: zmq.Context, shards: tuple, routing_id: bytes) -> None:
+    def __init__(self, ctx: zmq.Context, shards: tuple, routing_id: bytes,
+                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+        """``curve``: (public, secret, server public) when the server runs CurveZMQ: every shard is
+        a CURVE server under the server's key pair, so the worker connects to each as to it."""
         self.map = tuple(shards)
         self.ranges = tuple((lo, hi) for _, lo, hi in shards)
         self.socks: list[zmq.Socket] = []
@@ -63,6 +66,8 @@ class ShardLinks:
             s.sndhwm = s.rcvhwm = 1000
             s.setsockopt(zmq.TCP_KEEPALIVE, 1)
             s.ipv6 = ep.startswith("tcp://[")
+            if curve is not None:
+                s.curve_publickey, s.curve_secretkey, s.curve_serverkey = curve
             s.connect(ep)
             self.socks.append(s)
         self.assembling: dict[int, Assembly] = {}

@@ -331,3 +331,15 @@ def test_a_worker_asks_a_shard_again_only_on_evidence_that_it_lost_a_fetch():
     finally:
         links.close()
         shard.close(linger=0)
+
+
+def test_a_shard_off_loopback_needs_keys_or_insecure_and_bad_keys_are_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from ps.cli import main
+
+    r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--bind", "tcp://0.0.0.0:0"])
+    assert r.exit_code == 2 and "without --keys" in r.output and "--insecure" in r.output, r.output
+    (tmp_path / "keys").mkdir()
+    r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--keys", str(tmp_path / "keys")])
+    assert r.exit_code == 2 and "cannot read key pair" in r.output, r.output
