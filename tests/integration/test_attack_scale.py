@@ -85,17 +85,32 @@ def test_job_hoarders_do_not_slow_the_real_workers(procs, tmp_path):
     answer; their heartbeats (seen=-1) keep those jobs outstanding. The ledger holds 25,600 jobs
     the whole time (102,400 without the cap), every applied reply runs cancel() and the store's
     sweep, and every checkpoint writes the ledger (as columns). The real workers run without an
-    injected delay (about 1,900 updates/s), so that a cost per reply shows: with the ledger
-    scanned on every reply, as before the index, they fell to 0.4 of their rate.
+    injected delay (600-1,700 updates/s on the 2-core Xeon VM), so that a cost per reply shows:
+    with the ledger scanned on every reply, as before the index, they fell to 0.39 of their rate.
+
+    Measured (during / the mean of before and after): 0.60-0.80 in 7 runs. The joining (25,600
+    jobs issued in 2-4 s) was the weak part: the training workers got 0.06 of their rate while
+    16 readys of 64 jobs each ran in a row; 0.3 with the backlog's slice bounded by time, more
+    with the pause after a burst (Daemon._receive_batch). A CI run failed at 0.497 before
+    both, against the one window before the attack.
 
     RSS bound 100 MiB: 25,600 ledger entries, their events and 400 connections (measured: about
     50 MiB); the jobs' iterates (d = 32) are shared."""
     victim = Victim(procs, tmp_path, delays=("0", "0"))  # real workers as fast as they go: every reply counts
-    report = victim.measure(_attack(N_HOARDERS, 256, 1.0), seconds=10)
-    print(report.summary())
+    report = victim.measure(_attack(N_HOARDERS, 256, 1.0), seconds=10, baseline_s=3.0)
     a = report.attack
     assert a["joined"] == N_HOARDERS, a
     assert N_HOARDERS * MAX_CREDIT <= a["outstanding"] <= N_HOARDERS * MAX_CREDIT + 2, \
         "each hoarder holds exactly max_credit jobs"
+    # Without an injected delay the real workers' rate follows the machine's speed, which wanders
+    # (AttackReport.reference): the rate during the attack is held against the mean of a window
+    # before it and one after it, once the hoarders' jobs were written off (their connections are
+    # closed: the liveness timeout of 3 s).
+    deadline = time.monotonic() + 30
+    while fetch_status(victim.endpoint, timeout_s=10.0).info["outstanding"] > 2:
+        assert time.monotonic() < deadline, "the hoarders' jobs were not written off within 30 s"
+        time.sleep(0.1)  # polling interval of a bounded wait
+    report.rate_after = victim.rate(3.0)
+    print(report.summary())
     report.check(rss_bound_mb=100)
     victim.finish()

@@ -75,3 +75,61 @@ def test_a_connection_with_backlogged_messages_stays_behind_them():
         assert handled == [(b"w", b"old"), (b"w", b"new")]
     finally:
         d.close()
+
+
+def test_a_message_that_issues_a_burst_of_jobs_pauses_the_backlog_for_the_training_workers():
+    """A job hoarder's ready sends 64 jobs (here: 5 ms of the daemon's clock). Right after one,
+    while a worker that trains was just served, the backlog waits for half that cost: the next
+    pass handles the training worker's reply and nothing of the backlog, and the loop's poll
+    waits for the pause's end, not 0. Cheap messages (a heartbeat: no burst) never pause it,
+    and with no training worker active a burst does not either."""
+    now = [0.0]
+    d, core, handled = daemon_with([])
+    d.clock = lambda: now[0]
+    d.next_hb = d.next_progress = 100.0  # no other deadline of the loop's
+
+    def on_frames(frames):
+        handled.append((frames[0].bytes, frames[1].bytes))
+        if frames[1].bytes.startswith(b"ready"):  # a hoarder's ready: 64 jobs, 5 ms
+            d.sends += 64
+            now[0] += 0.005
+        else:
+            d.sends += 1
+            now[0] += 0.0001
+
+    d._on_frames = on_frames
+
+    def feed(*msgs):
+        it = iter([[F(r), F(m)] for r, m in msgs])
+        d.transport.pending = lambda: it
+
+    try:
+        bind(d, core, b"real", "real", jobs_done=3)
+        feed((b"real", b"reply1"), (b"h1", b"ready1"), (b"h2", b"ready2"))
+        d._receive_batch()
+        assert handled == [(b"real", b"reply1"), (b"h1", b"ready1")], "one costly message, then the pause"
+        assert d.backlog_paused_until == now[0] + 0.0025
+        assert d._timeout_ms(now[0]) >= 2, "the loop waits for the training workers' messages"
+        handled.clear()
+        feed((b"real", b"reply2"))
+        d._receive_batch()
+        assert handled == [(b"real", b"reply2")], "during the pause only the training worker is served"
+        now[0] += 0.003  # the pause is over
+        handled.clear()
+        feed()
+        d._receive_batch()
+        assert handled == [(b"h2", b"ready2")]
+
+        # No training worker served within TRAINING_RECENT_S: bursts do not pause the backlog.
+        now[0] += 1.0
+        handled.clear()
+        paused = d.backlog_paused_until
+        feed((b"h3", b"ready3"), (b"h4", b"ready4"))
+        d._receive_batch()
+        assert handled == [(b"h3", b"ready3")], "a slice ends after BACKLOG_SLICE_S"
+        assert d.backlog_paused_until == paused and d._timeout_ms(now[0]) == 0, "no pause"
+        feed()
+        d._receive_batch()
+        assert handled[1:] == [(b"h4", b"ready4")]
+    finally:
+        d.close()
