@@ -19,11 +19,15 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/latecomer run
 
+# Unit and simulator tests are CPU-bound and independent: two processes (pytest-xdist) on the
+# 2 cores. The real-process tests run one at a time: several measure rates and liveness.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests/unit tests/sim
+	$(BIN)/python -m pytest -q --durations=25 tests/integration
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests/unit tests/sim
+	$(BIN)/python -m pytest -q -m "not slow" tests/integration
 
 clean:
 	rm -rf $(VENV) build *.egg-info
