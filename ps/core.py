@@ -86,13 +86,6 @@ Command = Send | Disconnect
 
 # --------------------------------------------------------------------------- checkpoint columns
 
-_I64 = (-(1 << 63), 1 << 63)
-
-
-def _is_i64(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and _I64[0] <= v < _I64[1]
-
-
 def _ints(values: list, types: set) -> np.ndarray | None:
     """``values`` as int64 when each is an int (or an int subclass, not a bool) within int64."""
     if not all(issubclass(t, int) and t is not bool for t in types):

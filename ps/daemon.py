@@ -49,7 +49,7 @@ from worker.compute import describe_layout
 log = logging.getLogger("latecomer.server")
 
 BACKLOG_SLICE = 16  # backlogged messages handled before the socket is looked at again (Daemon._receive_batch) ...
-BACKLOG_SLICE_S = 0.001  # ... or fewer, once they took this long (a hoarder's ready issues 64 jobs: ~4 ms)
+BACKLOG_SLICE_S = 0.001  # ... or fewer, once they took this long (a hoarder's ready issues 64 jobs: ~5 ms)
 BATCH_S = 0.005  # ... for at most this long before the loop's timers run
 BURST_SENDS = 8  # a backlog message that sends this many messages (jobs), while workers that train are active, ...
 PAUSE_SHARE = 0.5  # ... is followed by a pause of this share of its cost, for their messages (Daemon._receive_batch)
