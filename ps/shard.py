@@ -72,6 +72,23 @@ PARKED_S = 30.0  # ... for at most this long (the worker asks again)
 SHARD_FILE = "shard.json"
 
 
+
+def saved_shard(state_dir: str) -> dict | None:
+    """What a shard's ``--state`` directory says of it (``shard.json``: run id, index, shards,
+    endpoint and the address it bound), None for a new directory. Raises StateError if it cannot
+    be read."""
+    path = os.path.join(state_dir, SHARD_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+        if type(info) is not dict or type(info.get("run_id")) is not int or type(info.get("index")) is not int:
+            raise ValueError("not a shard description")
+        return info
+    except (OSError, ValueError) as e:
+        raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+
 class ShardInputs(CoreInputs):
     """The coordinator's records fed to this shard's core: a reply the coordinator accepted
     (journaled without gradients) gets the gradient block this shard holds for its job."""
@@ -188,17 +205,7 @@ class Shard:
 
     # ------------------------------------------------------------------ state
     def _saved(self) -> dict | None:
-        path = os.path.join(self.state_dir, SHARD_FILE)
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path, encoding="utf-8") as f:
-                info = json.load(f)
-            if type(info) is not dict or type(info.get("run_id")) is not int or type(info.get("index")) is not int:
-                raise ValueError("not a shard description")
-            return info
-        except (OSError, ValueError) as e:
-            raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+        return saved_shard(self.state_dir)
 
     def _save_info(self) -> None:
         info = {"run_id": self.run_id, "index": self.index, "shards": self.n_shards, "endpoint": self.endpoint,

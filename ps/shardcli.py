@@ -63,12 +63,16 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     """
     from ps.cli import _allowed, _setup_logging
     from ps.security import is_loopback_endpoint
-    from ps.shard import Shard
+    from ps.shard import Shard, saved_shard
 
     _setup_logging(log_level)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
         raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
                                "read the traffic: give --keys DIR (the server's) or --insecure")
+    saved = saved_shard(state_dir) if state_dir and os.path.isdir(state_dir) else None
+    if saved and saved.get("bind") and not keys_dir and not insecure and not is_loopback_endpoint(saved["bind"]):
+        # checked before the Shard binds it again
+        raise click.UsageError(f"this shard's --state binds {saved['bind']}: without --keys give --insecure")
     if exit_with_parent:  # a coordinator killed with -9 takes its local shards along (they recover from --state)
         _exit_with_parent()
     if state_dir:
@@ -81,9 +85,6 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
         raise click.ClickException(f"cannot start the shard: {e}") from None
     except ValueError as e:  # an unreadable key pair or allow-list
         raise click.BadParameter(str(e), param_hint="--keys") from None
-    if not keys_dir and not insecure and not is_loopback_endpoint(s.bind_to):  # the endpoint --state recorded
-        s.close()
-        raise click.UsageError(f"this shard's --state binds {s.bind_to}: without --keys give --insecure")
     if slot is not None and s.index < 0:
         s.index = slot
     elif slot is not None and s.index != slot:

@@ -343,3 +343,27 @@ def test_a_shard_off_loopback_needs_keys_or_insecure_and_bad_keys_are_one_line(t
     (tmp_path / "keys").mkdir()
     r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--keys", str(tmp_path / "keys")])
     assert r.exit_code == 2 and "cannot read key pair" in r.output, r.output
+
+
+def test_a_restored_shard_bound_off_loopback_is_refused_before_it_binds_again(tmp_path, monkeypatch):
+    """``--state`` remembers the address the shard bound; a restart without --keys or --insecure
+    is refused when that address is off loopback, before any Shard (and its bind) exists."""
+    import json
+
+    from click.testing import CliRunner
+
+    import ps.shard
+    from ps.cli import main
+
+    state = tmp_path / "s"
+    state.mkdir()
+    (state / ps.shard.SHARD_FILE).write_text(json.dumps({"run_id": 7, "index": 1, "shards": 2, "endpoint": "",
+                                                         "bind": "tcp://0.0.0.0:47001"}))
+    built = []
+    monkeypatch.setattr(ps.shard, "Shard", lambda *a, **k: built.append(a) or (_ for _ in ()).throw(AssertionError))
+    r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--state", str(state)])
+    assert r.exit_code == 2 and "--state binds tcp://0.0.0.0:47001" in r.output and "--insecure" in r.output, r.output
+    assert built == [], "refused before the shard was built"
+    (state / ps.shard.SHARD_FILE).write_text("{not json")
+    r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--state", str(state)])
+    assert r.exit_code != 0 and "cannot be read" in r.output and built == [], r.output
