@@ -768,9 +768,11 @@ class ServerCore:
                 self._unbench(old, "hello", now)
             busy = set(hello.busy)
             if same_run:
-                # Jobs it has seen but neither holds nor answered are gone. After a server restart
-                # every message in flight died with the old process: only what it holds survives.
-                gone = sorted(j for j in old.outstanding if j not in busy and (old.reconnecting or j <= hello.seen))
+                # Only what it holds survives. A worker says hello again on a new connection (its
+                # own reconnect, or after a server restart); a job sent on the old one that it had
+                # not seen yet died with that connection, and keeping it (as "in flight") left a
+                # worker with credit 1 waiting for it for good, heartbeating, never given a job.
+                gone = sorted(j for j in old.outstanding if j not in busy)
                 self._write_off(old, gone, "server_restart" if old.reconnecting else "vanished", now)
             else:  # it worked for another run: on our welcome it drops everything it holds
                 self._write_off(old, sorted(old.outstanding), "other_run", now)

@@ -174,6 +174,23 @@ def test_core_heartbeat_reveals_vanished_job():
     assert core.accounted()
 
 
+def test_core_hello_again_writes_off_a_job_it_never_saw():
+    """A worker that reconnects (same incarnation) says hello on the new connection: a job sent on
+    the old one that it had not seen died with it. It is written off and a new job goes out; the
+    job it holds stays."""
+    core = make_core()
+    cmds = join(core, "w1", 1, 0.0, boot=1)
+    job = jobs_in(cmds)[0][1]
+    cmds = core.handle("w1", Hello(worker_id="w1", boot=1, credit=1, seen=job.job_id - 1), 1.0)
+    assert core.counters.lost == 1 and job.job_id not in core.workers["w1"].outstanding
+    fresh = jobs_in(cmds)
+    assert fresh and fresh[0][1].job_id > job.job_id, "a new job for the worker's free credit"
+    held = fresh[0][1].job_id
+    core.handle("w1", Hello(worker_id="w1", boot=1, credit=1, busy=(held,), seen=held), 2.0)
+    assert core.workers["w1"].outstanding == {held} and core.counters.lost == 1, "a job it holds survives"
+    assert core.accounted()
+
+
 def test_core_bye_writes_off_and_forgets():
     core = make_core()
     join(core, "w1", 1, 0.0, boot=1)
