@@ -54,6 +54,13 @@ class Result:
     ``created_at``, ``kind``, ``iterate_ids`` and ``seed`` come from the server's own job
     ledger, never from the worker. ``grads`` has one array per iterate id, same order;
     for FULL_GRAD, ``grads[0]`` is the sum over the shard and ``count`` its size.
+
+    ``block_sq``: the squared Euclidean norm of ``grads[0]`` per block of the *whole* layout
+    (:func:`algorithms.wrappers.block_sq_sums`), for an algorithm whose vector work needs a norm
+    over every block (``needs_block_norms``: ``clip_norm``). None: the algorithm computes it from
+    ``grads[0]`` itself. A sharded server sets it, since a shard holds only its blocks' slice of
+    the gradient: each shard measures its own blocks, and the coordinator gathers the figures in
+    block order and journals them with the reply (docs/ALGORITHMS.md §14).
     """
 
     job_id: int
@@ -66,6 +73,7 @@ class Result:
     loss: float | None = None
     count: int = 0
     shard: tuple[int, int] | None = None
+    block_sq: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +237,12 @@ class Algorithm:
         each on its own blocks, decide the same and compute the same bits. The default refuses:
         an algorithm says it is shardable by returning ""."""
         return "it does not say that its vector work is elementwise or per layout block (shard_refusal)"
+
+    def needs_block_norms(self) -> bool:
+        """Whether ``apply`` needs ``Result.block_sq``, the gradient's squared norm per layout
+        block over the whole layout (a reduction across shards: a sharded server gathers it from
+        its shards, algorithms/sharding.py). The default: no."""
+        return False
 
     def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
         """One bool per block of ``layout``: True where this algorithm's vector work on the block

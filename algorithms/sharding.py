@@ -22,11 +22,17 @@ Two parts:
   kernels, per-block Newton–Schulz) is the algorithm's own code on its slice: there is one
   implementation of each algorithm, and the unsharded algorithm is the S = 1 case.
 
-What may not be sharded this way: an algorithm whose vector work needs a reduction over the
-whole vector (a global norm, sum or sign) would compute it per shard. Such an algorithm says so
-through ``Algorithm.shard_refusal`` (``clip_norm``'s global norm, ``ringmaster-lmo`` with
-``lmo="l2"``), and :meth:`Sharded.bind` refuses it with that reason; so does an algorithm that
-does not declare its vector work per-block (a user's own, unless it overrides
+Reductions over the whole gradient travel as per-block scalars: an algorithm that
+``needs_block_norms`` (``clip_norm``: the norm of the whole gradient) reads
+``Result.block_sq``, the gradient's squared norm per block of the whole layout. :meth:`Sharded.apply`
+measures it on the whole gradient before slicing (as the coordinator of a multi-process server
+gathers it from its shards, each measuring its own whole blocks) and gives every instance the
+same figures, so the coordinator (no vector) and every shard clip by the same factor, the bits of
+one process. What may not be sharded: an algorithm whose vector work needs a reduction of its
+own *state* over the whole vector (``ringmaster-lmo`` with ``lmo="l2"`` divides by the norm of
+the whole momentum) would compute it per shard. Such an algorithm says so through
+``Algorithm.shard_refusal``, and :meth:`Sharded.bind` refuses it with that reason; so does an
+algorithm that does not declare its vector work per-block (a user's own, unless it overrides
 ``shard_refusal``).
 
 The coordinator/shard split of a multi-process server follows the same seam: the coordinator
@@ -44,6 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, bind_layout
+from protocol.messages import JobKind
 
 __all__ = ["ShardPlan", "plan_shards", "Sharded", "ShardedState", "ShardDisagreement", "shard_refusal",
            "splittable_blocks"]
@@ -494,7 +501,23 @@ class Sharded(Algorithm):
             specs.append(spec)
         return state, self._merge(state, specs)
 
+    def needs_block_norms(self) -> bool:
+        from algorithms.wrappers import needs_block_norms
+
+        return needs_block_norms(self.inner)
+
+    def _with_block_sq(self, results: Sequence[Result]) -> list[Result]:
+        """The results with ``block_sq`` measured on the whole gradient, where the algorithm needs
+        it and the driver did not give it."""
+        from algorithms.wrappers import block_sq_sums
+
+        layout = self._need_plan().layout
+        return [r if r.block_sq is not None or r.kind == JobKind.FULL_GRAD or not r.grads
+                else dataclasses.replace(r, block_sq=block_sq_sums(r.grads[0], layout)) for r in results]
+
     def apply(self, state: ShardedState, results: Sequence[Result]):
+        if self.needs_block_norms():
+            results = self._with_block_sq(results)
         outcomes = []
         for alg, i, sl in self._all(state):
             st, out = alg.apply(self._get(state, i), [self._part_result(r, sl) for r in results])

@@ -39,7 +39,10 @@ refuses it the same way by setting the class attribute ``weight_decay_refusal`` 
 
 Global gradient-norm clipping (``clip_norm`` = c): each stochastic gradient g of a reply
 (GRAD) is divided by s = max(1, ‖g‖₂ / c), the norm taken over the whole flat vector (all
-layout blocks together) in float64. A GRAD_PAIR reply is divided by one s for both gradients,
+layout blocks together) in float64: ‖g‖₂² is the exactly rounded sum (``math.fsum``) of the
+per-block squared norms (:func:`block_sq_sums`, each summed in fixed chunks from its block's
+start), so a sharded server, whose shards each measure their own blocks, gets the same bits as
+one process (``Result.block_sq``; with ``clip_norm`` a block is never split between shards). A GRAD_PAIR reply is divided by one s for both gradients,
 taken from the newer point's gradient (``grads[0]``), so a variance-reduction difference
 ∇f(x_k; ξ) − (1 − a) ∇f(x_{k−1}; ξ) is scaled as a whole. FULL_GRAD shards (exact full-gradient
 sums, e.g. ``snapshot-vr``'s snapshots) are not clipped. A reply within the bound is passed on
@@ -68,7 +71,7 @@ from algorithms.base import Algorithm, JobSpec, Result, bind_layout, check_hyper
 from protocol.messages import JobKind
 
 __all__ = ["WrapperSettings", "WRAPPER_KEYS", "LRSchedule", "WeightDecay", "ClipGradNorm", "Wrapper", "chain",
-           "lr_factor", "global_norm", "unwrap"]
+           "lr_factor", "global_norm", "block_sq_sums", "norm_from_block_sq", "needs_block_norms", "unwrap"]
 
 SCHEDULES = ("constant", "linear", "cosine", "step")
 
@@ -134,14 +137,50 @@ def lr_factor(k: int, *, schedule: str = "constant", warmup: int = 0, decay_step
 _NORM_CHUNK = 1 << 16
 
 
-def global_norm(g: np.ndarray) -> float:
-    """‖g‖₂ over every element, summed in float64 in fixed chunks: deterministic whatever the
-    BLAS threads (a replay must see the same bits), with a bounded temporary."""
-    flat = np.asarray(g).reshape(-1)
+def _sq_sum(flat: np.ndarray) -> float:
+    """Σ v² of a flat array in float64, summed in fixed chunks from its start: the same bits for
+    the same values whatever the BLAS threads or where the array lies in memory (a replay, and
+    every shard, must see the same bits), with a bounded temporary."""
     total = 0.0
     for lo in range(0, flat.size, _NORM_CHUNK):
         total += float(np.square(flat[lo:lo + _NORM_CHUNK], dtype=np.float64).sum())
-    return math.sqrt(total)
+    return total
+
+
+def global_norm(g: np.ndarray) -> float:
+    """‖g‖₂ over every element as one block (:func:`_sq_sum`)."""
+    return math.sqrt(_sq_sum(np.asarray(g).reshape(-1)))
+
+
+def block_sq_sums(g: np.ndarray, layout: tuple) -> tuple[float, ...]:
+    """‖g_b‖₂² for each block b of ``layout`` (in layout order), g flat; an empty layout (an
+    algorithm not bound to one) is one block of everything.
+
+    Raises:
+        ValueError: ``g`` does not have the layout's size.
+    """
+    flat = np.asarray(g).reshape(-1)
+    if not layout:
+        return (_sq_sum(flat),)
+    out, lo = [], 0
+    for _, shape in layout:
+        hi = lo + math.prod(shape)
+        out.append(_sq_sum(flat[lo:hi]))
+        lo = hi
+    if lo != flat.size:
+        raise ValueError(f"a gradient of {flat.size} values for a layout of {lo}")
+    return tuple(out)
+
+
+def norm_from_block_sq(block_sq: Sequence[float]) -> float:
+    """‖g‖₂ from its blocks' squared norms: the exactly rounded sum (order does not matter)."""
+    return math.sqrt(math.fsum(block_sq))
+
+
+def needs_block_norms(alg: Algorithm) -> bool:
+    """``alg.needs_block_norms()`` (an algorithm without the method, a user's own, needs none)."""
+    fn = getattr(alg, "needs_block_norms", None)
+    return bool(fn()) if fn is not None else False
 
 
 def _base(alg: Algorithm) -> Algorithm:
@@ -237,6 +276,9 @@ class Wrapper(Algorithm):
 
     def shard_refusal(self) -> str:
         return self.inner.shard_refusal()
+
+    def needs_block_norms(self) -> bool:
+        return needs_block_norms(self.inner)
 
     def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
         return self.inner.splittable_blocks(layout, lmo_mask)  # the wrappers' own work is elementwise
@@ -372,15 +414,35 @@ class ClipGradNorm(Wrapper):
     def __post_init__(self) -> None:
         check_hyper("clip_norm", self.clip_norm, lo=0.0, lo_open=True)
 
+    def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
+        new = super().bind(layout, lmo_mask)
+        object.__setattr__(new, "_layout", tuple(layout))  # the blocks its norm is summed over
+        return new
+
     def shard_refusal(self) -> str:
-        return "clip_norm divides by the norm of the whole gradient (a reduction over all blocks)"
+        return self.inner.shard_refusal()  # the norm is a reduction of per-block figures (Result.block_sq)
+
+    def needs_block_norms(self) -> bool:
+        return True
+
+    def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        # A block's squared norm is summed by the shard that holds it whole: a block cut in two would
+        # be summed in two pieces, other bits than one process's.
+        return (False,) * len(tuple(layout))
+
+    def norm(self, r: Result) -> float:
+        """‖grads[0]‖₂: from ``r.block_sq`` when the driver gave it (a sharded server), else
+        measured over the layout this wrapper is bound to."""
+        if r.block_sq is not None:
+            return norm_from_block_sq(r.block_sq)
+        return norm_from_block_sq(block_sq_sums(r.grads[0], self.__dict__.get("_layout", ())))
 
     def clip(self, r: Result) -> tuple[Result, float | None]:
         """The reply with its gradients scaled (itself if within the bound) and the norm measured
         (None for a FULL_GRAD shard, which is not clipped)."""
         if r.kind == JobKind.FULL_GRAD or not r.grads:
             return r, None
-        norm = global_norm(r.grads[0])
+        norm = self.norm(r)
         if not norm > self.clip_norm:
             return r, norm
         s = norm / self.clip_norm

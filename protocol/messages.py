@@ -173,6 +173,9 @@ class Reply:
     holds: tuple[int, ...] = ()
     in_shm: bool = False  # the gradients are in the job's grad_slots (then ``grads`` is empty)
     xfer: int = 0  # the array bytes came before, in the `part` messages of this transfer (0: in frames)
+    # Never on the wire: a sharded coordinator's per-block squared norms of grads[0], gathered from
+    # its shards' `have`s and journaled with the reply (algorithms.base.Result.block_sq).
+    block_sq: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ state directory cannot be written: the input is not accepted, the core never see
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from protocol.codec import decode
@@ -124,6 +126,8 @@ class CoreInputs:
                 refusal = (ErrorCode(kept[0]), kept[1])
             elif type(msg) is Reply:
                 msg = self.payload(msg, b["wid"], problem, wire_dtype)
+                if b.get("bsq") is not None:  # a sharded coordinator's, from its shards (ps/persist.py)
+                    msg = dataclasses.replace(msg, block_sq=tuple(b["bsq"]))
             return self.message(b["wid"], msg, b["now"], b.get("key", ""), refusal) or []
         if op == "reply":  # accepted replies are journaled without gradients: recomputed from the seed
             wire = b["reply"].get("wire", wire_dtype)

@@ -43,7 +43,8 @@ import zmq
 
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MAX_HEADER_BYTES, Error, ErrorCode, Fetch, Job, Reply
+from algorithms.wrappers import block_sq_sums, needs_block_norms
+from protocol.messages import MAX_HEADER_BYTES, Error, ErrorCode, Fetch, Job, JobKind, Reply
 from protocol.wire import to_wire
 from ps.inputs import CoreInputs
 from ps.persist import (
@@ -93,9 +94,10 @@ class ShardInputs(CoreInputs):
     """The coordinator's records fed to this shard's core: a reply the coordinator accepted
     (journaled without gradients) gets the gradient block this shard holds for its job."""
 
-    def __init__(self, core: Any, blocks: dict[int, tuple]) -> None:
+    def __init__(self, core: Any, blocks: dict[int, tuple], norms: tuple | None = None) -> None:
         super().__init__(core)
         self.blocks = blocks
+        self.norms = norms  # (this shard's sub-layout, its first block's index, the layout's blocks) or None
 
     def recompute(self, core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
         jid = fields["job_id"]
@@ -107,8 +109,16 @@ class ShardInputs(CoreInputs):
             if grads is None:
                 raise StateError(f"the coordinator accepted job {jid}, and this shard holds no gradient block for "
                                  f"it (its blocks journal lost a record?)")
+        block_sq = None if fields.get("bsq") is None else tuple(fields["bsq"])
+        if grads and self.norms is not None and entry.kind != JobKind.FULL_GRAD:
+            layout, first, n = self.norms
+            mine = block_sq_sums(grads[0], layout)
+            if block_sq is None or len(block_sq) != n or block_sq[first:first + len(mine)] != mine:
+                raise StateError(f"job {jid}: the coordinator's block norms {block_sq!r:.200} are not this shard's "
+                                 f"{mine!r:.200} at blocks {first}.. of {n}")
         return Reply(job_id=jid, created_at=fields["created_at"], grads=grads, loss=fields["loss"],
-                     count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]))
+                     count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]),
+                     block_sq=block_sq)
 
 
 def rss_bytes() -> int:
@@ -160,6 +170,7 @@ class Shard:
         self.boot = secrets.randbits(63)
         self.index, self.run_id, self.n_shards = -1, 0, 0
         self.core: Any = None
+        self.norms: tuple | None = None  # set by _build where the algorithm needs block norms
         self.inputs: ShardInputs | None = None
         self.blocks: dict[int, tuple] = {}  # job id -> its gradient blocks (run dtype), journaled
         self.applied = -1  # the coordinator's last record applied here
@@ -247,7 +258,10 @@ class Shard:
         self.core.record_issued = False
         self.range = (lo, hi)
         self.wire = run_wire_dtype(run)
-        self.inputs = ShardInputs(self.core, self.blocks)
+        # clip_norm: the have of a block says its blocks' squared norms (algorithms/sharding.py)
+        self.norms = (sharded.plan.sub_layout(self.index), sharded.plan.blocks[self.index][0],
+                      len(sharded.plan.layout)) if needs_block_norms(alg) else None
+        self.inputs = ShardInputs(self.core, self.blocks, self.norms)
         log.info("shard %d of %d: %s, values [%d, %d) (%.1f MB of float32)", self.index, shards,
                  ", ".join(name for name, _ in sharded.plan.sub_layout(self.index)), lo, hi, (hi - lo) * 4 / 1e6)
 
@@ -471,7 +485,7 @@ class Shard:
         log.info("shard %d of %d: coordinator %s, records from %d", self.index, self.n_shards, self.coordinator,
                  m["from"])
         # Blocks held (e.g. journaled before a crash) are announced again: the coordinator may be waiting for them.
-        again = [[j, self.core.ledger[j].created_at, 0, ""] for j in self.blocks
+        again = [self._have(j, self.core.ledger[j].created_at) for j in self.blocks
                  if self.core is not None and j in self.core.ledger]
         self.haves.extend((-1, h) for h in again)
 
@@ -594,7 +608,7 @@ class Shard:
                 or entry.created_at != r.created_at:
             return  # late (written off meanwhile), or not this worker's: the coordinator decides without it
         if r.job_id in self.blocks:
-            self.haves.append((-1, [r.job_id, r.created_at, 0, ""]))
+            self.haves.append((-1, self._have(r.job_id, r.created_at)))
             return
         msg, why = reply_from_wire(r, self.wire)
         problem = why or core._check_grads(entry, msg, core._in_run_dtype(msg))
@@ -606,7 +620,16 @@ class Shard:
             lsn = self.journal.append("block", job_id=r.job_id, created_at=r.created_at,
                                       frames=[bytes(f) for f in frames], wire=self.wire)
         self.blocks[r.job_id] = core._in_run_dtype(msg)
-        self.haves.append((lsn, [r.job_id, r.created_at, 0, ""]))
+        self.haves.append((lsn, self._have(r.job_id, r.created_at)))
+
+    def _have(self, job_id: int, created_at: int) -> list:
+        """The ``have`` of a block held: with its blocks' squared norms where the algorithm needs
+        them (measured on the values the core applies, in the run's dtype)."""
+        grads = self.blocks[job_id]
+        entry = self.core.ledger.get(job_id)
+        if self.norms is None or not grads or entry is None or entry.kind == JobKind.FULL_GRAD:
+            return [job_id, created_at, 0, ""]
+        return [job_id, created_at, 0, "", list(block_sq_sums(grads[0], self.norms[0]))]
 
     def close(self) -> None:
         try:

@@ -38,6 +38,9 @@ core of its own over its blocks and is fed that journal's records in LSN order
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import json
 import logging
 import math
@@ -93,6 +96,7 @@ class Pending:
     at: float = 0.0  # when the header came
     rejoined: float = -math.inf  # when a shard whose block is missing last rejoined
     haves: dict = field(default_factory=dict)  # shard index -> None (journaled) or (code, text)
+    bsq: dict = field(default_factory=dict)  # shard index -> its blocks' squared norms (clip_norm), if sent
 
 
 class ShardHub:
@@ -283,7 +287,9 @@ class ShardHub:
 
     def _on_haves(self, slot: Slot, haves: list, now: float) -> None:
         ledger = self.core.ledger
-        for jid, created_at, code, text in haves:
+        for have in haves:  # (job_id, created_at, code, text) or (..., bsq) (ps/shardwire.py)
+            jid, created_at, code, text = have[:4]
+            bsq = have[4] if len(have) > 4 else None
             entry = ledger.get(jid)
             if entry is None or entry.received or entry.created_at != created_at:
                 continue
@@ -292,6 +298,8 @@ class ShardHub:
                 p = self.pending[jid] = Pending(at=now)
             if code == 0:
                 p.haves[slot.index] = None
+                if bsq is not None:
+                    p.bsq[slot.index] = bsq
             else:
                 try:
                     p.haves[slot.index] = (ErrorCode(code), f"shard {slot.index}: {text}")
@@ -430,7 +438,12 @@ class ShardHub:
             if len(p.haves) == self.n:
                 del self.pending[jid]
                 refusal = next((p.haves[i] for i in range(self.n) if p.haves[i] is not None), None)
-                out.append((p.item, refusal))
+                item = p.item
+                if refusal is None and len(p.bsq) == self.n:  # the norm over every block (clip_norm)
+                    item = copy.copy(item)
+                    item.msg = dataclasses.replace(item.msg, block_sq=tuple(v for i in range(self.n)
+                                                                            for v in p.bsq[i]))
+                out.append((item, refusal))
             elif up and self._lost(p, now):
                 del self.pending[jid]
                 self.blocks_timed_out += 1

@@ -9,8 +9,10 @@ shard -> coordinator
     ``shello``   {index, run_id, boot, endpoint, applied, ckpt}: a shard (re)joins. ``index`` -1
                  and ``run_id`` 0: a new shard, which takes the first free slot; ``endpoint`` ""
                  until its data socket is bound (a new shard binds once it knows its slice).
-    ``have``     {jobs: [[job_id, created_at, code, text], ...]}: gradient blocks journaled (code
-                 0) or refused (an ErrorCode and its text).
+    ``have``     {jobs: [[job_id, created_at, code, text(, bsq)], ...]}: gradient blocks journaled
+                 (code 0) or refused (an ErrorCode and its text). ``bsq``, where the algorithm
+                 needs a norm over every block (``clip_norm``): the squared norm of each of this
+                 shard's blocks of the job's gradient, float64, in block order.
     ``progress`` {applied, ckpt, version, applied_count, rss, blocks, records_s, endpoint}: every 0.2 s.
     ``params``   {token, lsn, version} + one frame: the shard's slice of x after record ``lsn``.
     ``refuse``   {message}: the shard cannot go on (the run it was given does not fit it).
@@ -32,6 +34,7 @@ import msgpack
 
 MAX_CONTROL_HEADER = 1 << 20
 MAX_HAVES = 4096
+MAX_BLOCKS = 65536  # layout blocks a shard measures in one have's bsq
 I64 = (1 << 63) - 1
 
 
@@ -74,14 +77,24 @@ _FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
-def _haves(v: Any) -> list[tuple[int, int, int, str]]:
+def _block_sq(v: Any) -> tuple[float, ...]:
+    if type(v) is not list or len(v) > MAX_BLOCKS:
+        raise ControlError(f"a have's bsq is a list of at most {MAX_BLOCKS} numbers")
+    out = tuple(_num(x) for x in v)
+    if any(x < 0.0 for x in out):
+        raise ControlError("a have's bsq holds a negative squared norm")
+    return out
+
+
+def _haves(v: Any) -> list[tuple]:
     if type(v) is not list or len(v) > MAX_HAVES:
         raise ControlError(f"expected a list of at most {MAX_HAVES} jobs")
     out = []
     for h in v:
-        if type(h) is not list or len(h) != 4:
-            raise ControlError("a have is [job_id, created_at, code, text]")
-        out.append((_int(h[0], 0), _int(h[1], 0), _int(h[2], 0, 255), _text(h[3])))
+        if type(h) is not list or len(h) not in (4, 5):
+            raise ControlError("a have is [job_id, created_at, code, text] or [job_id, created_at, code, text, bsq]")
+        have = (_int(h[0], 0), _int(h[1], 0), _int(h[2], 0, 255), _text(h[3]))
+        out.append(have + (_block_sq(h[4]),) if len(h) == 5 else have)
     return out
 
 

@@ -14,6 +14,7 @@ workers, digits. What each test observes:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -212,3 +213,33 @@ def test_slices_larger_than_a_header_reach_the_shards(tmp_path):
         reap(procs, grace_s=10)
     s = summary(state)
     assert s["version"] == 40 and s["counters"]["applied"] == 40 and s["blocks_timed_out"] == 0, s["counters"]
+
+
+def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_bit_for_bit(tmp_path):
+    """``clip_norm`` is a norm over every block: each shard says its blocks' squared norms in its
+    ``have``, the coordinator journals them with the reply (``bsq``), every shard checks its own
+    against the record, and ``latecomer replay`` through one unsharded core, which measures the
+    norm on the whole recomputed gradient, gives the shards' final iterate bit for bit. The clip
+    acts on every step (grad_norm above clip_norm)."""
+    state = str(tmp_path / "clip")
+    server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "synthetic",
+                   "--problem-opt", "d=30000", "--problem-opt", "blocks=3", "--algorithm", "ordered-momentum",
+                   "--set", "clip_norm=0.001", "--max-steps", "60", "--eval-every", "0", "--shards", "2",
+                   "--log-level", "info")
+    procs = [server]
+    try:
+        endpoint = wait_line(server, r"listening on (\S+)", 60).group(1)
+        procs.append(spawn("work", "--server", endpoint, "--credit", "2", "--give-up", "60",
+                           log=str(tmp_path / "w.log")))
+        finish(server, procs[1:], 120)
+    finally:
+        reap(procs, grace_s=10)
+    s = summary(state)
+    assert s["version"] == 60 and s["counters"]["applied"] == 60 and s["blocks_timed_out"] == 0, s["counters"]
+    from ps.persist import read_journal
+
+    replies = [r.body["reply"] for r in read_journal(state) if r.op == "reply"]
+    assert len(replies) >= 60 and all(len(r["bsq"]) == 3 for r in replies), replies[:2]
+    norms = [math.sqrt(math.fsum(r["bsq"])) for r in replies]
+    assert min(norms) > 0.001, "the clip acts on every reply"
+    replay_identical(state)

@@ -187,13 +187,47 @@ def test_a_decision_that_reads_the_vector_disagrees_with_the_coordinator_even_on
         run(digits, alg, 1, updates=60)
 
 
-@pytest.mark.parametrize("name, settings, why", [
-    ("ordered-momentum", {"clip_norm": 1.0}, "norm of the whole gradient"),
-    ("ringmaster-lmo", {"lmo": "l2"}, "norm of the whole momentum"),
-])
-def test_algorithms_with_a_whole_vector_reduction_are_refused(digits, name, settings, why):
-    with pytest.raises(ValueError, match=why):
-        bind_layout(Sharded(algorithms.build(name, settings), n_shards=2), digits.layout)
+CLIPPED = {
+    "asgd+clip": ("asgd", {"lr": 0.1, "clip_norm": 0.3}, 120),
+    "storm-vr+clip": ("storm-vr", {"lr": 0.1, "a": 0.3, "B_init": 8, "tau_lost": 20, "clip_norm": 0.3}, 100),
+    "ordered-momentum+clip+wrappers": ("ordered-momentum", {"lr": 0.2, "beta": 0.3, "clip_norm": 0.3,
+                                                            "weight_decay": 0.01, "warmup": 10}, 120),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIPPED))
+def test_clip_norm_sharded_is_bit_identical_to_one_shard(digits, case):
+    """Global-norm clipping is a reduction over every block: each instance gets the gradient's
+    per-block squared norms (Result.block_sq), measured on the whole gradient, so every shard clips
+    by the one factor. S = 2, 3, 4 (whole blocks: the digits MLP has 4) against S = 1, and the
+    clip did act (the run differs from the unclipped one, and grad_norm passed clip_norm)."""
+    name, settings, updates = CLIPPED[case]
+    base, base_applied = run(digits, algorithms.build(name, settings), 1, updates)
+    assert base.counters["updates"] == updates and base.counters["lost"] > 0
+    norms = [m["grad_norm"] for m in base.metrics if "grad_norm" in m]
+    assert norms and sum(n > settings["clip_norm"] for n in norms) > len(norms) // 2, "the clip must act"
+    plain = {k: v for k, v in settings.items() if k != "clip_norm"}
+    unclipped, _ = run(digits, algorithms.build(name, plain), 1, updates)
+    assert unclipped.final_x.tobytes() != base.final_x.tobytes()
+    for s in (2, 3, 4):
+        trace, applied = run(digits, algorithms.build(name, settings), s, updates)
+        assert trace.final_x.tobytes() == base.final_x.tobytes(), f"S = {s}: final iterate differs"
+        assert applied == base_applied, f"S = {s}: applied (job id, created_at) sequence differs"
+        assert trace.counters == base.counters
+
+
+def test_clip_norm_keeps_blocks_whole(digits):
+    """The norm's per-block sums are taken by the shard holding the block whole: with clip_norm a
+    block is never cut, so 5 shards over the MLP's 4 blocks are refused with the count."""
+    with pytest.raises(ValueError, match="at most 4"):
+        bind_layout(Sharded(algorithms.build("asgd", {"clip_norm": 1.0}), n_shards=5), digits.layout)
+    alg = bind_layout(Sharded(algorithms.build("asgd", {"clip_norm": 1.0}), n_shards=4), digits.layout)
+    assert not alg.plan.split and alg.needs_block_norms()
+
+
+def test_a_reduction_over_the_momentum_is_refused(digits):
+    with pytest.raises(ValueError, match="norm of the whole momentum"):
+        bind_layout(Sharded(algorithms.build("ringmaster-lmo", {"lmo": "l2"}), n_shards=2), digits.layout)
 
 
 @dataclass(frozen=True)
@@ -274,9 +308,9 @@ def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, 
 
 
 def test_a_refused_algorithm_is_refused_with_one_shard_too(digits):
-    """The coordinator runs it on no vector at all: clip_norm's norm would be 0 there."""
-    with pytest.raises(ValueError, match="norm of the whole gradient"):
-        bind_layout(Sharded(algorithms.build("asgd", {"clip_norm": 1.0}), n_shards=1), digits.layout)
+    """The coordinator runs it on no vector at all: the momentum's norm would be 0 there."""
+    with pytest.raises(ValueError, match="norm of the whole momentum"):
+        bind_layout(Sharded(algorithms.build("ringmaster-lmo", {"lmo": "l2"}), n_shards=1), digits.layout)
 
 
 def brute_force_split(sizes: list[int], splittable: list[bool], s: int) -> int:

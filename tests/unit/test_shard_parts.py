@@ -152,6 +152,11 @@ def test_control_messages_that_do_not_read_are_one_line_errors(frame, why):
 def test_control_messages_round_trip():
     m = unpack(pack("have", jobs=[[3, 1, 0, ""], [4, 2, 6, "gradient holds NaN"]]), ("have",))
     assert m == {"t": "have", "jobs": [(3, 1, 0, ""), (4, 2, 6, "gradient holds NaN")]}
+    m = unpack(pack("have", jobs=[[5, 1, 0, "", [1.5, 0.0, 2]]]), ("have",))  # with its blocks' squared norms
+    assert m["jobs"] == [(5, 1, 0, "", (1.5, 0.0, 2.0))]
+    for bad in ([-1.0], [float("nan")], ["x"], 3, [0.0] * 65537):
+        with pytest.raises(ControlError):
+            unpack(pack("have", jobs=[[5, 1, 0, "", bad]]), ("have",))
 
 
 def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
@@ -367,3 +372,41 @@ def test_a_restored_shard_bound_off_loopback_is_refused_before_it_binds_again(tm
     (state / ps.shard.SHARD_FILE).write_text("{not json")
     r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--state", str(state)])
     assert r.exit_code != 0 and "cannot be read" in r.output and built == [], r.output
+
+
+def test_the_hub_gives_the_reply_its_blocks_squared_norms_in_shard_order(run):
+    """clip_norm: each shard's have carries its blocks' squared norms; the reply the core gets has
+    them all, in block (shard) order whatever order the haves came in, and none when a shard sent
+    none (the core then has nothing to clip by, and every shard's check of the record fails)."""
+    core, inputs, _shard, _sent, _ = run
+    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
+                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
+    try:
+        e0, e1 = core.ledger[0], core.ledger[1]
+        empty = (np.empty(0, np.float32),)
+        item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
+        assert hub.take_reply(item, 10.0)
+        hub._on_haves(hub.slots[1], [(0, e0.created_at, 0, "", (3.0,))], 10.1)
+        hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "", (1.0, 2.0))], 10.2)
+        (it, refusal), = hub.ready_replies(10.3)
+        assert refusal is None and it.msg.block_sq == (1.0, 2.0, 3.0) and it.wid == "w1"
+        assert item.msg.block_sq is None  # the held header itself is not changed
+        item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
+        assert hub.take_reply(item1, 11.0)
+        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "", (1.0, 2.0))], 11.1)
+        hub._on_haves(hub.slots[1], [(1, e1.created_at, 0, "")], 11.2)
+        (it, refusal), = hub.ready_replies(11.3)
+        assert refusal is None and it.msg.block_sq is None
+    finally:
+        hub.close()
+
+
+def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read():
+    from ps.persist import _check_record
+
+    reply = {"job_id": 1, "created_at": 0, "loss": 0.5, "count": 0, "compute_s": 0.1, "holds": []}
+    assert _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": {**reply, "bsq": [1.0, 0]}}) is None
+    assert _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": reply}) is None
+    for bad in ([-1.0], [float("inf")], ["1"], 1.0):
+        assert "bsq" in _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": {**reply, "bsq": bad}})
+        assert "bsq" in _check_record({"lsn": 3, "op": "msg", "wid": "w", "now": 1.0, "frames": [b"x"], "bsq": bad})

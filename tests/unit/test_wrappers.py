@@ -5,6 +5,7 @@ wrapper being invisible to the core (name, mode, state, delegation, errors)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,11 +13,19 @@ import numpy as np
 import pytest
 
 import algorithms
-from algorithms.base import Algorithm, Result
+from algorithms.base import Algorithm, Result, bind_layout
 from algorithms.ordered import OrderedMomentum
 from algorithms.registry import build as registry_build
 from algorithms.ringmaster import RingmasterASGD
-from algorithms.wrappers import ClipGradNorm, LRSchedule, WeightDecay, global_norm, unwrap
+from algorithms.wrappers import (
+    ClipGradNorm,
+    LRSchedule,
+    WeightDecay,
+    block_sq_sums,
+    global_norm,
+    norm_from_block_sq,
+    unwrap,
+)
 from protocol.messages import JobKind
 
 F32 = np.float32
@@ -335,3 +344,33 @@ def test_decay_steps_defaults_to_max_steps_and_is_recorded():
                              max_steps=300)["decay_steps"] == "7"
     assert complete_settings(algorithms.ALGORITHMS, "asgd", {"lr_schedule": "step"}, max_steps=300) == \
         {"lr_schedule": "step"}
+
+
+def test_block_sq_sums_are_each_blocks_float64_squared_norm_and_the_norm_their_exact_sum():
+    layout = (("w", (30, 70)), ("b", (30,)), ("e", (0,)), ("v", (200_000,)))
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal(30 * 70 + 30 + 200_000).astype(np.float32)
+    sums = block_sq_sums(g, layout)
+    bounds = np.cumsum([0, 2100, 30, 0, 200_000])
+    for s, lo, hi in zip(sums, bounds[:-1], bounds[1:]):
+        assert s == pytest.approx(float(np.dot(g[lo:hi].astype(np.float64), g[lo:hi].astype(np.float64))), rel=1e-13)
+    assert sums[2] == 0.0
+    assert norm_from_block_sq(sums) == pytest.approx(float(np.linalg.norm(g.astype(np.float64))), rel=1e-13)
+    assert norm_from_block_sq(sums[::-1]) == norm_from_block_sq(sums)  # exactly rounded: order-free
+    # a copy elsewhere in memory, or the block alone, gives the same bits (what a shard measures)
+    assert block_sq_sums(np.array(g[2130:], copy=True), layout[3:]) == sums[3:]
+    with pytest.raises(ValueError, match="layout of"):
+        block_sq_sums(g[:-1], layout)
+
+
+def test_clip_uses_the_block_sq_it_is_given_else_measures_over_its_layout():
+    layout = (("a", (3,)), ("b", (4,)))
+    alg = bind_layout(ClipGradNorm(algorithms.build("asgd", {"lr": 1.0}), clip_norm=1.0), layout)
+    g = np.array([3, 0, 0, 4, 0, 0, 0], np.float32)  # norm 5
+    r = Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD, iterate_ids=(0,), grads=(g,))
+    out, norm = alg.clip(r)
+    assert norm == 5.0 and np.array_equal(out.grads[0], g / np.float32(5))
+    given, norm = alg.clip(dataclasses.replace(r, block_sq=(64.0, 36.0)))  # a shard's figures: norm 10
+    assert norm == 10.0 and np.array_equal(given.grads[0], g / np.float32(10))
+    assert alg.needs_block_norms() and not algorithms.build("asgd").needs_block_norms()
+    assert LRSchedule(alg, warmup=2).needs_block_norms()
