@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Sequence
 
@@ -47,6 +48,44 @@ class JobSpec:
     deadline: int | None = None
 
 
+_NORM_CHUNK = 1 << 16
+
+
+def _sq_sum(flat: np.ndarray) -> float:
+    """Σ v² of a flat array in float64, summed in fixed chunks from its start: the same bits for
+    the same values whatever the BLAS threads or where the array lies in memory (a replay, and
+    every shard, must see the same bits), with a bounded temporary."""
+    total = 0.0
+    for lo in range(0, flat.size, _NORM_CHUNK):
+        total += float(np.square(flat[lo:lo + _NORM_CHUNK], dtype=np.float64).sum())
+    return total
+
+
+def block_sq_sums(g: np.ndarray, layout: tuple) -> tuple[float, ...]:
+    """‖g_b‖₂² for each block b of ``layout`` (in layout order), g flat; an empty layout (an
+    algorithm not bound to one) is one block of everything.
+
+    Raises:
+        ValueError: ``g`` does not have the layout's size.
+    """
+    flat = np.asarray(g).reshape(-1)
+    if not layout:
+        return (_sq_sum(flat),)
+    out, lo = [], 0
+    for _, shape in layout:
+        hi = lo + math.prod(shape)
+        out.append(_sq_sum(flat[lo:hi]))
+        lo = hi
+    if lo != flat.size:
+        raise ValueError(f"a gradient of {flat.size} values for a layout of {lo}")
+    return tuple(out)
+
+
+def norm_from_block_sq(block_sq: Sequence[float]) -> float:
+    """‖g‖₂ from its blocks' squared norms: the exactly rounded sum (order does not matter)."""
+    return math.sqrt(math.fsum(block_sq))
+
+
 @dataclass(frozen=True, slots=True)
 class Result:
     """A validated reply as the algorithm sees it (docs/ALGORITHMS.md §2.1).
@@ -56,11 +95,16 @@ class Result:
     for FULL_GRAD, ``grads[0]`` is the sum over the shard and ``count`` its size.
 
     ``block_sq``: the squared Euclidean norm of ``grads[0]`` per block of the *whole* layout
-    (:func:`algorithms.wrappers.block_sq_sums`), for an algorithm whose vector work needs a norm
+    (:func:`block_sq_sums`), for an algorithm whose vector work needs a norm
     over every block (``needs_block_norms``: ``clip_norm``). None: the algorithm computes it from
     ``grads[0]`` itself. A sharded server sets it, since a shard holds only its blocks' slice of
     the gradient: each shard measures its own blocks, and the coordinator gathers the figures in
     block order and journals them with the reply (docs/ALGORITHMS.md §14).
+
+    ``step_sq``: the same for a vector of the algorithm's own *state* whose whole norm its step
+    by this result divides by (``needs_step_norms``: ``ringmaster-lmo`` with ``lmo="l2"``,
+    ‖u‖ of the momentum), per block of the whole layout, as :meth:`Algorithm.step_sq` measures
+    it on the state before the step. None: the algorithm measures it itself.
     """
 
     job_id: int
@@ -74,6 +118,7 @@ class Result:
     count: int = 0
     shard: tuple[int, int] | None = None
     block_sq: tuple[float, ...] | None = None
+    step_sq: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +282,19 @@ class Algorithm:
         each on its own blocks, decide the same and compute the same bits. The default refuses:
         an algorithm says it is shardable by returning ""."""
         return "it does not say that its vector work is elementwise or per layout block (shard_refusal)"
+
+    def needs_step_norms(self) -> bool:
+        """Whether ``apply`` needs ``Result.step_sq``: a norm over every block of a vector of its
+        own state (a sharded server gathers each shard's :meth:`step_sq` before the step, one
+        reply at a time; algorithms/sharding.py). The default: no."""
+        return False
+
+    def step_sq(self, state: Any, result: Result) -> tuple[float, ...] | None:
+        """For an algorithm that ``needs_step_norms``: the per-block squared norms (over the
+        layout it is bound to, :func:`block_sq_sums`) of the vector whose whole norm its step by
+        ``result`` divides by, measured on ``state`` as it is before that step, changing nothing;
+        () when bound to no blocks. None: this result needs none."""
+        return None
 
     def needs_block_norms(self) -> bool:
         """Whether ``apply`` needs ``Result.block_sq``, the gradient's squared norm per layout

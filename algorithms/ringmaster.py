@@ -21,7 +21,15 @@ import numpy as np
 
 from algorithms._common import IterateState, frozen, grad_job, sgd_steps
 from algorithms._pool import add_scaled, step_into
-from algorithms.base import Algorithm, Outcome, Result, check_hyper, jobs_created_at_most
+from algorithms.base import (
+    Algorithm,
+    Outcome,
+    Result,
+    block_sq_sums,
+    check_hyper,
+    jobs_created_at_most,
+    norm_from_block_sq,
+)
 from algorithms.baselines import PerReplyAlgorithm, PlainSGDMethod, check_choice
 from algorithms.lmo import (
     NS_TABLES,
@@ -125,7 +133,7 @@ class _LMOMomentum(PerReplyAlgorithm):
         lmo = getattr(self, "lmo", "muon")  # DelayAdaptiveMuon: always Muon
         if lmo == "sign":
             return (True,) * len(tuple(layout))
-        if lmo == "l2":  # refused for sharding anyway (a global norm)
+        if lmo == "l2":  # the norm of u is summed per whole block (Result.step_sq): no block is cut
             return (False,) * len(tuple(layout))
         return momentum_blocks(layout, lmo_mask)  # Newton–Schulz blocks stay whole
 
@@ -141,24 +149,38 @@ class _LMOMomentum(PerReplyAlgorithm):
     def make_job(self, state: LMOMomentumState, worker_id: str):
         return state, grad_job(state.version, state.x)
 
-    def _direction(self, lmo: str, u: np.ndarray) -> np.ndarray:
-        """D = −lmo(u) (or Muon's O): the step is x − η D."""
+    def _direction(self, lmo: str, u: np.ndarray, step_sq: Sequence[float] | None = None) -> np.ndarray:
+        """D = −lmo(u) (or Muon's O): the step is x − η D. ``l2``: u/‖u‖ with ‖u‖ from the
+        per-block squared norms (``step_sq`` when a sharded server gathered them, else measured
+        on u over the bound layout), float64, exactly rounded."""
         if lmo == "sign":
             return np.sign(u)
         if lmo == "l2":
-            norm = float(np.linalg.norm(u))
+            norm = norm_from_block_sq(self._u_sq(u) if step_sq is None else step_sq)
             return np.zeros_like(u) if norm == 0.0 else u / norm
         coefficients = ns_coefficients(self.ns, self.ns_steps)
         return muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients,
                               steps=len(coefficients))
 
-    def _step(self, state: LMOMomentumState, g: np.ndarray, alpha: float, eta: float, lmo: str) -> None:
+    def _u_sq(self, u: np.ndarray) -> tuple[float, ...]:
+        """‖u_b‖² per block of the bound layout (one block of everything when bound to none)."""
+        if not self.layout:
+            return block_sq_sums(u, ()) if u.size else ()
+        return block_sq_sums(u, self.layout)
+
+    def _momentum(self, m: np.ndarray, g: np.ndarray, alpha: float) -> np.ndarray:
+        """u from the momentum m already stepped to α g + (1−α) m."""
+        dt = m.dtype
+        return np.asarray(1.0 - alpha, dt) * m + np.asarray(alpha, dt) * g if self.nesterov else m
+
+    def _step(self, state: LMOMomentumState, g: np.ndarray, alpha: float, eta: float, lmo: str,
+              step_sq: Sequence[float] | None = None) -> None:
         """m ← α g + (1−α) m; u = (1−α) m + α g if Nesterov else m; x ← x − η D(u); k += 1."""
         dt = state.m.dtype
         state.m *= np.asarray(1.0 - alpha, dt)
         add_scaled(state.m, alpha, g)
-        u = np.asarray(1.0 - alpha, dt) * state.m + np.asarray(alpha, dt) * g if self.nesterov else state.m
-        d = self._direction(lmo, u).astype(dt, copy=False)
+        u = self._momentum(state.m, g, alpha)
+        d = self._direction(lmo, u, step_sq).astype(dt, copy=False)
         state.x = step_into(state.x, eta, d)
         state.version += 1
 
@@ -265,7 +287,7 @@ class RingmasterLMO(_LMOMomentum):
             if age >= threshold:
                 dropped.append(r.job_id)
                 continue
-            self._step(state, r.grads[0], alpha, eta, self.lmo)
+            self._step(state, r.grads[0], alpha, eta, self.lmo, r.step_sq)
             applied.append(r.job_id)
             ages.append(age)
         return state, Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied),
@@ -277,9 +299,21 @@ class RingmasterLMO(_LMOMomentum):
         return _stale_jobs(state.version, outstanding, self.schedule_at(state.version)[1])
 
     def shard_refusal(self) -> str:
-        if self.lmo == "l2":
-            return "lmo='l2' divides by the norm of the whole momentum (a reduction over all blocks)"
-        return ""
+        return ""  # lmo='l2': the norm of the whole u travels as per-block scalars (needs_step_norms)
+
+    def needs_step_norms(self) -> bool:
+        return self.lmo == "l2"
+
+    def step_sq(self, state: LMOMomentumState, result: Result) -> tuple[float, ...] | None:
+        """lmo='l2': ‖u_b‖² per bound block of the u this result's step would divide by (u from a
+        copy of the momentum, stepped as :meth:`_step` steps it: the same bits); None otherwise."""
+        if self.lmo != "l2" or not result.grads:
+            return None
+        alpha = self.schedule_at(state.version)[0]
+        dt = state.m.dtype
+        m = state.m * np.asarray(1.0 - alpha, dt)
+        add_scaled(m, alpha, result.grads[0])
+        return self._u_sq(self._momentum(m, result.grads[0], alpha))
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,11 @@ Reductions over the whole gradient travel as per-block scalars: an algorithm tha
 measures it on the whole gradient before slicing (as the coordinator of a multi-process server
 gathers it from its shards, each measuring its own whole blocks) and gives every instance the
 same figures, so the coordinator (no vector) and every shard clip by the same factor, the bits of
-one process. What may not be sharded: an algorithm whose vector work needs a reduction of its
-own *state* over the whole vector (``ringmaster-lmo`` with ``lmo="l2"`` divides by the norm of
-the whole momentum) would compute it per shard. Such an algorithm says so through
+one process. A reduction over the algorithm's own *state* (``needs_step_norms``:
+``ringmaster-lmo`` with ``lmo="l2"`` divides by the norm of the whole momentum u) is gathered
+per reply: every shard's ``step_sq`` (its blocks' ‖u_b‖², on its state before the step), in
+shard order, goes to every instance as ``Result.step_sq``. What may not be sharded: an algorithm
+whose vector work needs another reduction over the whole vector says so through
 ``Algorithm.shard_refusal``, and :meth:`Sharded.bind` refuses it with that reason; so does an
 algorithm that does not declare its vector work per-block (a user's own, unless it overrides
 ``shard_refusal``).
@@ -515,9 +517,32 @@ class Sharded(Algorithm):
         return [r if r.block_sq is not None or r.kind == JobKind.FULL_GRAD or not r.grads
                 else dataclasses.replace(r, block_sq=block_sq_sums(r.grads[0], layout)) for r in results]
 
+    def needs_step_norms(self) -> bool:
+        from algorithms.wrappers import needs_step_norms
+
+        return needs_step_norms(self.inner)
+
+    def _with_step_sq(self, state: ShardedState, results: Sequence[Result]) -> list[Result]:
+        """The result with ``step_sq`` gathered from every shard (each its blocks' figures, on its
+        state before the step), in shard order: as a multi-process coordinator gathers it, one
+        reply at a time."""
+        if len(results) != 1:
+            raise ValueError(f"{self.name}: a norm over the state of every shard is gathered for one reply "
+                             f"at a time, not {len(results)}")
+        r = results[0]
+        if r.step_sq is not None:
+            return [r]
+        parts = [alg.step_sq(state.parts[i], self._part_result(r, sl))
+                 for alg, i, sl in self._all(state) if i is not None]
+        if all(p is None for p in parts):
+            return [r]
+        return [dataclasses.replace(r, step_sq=tuple(v for p in parts for v in p))]
+
     def apply(self, state: ShardedState, results: Sequence[Result]):
         if self.needs_block_norms():
             results = self._with_block_sq(results)
+        if self.needs_step_norms():
+            results = self._with_step_sq(state, results)
         outcomes = []
         for alg, i, sl in self._all(state):
             st, out = alg.apply(self._get(state, i), [self._part_result(r, sl) for r in results])

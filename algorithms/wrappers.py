@@ -67,11 +67,21 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from algorithms._pool import POOL, step_into
-from algorithms.base import Algorithm, JobSpec, Result, bind_layout, check_hyper
+from algorithms.base import (
+    Algorithm,
+    JobSpec,
+    Result,
+    _sq_sum,
+    bind_layout,
+    block_sq_sums,
+    check_hyper,
+    norm_from_block_sq,
+)
 from protocol.messages import JobKind
 
 __all__ = ["WrapperSettings", "WRAPPER_KEYS", "LRSchedule", "WeightDecay", "ClipGradNorm", "Wrapper", "chain",
-           "lr_factor", "global_norm", "block_sq_sums", "norm_from_block_sq", "needs_block_norms", "unwrap"]
+           "lr_factor", "global_norm", "block_sq_sums", "norm_from_block_sq", "needs_block_norms", "needs_step_norms",
+           "unwrap"]
 
 SCHEDULES = ("constant", "linear", "cosine", "step")
 
@@ -134,52 +144,20 @@ def lr_factor(k: int, *, schedule: str = "constant", warmup: int = 0, decay_step
     raise ValueError(f"Invalid lr_schedule: {schedule!r} (choose one of {', '.join(SCHEDULES)})")
 
 
-_NORM_CHUNK = 1 << 16
-
-
-def _sq_sum(flat: np.ndarray) -> float:
-    """Σ v² of a flat array in float64, summed in fixed chunks from its start: the same bits for
-    the same values whatever the BLAS threads or where the array lies in memory (a replay, and
-    every shard, must see the same bits), with a bounded temporary."""
-    total = 0.0
-    for lo in range(0, flat.size, _NORM_CHUNK):
-        total += float(np.square(flat[lo:lo + _NORM_CHUNK], dtype=np.float64).sum())
-    return total
-
-
 def global_norm(g: np.ndarray) -> float:
-    """‖g‖₂ over every element as one block (:func:`_sq_sum`)."""
+    """‖g‖₂ over every element as one block (:func:`algorithms.base.block_sq_sums`)."""
     return math.sqrt(_sq_sum(np.asarray(g).reshape(-1)))
-
-
-def block_sq_sums(g: np.ndarray, layout: tuple) -> tuple[float, ...]:
-    """‖g_b‖₂² for each block b of ``layout`` (in layout order), g flat; an empty layout (an
-    algorithm not bound to one) is one block of everything.
-
-    Raises:
-        ValueError: ``g`` does not have the layout's size.
-    """
-    flat = np.asarray(g).reshape(-1)
-    if not layout:
-        return (_sq_sum(flat),)
-    out, lo = [], 0
-    for _, shape in layout:
-        hi = lo + math.prod(shape)
-        out.append(_sq_sum(flat[lo:hi]))
-        lo = hi
-    if lo != flat.size:
-        raise ValueError(f"a gradient of {flat.size} values for a layout of {lo}")
-    return tuple(out)
-
-
-def norm_from_block_sq(block_sq: Sequence[float]) -> float:
-    """‖g‖₂ from its blocks' squared norms: the exactly rounded sum (order does not matter)."""
-    return math.sqrt(math.fsum(block_sq))
 
 
 def needs_block_norms(alg: Algorithm) -> bool:
     """``alg.needs_block_norms()`` (an algorithm without the method, a user's own, needs none)."""
     fn = getattr(alg, "needs_block_norms", None)
+    return bool(fn()) if fn is not None else False
+
+
+def needs_step_norms(alg: Algorithm) -> bool:
+    """``alg.needs_step_norms()`` (an algorithm without the method needs none)."""
+    fn = getattr(alg, "needs_step_norms", None)
     return bool(fn()) if fn is not None else False
 
 
@@ -279,6 +257,12 @@ class Wrapper(Algorithm):
 
     def needs_block_norms(self) -> bool:
         return needs_block_norms(self.inner)
+
+    def needs_step_norms(self) -> bool:
+        return needs_step_norms(self.inner)
+
+    def step_sq(self, state: Any, result: Result) -> tuple[float, ...] | None:
+        return self.inner.step_sq(state, result)  # a schedule or weight decay does not change u
 
     def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
         return self.inner.splittable_blocks(layout, lmo_mask)  # the wrappers' own work is elementwise
@@ -424,6 +408,9 @@ class ClipGradNorm(Wrapper):
 
     def needs_block_norms(self) -> bool:
         return True
+
+    def step_sq(self, state: Any, result: Result) -> tuple[float, ...] | None:
+        return self.inner.step_sq(state, self.clip(result)[0])  # the inner step sees the clipped gradient
 
     def splittable_blocks(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> tuple[bool, ...]:
         # A block's squared norm is summed by the shard that holds it whole: a block cut in two would

@@ -176,6 +176,9 @@ class Reply:
     # Never on the wire: a sharded coordinator's per-block squared norms of grads[0], gathered from
     # its shards' `have`s and journaled with the reply (algorithms.base.Result.block_sq).
     block_sq: tuple[float, ...] | None = None
+    # Never on the wire either: the shards' per-block squared norms of the vector of state whose whole
+    # norm the step divides by (lmo='l2'), gathered per reply (algorithms.base.Result.step_sq).
+    step_sq: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

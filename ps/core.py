@@ -878,7 +878,8 @@ class ServerCore:
     def _result(entry: LedgerEntry, w: WorkerInfo, reply: Reply, grads: tuple) -> Result:
         return Result(job_id=entry.job_id, worker_id=w.worker_id, created_at=entry.created_at, kind=entry.kind,
                       iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, loss=reply.loss,
-                      count=reply.count, shard=entry.shard, block_sq=reply.block_sq)
+                      count=reply.count, shard=entry.shard, block_sq=reply.block_sq,
+                      step_sq=reply.step_sq)
 
     def on_heartbeat(self, w: WorkerInfo, hb: Heartbeat, now: float) -> list[Command]:
         """Refresh credit and reconcile: a job the worker has seen but neither holds nor answered

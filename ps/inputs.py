@@ -128,6 +128,8 @@ class CoreInputs:
                 msg = self.payload(msg, b["wid"], problem, wire_dtype)
                 if b.get("bsq") is not None:  # a sharded coordinator's, from its shards (ps/persist.py)
                     msg = dataclasses.replace(msg, block_sq=tuple(b["bsq"]))
+                if b.get("ssq") is not None:
+                    msg = dataclasses.replace(msg, step_sq=tuple(b["ssq"]))
             return self.message(b["wid"], msg, b["now"], b.get("key", ""), refusal) or []
         if op == "reply":  # accepted replies are journaled without gradients: recomputed from the seed
             wire = b["reply"].get("wire", wire_dtype)

@@ -527,8 +527,8 @@ def _check_record(rec: Any) -> str | None:
         if kept is not None and (type(kept) is not list or len(kept) != 2 or type(kept[0]) is not int
                                  or not 1 <= kept[0] <= 10 or type(kept[1]) is not str):
             return "'refusal' must be [an error code, its text]"
-        if not _block_sq_ok(rec.get("bsq")):
-            return "'bsq' must be a list of finite numbers >= 0"
+        if not (_block_sq_ok(rec.get("bsq")) and _block_sq_ok(rec.get("ssq"))):
+            return "'bsq' and 'ssq' must be lists of finite numbers >= 0"
     elif op == "start" and type(rec.get("now", 0.0)) not in _NUMBER:
         return "'now' must be a number"
     elif op == "reply":
@@ -538,8 +538,8 @@ def _check_record(rec: Any) -> str | None:
                 return f"reply field {name!r} missing or not a {'/'.join(t.__name__ for t in types)}"
         if any(type(h) is not int for h in fields["holds"]) or type(fields.get("wire", "")) is not str:
             return "reply 'holds' must be integers and 'wire' a string"
-        if not _block_sq_ok(fields.get("bsq")):
-            return "reply 'bsq' must be a list of finite numbers >= 0"
+        if not (_block_sq_ok(fields.get("bsq")) and _block_sq_ok(fields.get("ssq"))):
+            return "reply 'bsq' and 'ssq' must be lists of finite numbers >= 0"
     return None
 
 
@@ -1307,6 +1307,8 @@ class Persistence:
             extra["refusal"] = [int(refusal[0]), str(refusal[1])]
         if isinstance(msg, Reply) and msg.block_sq is not None:  # a sharded coordinator's, from its shards
             extra["bsq"] = [float(v) for v in msg.block_sq]
+        if isinstance(msg, Reply) and msg.step_sq is not None:  # likewise (lmo='l2')
+            extra["ssq"] = [float(v) for v in msg.step_sq]
         if isinstance(msg, Reply) and not self.log_payloads and not refused and core.reply_verdict(wid, msg) != "bad":
             # Accepted (or ignored) replies travel without their gradients: recomputed from the seed.
             fields = {"job_id": msg.job_id, "created_at": msg.created_at, "loss": msg.loss, "count": msg.count,
@@ -1439,7 +1441,7 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
     check_wire(wire_dtype)
     entry = core.ledger.get(fields["job_id"])
     grads: tuple = ()
-    block_sq = None
+    block_sq = step_sq = None
     if entry is not None and entry.worker_id == wid and not entry.received and core.dim == 0:
         # A sharded server's coordinator holds no vector: the gradient of its empty iterate is empty
         # (the shards apply the blocks; ps/shard.py), and a norm over the blocks is the one its shards
@@ -1447,6 +1449,7 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
         n = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
         grads = tuple(np.empty(0, core.dtype) for _ in range(n))
         block_sq = None if fields.get("bsq") is None else tuple(fields["bsq"])
+        step_sq = None if fields.get("ssq") is None else tuple(fields["ssq"])
     elif entry is not None and entry.worker_id == wid and not entry.received:
         job = Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline)
@@ -1454,7 +1457,7 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
         grads = tuple(roundtrip(g, wire_dtype) for g in run_job(job, points, problem).grads)
     return Reply(job_id=fields["job_id"], created_at=fields["created_at"], grads=grads, loss=fields["loss"],
                  count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]),
-                 block_sq=block_sq)
+                 block_sq=block_sq, step_sq=step_sq)
 
 
 def reply_from_wire(msg: Any, wire_dtype: str) -> tuple[Any, Any]:

@@ -43,7 +43,7 @@ import zmq
 
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
-from algorithms.wrappers import block_sq_sums, needs_block_norms
+from algorithms.wrappers import block_sq_sums, needs_block_norms, needs_step_norms
 from protocol.messages import MAX_HEADER_BYTES, Error, ErrorCode, Fetch, Job, JobKind, Reply
 from protocol.wire import to_wire
 from ps.inputs import CoreInputs
@@ -94,10 +94,12 @@ class ShardInputs(CoreInputs):
     """The coordinator's records fed to this shard's core: a reply the coordinator accepted
     (journaled without gradients) gets the gradient block this shard holds for its job."""
 
-    def __init__(self, core: Any, blocks: dict[int, tuple], norms: tuple | None = None) -> None:
+    def __init__(self, core: Any, blocks: dict[int, tuple], norms: tuple | None = None,
+                 step_norms: tuple | None = None) -> None:
         super().__init__(core)
         self.blocks = blocks
         self.norms = norms  # (this shard's sub-layout, its first block's index, the layout's blocks) or None
+        self.step_norms = step_norms  # (its first block's index, the layout's blocks) or None (lmo='l2')
 
     def recompute(self, core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
         jid = fields["job_id"]
@@ -110,15 +112,34 @@ class ShardInputs(CoreInputs):
                 raise StateError(f"the coordinator accepted job {jid}, and this shard holds no gradient block for "
                                  f"it (its blocks journal lost a record?)")
         block_sq = None if fields.get("bsq") is None else tuple(fields["bsq"])
+        step_sq = None if fields.get("ssq") is None else tuple(fields["ssq"])
         if grads and self.norms is not None and entry.kind != JobKind.FULL_GRAD:
             layout, first, n = self.norms
             mine = block_sq_sums(grads[0], layout)
             if block_sq is None or len(block_sq) != n or block_sq[first:first + len(mine)] != mine:
                 raise StateError(f"job {jid}: the coordinator's block norms {block_sq!r:.200} are not this shard's "
                                  f"{mine!r:.200} at blocks {first}.. of {n}")
+        if grads and self.step_norms is not None:
+            first, n = self.step_norms
+            mine = step_sq_of(core, entry, grads, block_sq)
+            if mine is not None and (step_sq is None or len(step_sq) != n
+                                     or step_sq[first:first + len(mine)] != mine):
+                raise StateError(f"job {jid}: the coordinator's step norms {step_sq!r:.200} are not this shard's "
+                                 f"{mine!r:.200} at blocks {first}.. of {n}")
         return Reply(job_id=jid, created_at=fields["created_at"], grads=grads, loss=fields["loss"],
                      count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]),
-                     block_sq=block_sq)
+                     block_sq=block_sq, step_sq=step_sq)
+
+
+def step_sq_of(core: Any, entry: Any, grads: tuple, block_sq: tuple | None) -> tuple | None:
+    """This shard's blocks' figures for the step a reply of ``entry`` with these gradient blocks
+    would make on the core's state now (``Algorithm.step_sq``; lmo='l2': its blocks of ‖u‖²)."""
+    from algorithms.base import Result
+
+    r = Result(job_id=entry.job_id, worker_id=entry.worker_id, created_at=entry.created_at, kind=entry.kind,
+               iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, shard=entry.shard, block_sq=block_sq)
+    got = core.alg.step_sq(core.state, r)
+    return None if got is None else tuple(got)
 
 
 def rss_bytes() -> int:
@@ -171,6 +192,8 @@ class Shard:
         self.index, self.run_id, self.n_shards = -1, 0, 0
         self.core: Any = None
         self.norms: tuple | None = None  # set by _build where the algorithm needs block norms
+        self.step_norms: tuple | None = None  # likewise, norms of its state (lmo='l2')
+        self.reduce_asked: dict[int, dict] = {}  # token -> a reduce? waiting for its record (lmo='l2')
         self.inputs: ShardInputs | None = None
         self.blocks: dict[int, tuple] = {}  # job id -> its gradient blocks (run dtype), journaled
         self.applied = -1  # the coordinator's last record applied here
@@ -261,7 +284,9 @@ class Shard:
         # clip_norm: the have of a block says its blocks' squared norms (algorithms/sharding.py)
         self.norms = (sharded.plan.sub_layout(self.index), sharded.plan.blocks[self.index][0],
                       len(sharded.plan.layout)) if needs_block_norms(alg) else None
-        self.inputs = ShardInputs(self.core, self.blocks, self.norms)
+        self.step_norms = (sharded.plan.blocks[self.index][0], len(sharded.plan.layout)) \
+            if needs_step_norms(alg) else None
+        self.inputs = ShardInputs(self.core, self.blocks, self.norms, self.step_norms)
         log.info("shard %d of %d: %s, values [%d, %d) (%.1f MB of float32)", self.index, shards,
                  ", ".join(name for name, _ in sharded.plan.sub_layout(self.index)), lo, hi, (hi - lo) * 4 / 1e6)
 
@@ -444,7 +469,7 @@ class Shard:
     # ------------------------------------------------------------------ control
     def _on_control(self, frames: list) -> None:
         try:
-            m = unpack(frames[0], ("swelcome", "recs", "params?", "stop", "refuse"))
+            m = unpack(frames[0], ("swelcome", "recs", "params?", "reduce?", "stop", "refuse"))
         except ControlError as e:
             log.warning("bad control message from the coordinator: %s", e)
             return
@@ -463,6 +488,10 @@ class Shard:
         elif t == "params?":
             self.params_asked.append((m["token"], m["lsn"]))
             self._answer_params()
+        elif t == "reduce?":
+            if len(self.reduce_asked) < 64 or m["token"] in self.reduce_asked:  # the coordinator asks one at a time
+                self.reduce_asked[m["token"]] = m
+            self._answer_reduces()
 
     def _on_welcome(self, m: dict) -> None:
         if self.run_id and m["run_id"] != self.run_id:
@@ -510,6 +539,7 @@ class Shard:
             lsn += 1
         self._answer_parked()
         self._answer_params()
+        self._answer_reduces()
 
     def _apply(self, rec: Record) -> None:
         if self.core is None:
@@ -548,6 +578,24 @@ class Shard:
             else:
                 left.append((token, lsn))
         self.params_asked = left
+
+    def _answer_reduces(self) -> None:
+        """Answer each ``reduce?`` once the records up to its ``after`` are applied: this shard's
+        figures for the step the job's reply would make now (the coordinator lets no other reply
+        through meanwhile, so the state is the one the step will see)."""
+        if not self.reduce_asked or self.core is None:
+            return
+        for token, m in list(self.reduce_asked.items()):
+            if m["after"] > self.applied:
+                continue
+            del self.reduce_asked[token]
+            entry, grads = self.core.ledger.get(m["job_id"]), self.blocks.get(m["job_id"])
+            if entry is None or grads is None or entry.created_at != m["created_at"] or self.step_norms is None:
+                log.warning("reduce? for job %d: %s", m["job_id"], "no such job here" if entry is None else
+                            "no block held" if grads is None else "not a run that reduces")
+                continue  # the coordinator drops the reduction when the job is settled, asks again when we rejoin
+            got = step_sq_of(self.core, entry, grads, m["bsq"] or None)
+            self._send_ctl(pack("reduce", token=token, job_id=m["job_id"], bsq=list(got or ())))
 
     # ------------------------------------------------------------------ data
     def _on_data(self, frames: list) -> None:

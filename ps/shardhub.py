@@ -131,6 +131,13 @@ class ShardHub:
         self.disagreement = ""
         self.blocks_timed_out = 0
         self.bad_control = 0
+        # lmo='l2': a norm over every shard's state, gathered per reply before the core sees it, one
+        # reply at a time (no other reply passes meanwhile, so each shard's state is the one the step sees)
+        from algorithms.wrappers import needs_step_norms
+
+        self.step_norms = needs_step_norms(core.alg)
+        self.reducing: dict | None = None  # {token, jid, item, after, bsq, parts: {shard: figures}}
+        self.reductions = 0
         self._load_endpoints()
 
     # ------------------------------------------------------------------ endpoints
@@ -174,7 +181,7 @@ class ShardHub:
                 continue
             rid = frames[0].bytes
             try:
-                m = unpack(frames[1], ("shello", "have", "progress", "params", "refuse"))
+                m = unpack(frames[1], ("shello", "have", "progress", "params", "reduce", "refuse"))
             except ControlError as e:
                 self.bad_control += 1
                 if self.bad_control == 1 or self.bad_control % 1000 == 0:  # a flood is not a flood of lines
@@ -193,12 +200,19 @@ class ShardHub:
                 slot.connected, slot.reader, slot.peek = True, None, None
                 slot.next = m["applied"] + 1
                 log.info("shard %d is back", slot.index)
+                r = self.reducing
+                if r is not None and slot.index not in r["parts"]:  # asked while it was gone, or the question lost
+                    self._send(rid, self._reduce_header(r))
             if m["t"] == "progress":
                 self._on_progress(slot, m)
             elif m["t"] == "have":
                 self._on_haves(slot, m["jobs"], now)
             elif m["t"] == "params":
                 self._on_params(slot, m, frames[2:])
+            elif m["t"] == "reduce":
+                r = self.reducing
+                if r is not None and m["token"] == r["token"] and m["job_id"] == r["jid"]:
+                    r["parts"][slot.index] = m["bsq"]
             elif m["t"] == "refuse":
                 log.error("shard %d cannot go on: %s", slot.index, m["message"])
                 self.disagreement = f"shard {slot.index}: {m['message']}"
@@ -243,14 +257,20 @@ class ShardHub:
         self.by_rid[rid] = slot
         self._endpoint(slot, m["endpoint"])
         self._rejoined(slot, now)
-        for token, g in self.gathers.items():
-            if slot.index not in g["parts"]:
-                self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
         log.info("shard %d joined from %s (%s): records from %d", slot.index, m["endpoint"],
                  "afresh" if m["applied"] < 0 else f"after record {m['applied']}", start)
         lo, hi = self.ranges[slot.index]
         self._send(rid, pack("swelcome", index=slot.index, shards=self.n, run_id=core.cfg.run_id, lo=lo, hi=hi,
                              **{"from": start}))
+        # Questions it may not have answered, asked again after the welcome (a shard reads nothing but a
+        # welcome until it is welcomed).
+        for token, g in self.gathers.items():
+            if slot.index not in g["parts"]:
+                self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
+        r = self.reducing
+        if r is not None:  # a restarted shard lost the question (or its answer)
+            r["parts"].pop(slot.index, None)
+            self._send(rid, self._reduce_header(r))
 
     def _rejoined(self, slot: Slot, now: float) -> None:
         """Shard ``slot`` (re)joined: a block it had not journaled is gone with its old process,
@@ -423,8 +443,11 @@ class ShardHub:
     def ready_replies(self, now: float) -> list[tuple[Any, Any]]:
         """(reply Inbound, refusal or None) whose blocks every shard has (or refused); headers
         whose blocks are lost are dropped (see the module's docstring), haves of settled jobs
-        forgotten."""
-        out, ledger, up = [], self.core.ledger, all(s.connected for s in self.slots)
+        forgotten. lmo='l2': a reply whose blocks are all in waits for its step's norms (one
+        reduction at a time; a new one starts only once the core has taken the last one's reply,
+        so that its journal record is among the records the shards apply first)."""
+        out, ledger, up = self._reduced(), self.core.ledger, all(s.connected for s in self.slots)
+        hold_reductions = bool(out)
         for jid in list(self.pending):
             p = self.pending[jid]
             entry = ledger.get(jid)
@@ -436,13 +459,19 @@ class ShardHub:
             if p.item is None:
                 continue
             if len(p.haves) == self.n:
-                del self.pending[jid]
                 refusal = next((p.haves[i] for i in range(self.n) if p.haves[i] is not None), None)
                 item = p.item
                 if refusal is None and len(p.bsq) == self.n:  # the norm over every block (clip_norm)
                     item = copy.copy(item)
                     item.msg = dataclasses.replace(item.msg, block_sq=tuple(v for i in range(self.n)
                                                                             for v in p.bsq[i]))
+                if refusal is None and self.step_norms:  # its step's norm first: one reply at a time
+                    if self.reducing is not None or hold_reductions:
+                        continue
+                    del self.pending[jid]
+                    self._start_reduction(jid, item)
+                    continue
+                del self.pending[jid]
                 out.append((item, refusal))
             elif up and self._lost(p, now):
                 del self.pending[jid]
@@ -454,6 +483,41 @@ class ShardHub:
                             "and the job written off", jid, ",".join(map(str, missing)), why)
         return out
 
+    def _reduce_header(self, r: dict) -> bytes:
+        return pack("reduce?", token=r["token"], job_id=r["jid"], created_at=r["created_at"], after=r["after"],
+                    bsq=list(r["item"].msg.block_sq or ()))
+
+    def _start_reduction(self, jid: int, item: Any) -> None:
+        """Ask every shard for its figures of the step ``item``'s reply makes once the records
+        journaled so far are applied there."""
+        token = self.next_token
+        self.next_token += 1
+        self.reducing = r = {"token": token, "jid": jid, "item": item, "created_at": item.msg.created_at,
+                             "after": self.persist.journal.next_lsn - 1, "parts": {}}
+        for s in self.slots:
+            if s.connected:
+                self._send(s.rid, self._reduce_header(r))
+
+    def _reduced(self) -> list[tuple[Any, Any]]:
+        """The reply whose step norms every shard has given (with them), or whose job was settled
+        meanwhile (the core counts it late); [] while the shards have not all answered."""
+        r = self.reducing
+        if r is None:
+            return []
+        entry = self.core.ledger.get(r["jid"])
+        item = r["item"]
+        if entry is None or entry.received or entry.created_at != r["created_at"]:
+            self.reducing = None
+            return [(item, None)]
+        if len(r["parts"]) < self.n:
+            return []
+        self.reducing = None
+        self.reductions += 1
+        figures = tuple(v for i in range(self.n) for v in r["parts"][i])
+        item = copy.copy(item)
+        item.msg = dataclasses.replace(item.msg, step_sq=figures or None)
+        return [(item, None)]
+
     def _lost(self, p: Pending, now: float) -> bool:
         if p.rejoined > p.at and now - p.rejoined > self.block_wait_s:
             return True
@@ -461,7 +525,9 @@ class ShardHub:
 
     def pending_for(self, wid: str) -> list[int]:
         """Jobs of ``wid`` whose reply is held here: still busy, as far as the core's reconciliation goes."""
-        return [j for j, p in self.pending.items() if p.item is not None and p.item.wid == wid]
+        held = [j for j, p in self.pending.items() if p.item is not None and p.item.wid == wid]
+        r = self.reducing
+        return held + [r["jid"]] if r is not None and r["item"].wid == wid else held
 
     def hold_reason(self) -> str:
         """Why jobs must not be issued now ("": they may)."""

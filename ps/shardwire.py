@@ -15,6 +15,8 @@ shard -> coordinator
                  shard's blocks of the job's gradient, float64, in block order.
     ``progress`` {applied, ckpt, version, applied_count, rss, blocks, records_s, endpoint}: every 0.2 s.
     ``params``   {token, lsn, version} + one frame: the shard's slice of x after record ``lsn``.
+    ``reduce``   {token, job_id, bsq}: the squared norms of this shard's blocks of the vector of
+                 state the job's step divides by (``reduce?``).
     ``refuse``   {message}: the shard cannot go on (the run it was given does not fit it).
 
 coordinator -> shard
@@ -22,6 +24,9 @@ coordinator -> shard
                  gets, and the values [lo, hi) it owns (its data socket's message bound).
     ``recs``     {first, count} + ``count`` frames: journal records, each its msgpack body.
     ``params?``  {token, lsn}: answer ``params`` once record ``lsn`` is applied.
+    ``reduce?``  {token, job_id, created_at, after, bsq}: once record ``after`` is applied, answer
+                 ``reduce`` for the step the job's reply would make now (``lmo='l2'``: its
+                 blocks of ‖u‖²); ``bsq``: the reply's gradient block norms ([] if none).
     ``stop``     {reason}: the run is over: checkpoint and exit.
     ``refuse``   {message}: this shard is not wanted (wrong run, slot taken): it exits saying why.
 """
@@ -67,6 +72,9 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "progress": {"applied": _int, "ckpt": _int, "version": lambda v: _int(v, 0), "applied_count": lambda v: _int(v, 0),
                  "rss": lambda v: _int(v, 0), "blocks": lambda v: _int(v, 0), "records_s": _num, "endpoint": _text},
     "params": {"token": lambda v: _int(v, 0), "lsn": _int, "version": lambda v: _int(v, 0)},
+    "reduce": {"token": lambda v: _int(v, 0), "job_id": lambda v: _int(v, 0), "bsq": None},
+    "reduce?": {"token": lambda v: _int(v, 0), "job_id": lambda v: _int(v, 0), "created_at": lambda v: _int(v, 0),
+                "after": _int, "bsq": None},
     "refuse": {"message": _text},
     "swelcome": {"index": lambda v: _int(v, 0, 63), "shards": lambda v: _int(v, 1, 64),
                  "run_id": lambda v: _int(v, 0, (1 << 64) - 1), "from": lambda v: _int(v, 0),
@@ -118,5 +126,5 @@ def unpack(frame: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     for k, check in spec.items():
         if k not in m:
             raise ControlError(f"{m['t']}: {k} missing")
-        out[k] = _haves(m[k]) if k == "jobs" else check(m[k])
+        out[k] = _haves(m[k]) if k == "jobs" else _block_sq(m[k]) if k == "bsq" else check(m[k])
     return out

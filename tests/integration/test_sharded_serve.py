@@ -243,3 +243,56 @@ def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_b
     norms = [math.sqrt(math.fsum(r["bsq"])) for r in replies]
     assert min(norms) > 0.001, "the clip acts on every reply"
     replay_identical(state)
+
+
+def test_lmo_l2_on_two_shards_divides_by_the_whole_momentums_norm_through_a_kill9_of_a_shard(tmp_path):
+    """``ringmaster-lmo`` with ``lmo=l2`` steps by u/‖u‖, the norm of the whole momentum: for each
+    reply the coordinator asks every shard for its blocks' ‖u_b‖² (``reduce?``) once the records
+    before it are applied there, journals the figures with the reply (``ssq``), and every shard
+    checks its own against the record. A shard killed with -9 mid-run and started again (from its
+    checkpoint: its momentum restored) is asked again and the run goes on; ``latecomer replay``
+    through one unsharded core, which measures ‖u‖ on the whole momentum itself, gives the
+    shards' final iterate bit for bit."""
+    steps = 300
+    state, shard_dir, log = str(tmp_path / "l2"), str(tmp_path / "shard1"), tmp_path / "serve.log"
+    server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "synthetic",
+                   "--problem-opt", "d=30000", "--problem-opt", "blocks=3", "--algorithm", "ringmaster-lmo",
+                   "--set", "lmo=l2", "--set", "lr=0.01", "--set", "R=4", "--max-steps", str(steps),
+                   "--eval-every", "0", "--shards", "2", "--local-shards", "1", "--log-level", "info", log=str(log))
+    procs = [server]
+
+    def logged(pattern: str, timeout: float = 60) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, log.read_text(errors="replace"))
+            if m:
+                return m
+            time.sleep(0.05)  # polling interval of a bounded wait
+        raise TimeoutError(f"no {pattern!r} in the server's log: {log.read_text()[-2000:]}")
+
+    try:
+        endpoint = logged(r"listening on (\S+)").group(1)
+        shard_args = ["shard", "--coordinator", logged(r"shards connect to (\S+)").group(1), "--slot", "1",
+                      "--state", shard_dir, "--checkpoint-records", "50", "--log-level", "info"]
+        shard = spawn(*shard_args, log=str(tmp_path / "shard1.log"))
+        procs.append(shard)
+        procs += [spawn("work", "--server", endpoint, "--worker-id", w, "--credit", "2", "--give-up", "60",
+                        log=str(tmp_path / f"{w}.log")) for w in ("w1", "w2")]
+        events = os.path.join(state, "events.jsonl")
+        wait_events(events, lambda ev: applied(ev) >= 100, 120)
+        os.kill(shard.pid, signal.SIGKILL)
+        shard.wait(timeout=10)
+        logged(r"holding the issuing of jobs: shard\(s\) 1 not connected")
+        assert applied(read_events(events)) < steps
+        procs.append(spawn(*shard_args, log=str(tmp_path / "shard1.log")))
+        finish(server, procs[1:], 120)
+    finally:
+        reap(procs, grace_s=10)
+    s = summary(state)
+    assert s["version"] == steps and s["shards"][1]["joins"] == 2, s["counters"]
+    from ps.persist import read_journal
+
+    # every reply that counted has its figures (a reply to a job cancelled meanwhile counts late, without)
+    reduced = [r.body["reply"]["ssq"] for r in read_journal(state) if r.op == "reply" and "ssq" in r.body["reply"]]
+    assert len(reduced) >= s["counters"]["applied"] >= steps and all(len(f) == 3 and min(f) > 0 for f in reduced)
+    replay_identical(state)

@@ -225,9 +225,39 @@ def test_clip_norm_keeps_blocks_whole(digits):
     assert not alg.plan.split and alg.needs_block_norms()
 
 
-def test_a_reduction_over_the_momentum_is_refused(digits):
-    with pytest.raises(ValueError, match="norm of the whole momentum"):
-        bind_layout(Sharded(algorithms.build("ringmaster-lmo", {"lmo": "l2"}), n_shards=2), digits.layout)
+L2 = {
+    "ringmaster-lmo-l2": ("ringmaster-lmo", {"lmo": "l2", "lr": 0.05, "R": 3}, 120),
+    "ringmaster-lmo-l2-nesterov+clip": ("ringmaster-lmo", {"lmo": "l2", "lr": 0.05, "R": 3, "nesterov": True,
+                                                           "schedule": "agnostic", "clip_norm": 0.3}, 120),
+}
+
+
+@pytest.mark.parametrize("case", list(L2))
+def test_lmo_l2_sharded_is_bit_identical_to_one_shard(digits, case):
+    """lmo='l2' steps by u/‖u‖, the norm of the whole momentum (server state no worker sends): each
+    shard's blocks' ‖u_b‖² on its state before the step are gathered per reply (Result.step_sq),
+    so every shard divides by the one norm. S = 2, 3, 4 against S = 1; and the step is of length
+    lr whatever S: ‖x_{k+1} − x_k‖ = η (an independent check that the norm is the whole u's)."""
+    name, settings, updates = L2[case]
+    base, base_applied = run(digits, algorithms.build(name, settings), 1, updates)
+    assert base.counters["updates"] == updates and base.counters["lost"] > 0
+    for s in (2, 3, 4):
+        trace, applied = run(digits, algorithms.build(name, settings), s, updates)
+        assert trace.final_x.tobytes() == base.final_x.tobytes(), f"S = {s}: final iterate differs"
+        assert applied == base_applied, f"S = {s}: applied (job id, created_at) sequence differs"
+        assert trace.counters == base.counters
+    if case == "ringmaster-lmo-l2":  # one step by hand, S = 3: a step of length lr exactly (to float32)
+        alg = bind_layout(Sharded(algorithms.build(name, settings), n_shards=3), digits.layout)
+        state, _ = alg.init(digits.init_params(0), seed=0)
+        x0 = alg.params(state).astype(np.float64)
+        g = np.random.default_rng(1).standard_normal(x0.size).astype(np.float32)
+        from algorithms.base import Result
+        from protocol.messages import JobKind
+
+        state, out = alg.apply(state, [Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD,
+                                              iterate_ids=(0,), grads=(g,))])
+        assert out.applied == (0,)
+        assert np.linalg.norm(alg.params(state).astype(np.float64) - x0) == pytest.approx(0.05, rel=1e-5)
 
 
 @dataclass(frozen=True)
@@ -308,9 +338,10 @@ def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, 
 
 
 def test_a_refused_algorithm_is_refused_with_one_shard_too(digits):
-    """The coordinator runs it on no vector at all: the momentum's norm would be 0 there."""
-    with pytest.raises(ValueError, match="norm of the whole momentum"):
-        bind_layout(Sharded(algorithms.build("ringmaster-lmo", {"lmo": "l2"}), n_shards=1), digits.layout)
+    """The coordinator runs it on no vector at all: a user's algorithm that does not say its vector
+    work is per block is refused even with one shard."""
+    with pytest.raises(ValueError, match="does not say"):
+        bind_layout(Sharded(Undeclared(), n_shards=1), digits.layout)
 
 
 def brute_force_split(sizes: list[int], splittable: list[bool], s: int) -> int:

@@ -233,6 +233,7 @@ def test_the_field_orders_that_positional_constructions_rely_on() -> None:
         "job_id", "kind", "created_at", "iterate_ids", "seed", "batch_size", "shard", "deadline", "point_ids",
         "points", "refs", "grad_slots", "xfer"]
     assert [f.name for f in dataclasses.fields(Reply)] == [
-        "job_id", "created_at", "grads", "loss", "count", "compute_s", "holds", "in_shm", "xfer", "block_sq"]
+        "job_id", "created_at", "grads", "loss", "count", "compute_s", "holds", "in_shm", "xfer", "block_sq",
+        "step_sq"]
     assert [f.name for f in dataclasses.fields(Heartbeat)] == ["boot", "credit", "busy", "seen"]
     assert [f.name for f in dataclasses.fields(Ready)] == ["credit", "holds", "shm"]

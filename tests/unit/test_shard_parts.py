@@ -410,3 +410,41 @@ def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read
     for bad in ([-1.0], [float("inf")], ["1"], 1.0):
         assert "bsq" in _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": {**reply, "bsq": bad}})
         assert "bsq" in _check_record({"lsn": 3, "op": "msg", "wid": "w", "now": 1.0, "frames": [b"x"], "bsq": bad})
+
+
+def test_the_hub_gathers_a_steps_norms_one_reply_at_a_time(run):
+    """lmo='l2': a reply whose blocks are all in waits for every shard's figures of its step
+    (reduce?), one reply at a time, and the next reduction starts only after the core has taken the
+    last one's reply (so its record is among those the shards apply first); a job settled
+    meanwhile ends the reduction (the core counts the reply late)."""
+    core, inputs, _shard, _sent, _ = run
+    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
+                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
+    try:
+        hub.step_norms = True  # as for a coordinator whose algorithm needs_step_norms
+        empty = (np.empty(0, np.float32),)
+        items = []
+        for jid in (0, 1):
+            e = core.ledger[jid]
+            items.append(SimpleNamespace(msg=Reply(job_id=jid, created_at=e.created_at, grads=empty), wid="w1"))
+            assert hub.take_reply(items[-1], 10.0)
+            for slot in hub.slots:
+                hub._on_haves(slot, [(jid, e.created_at, 0, "")], 10.1)
+        assert hub.ready_replies(10.2) == []
+        r = hub.reducing
+        assert r["jid"] == 0 and r["after"] == inputs.persist.journal.next_lsn - 1 and list(hub.pending) == [1]
+        assert sorted(hub.pending_for("w1")) == [0, 1]  # both still busy for the core's reconciliation
+        r["parts"][1] = (4.0,)
+        assert hub.ready_replies(10.3) == []  # shard 0 has not answered
+        r["parts"][0] = (1.0, 2.0)
+        (it, refusal), = hub.ready_replies(10.4)
+        assert refusal is None and it.msg.step_sq == (1.0, 2.0, 4.0) and it.msg.job_id == 0
+        assert hub.reducing is None and list(hub.pending) == [1]  # not in the same pass as the core takes job 0
+        inputs.message("w1", it.msg, 10.5)  # the core applies job 0 (journaled)
+        assert hub.ready_replies(10.6) == [] and hub.reducing["jid"] == 1
+        assert hub.reducing["after"] == inputs.persist.journal.next_lsn - 1
+        inputs.remove("w1", 10.7, "gone")  # job 1 written off meanwhile
+        (it, refusal), = hub.ready_replies(10.8)
+        assert it is items[1] and refusal is None and hub.reducing is None and hub.reductions == 1
+    finally:
+        hub.close()
