@@ -197,8 +197,8 @@ class Shard:
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
         self.span = (0, 0)  # the values the coordinator's welcome gives this shard
-        # Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome before
-        # the first answer to their fetches), those whose hello said they take parts, and the
+        # Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome after
+        # the first job sent to them), those whose hello said they take parts, and the
         # workers' unfinished transfers (the server's bounded table, built when the slice is known:
         # one transfer per connection, all of them bounded, 10 s stale).
         self.told: OrderedDict[bytes, None] = OrderedDict()
@@ -386,13 +386,17 @@ class Shard:
 
     def _send_data(self, rid: bytes, msg: Any) -> None:
         """``msg`` to the worker at ``rid``: a ``job`` whose slices pass the threshold goes in parts,
-        then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it takes them."""
+        then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it takes them; the
+        first job to a connection is followed by a welcome that says this shard takes parts."""
         if type(msg) is Job and rid in self.parts_peers and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
             self.next_xfer += 1
             messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
             self.parts_out += len(messages) - 1
         else:
             messages = [encode(msg)]
+        if type(msg) is Job and rid not in self.told:  # the first job to this connection (that we remember)
+            self._remember(self.told, rid)
+            messages.append(self._welcome())  # after it: a peer's first answer is the answer to its fetch
         try:
             for frames in messages:
                 self.data.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
@@ -610,8 +614,6 @@ class Shard:
             self._send_data(rid, Error(ErrorCode.REFUSED, "this shard has not started"))
             return
         if type(msg) is Fetch:
-            if rid not in self.told:
-                self._tell(rid)
             self._fetch(rid, msg, now)
         elif type(msg) is Reply:
             if msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
@@ -630,12 +632,10 @@ class Shard:
         while len(table) > MAX_PARTS_PEERS:  # the least recent goes (told again / one frame: nothing breaks)
             table.popitem(last=False)
 
-    def _tell(self, rid: bytes) -> None:
-        """The first fetch of a connection (as far as this shard remembers): a welcome says this
-        shard takes and sends parts (PROTOCOL.md §12.1); a worker that takes them says hello."""
-        self._remember(self.told, rid)
-        self._send_data(rid, Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
-                                     run_id=self.run_id, wire_dtype=self.wire, parts=True))
+    def _welcome(self) -> list:
+        """What tells a connection that this shard takes and sends parts (PROTOCOL.md §12.1)."""
+        return encode(Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
+                              run_id=self.run_id, wire_dtype=self.wire, parts=True))
 
     def _hello(self, rid: bytes, h: Hello) -> None:
         """A worker's hello on its connection to this shard (its answer to our welcome): whether it

@@ -17,7 +17,7 @@ again, so it never sends the same slices twice. A shard that answers UNKNOWN_JOB
 here (it was settled: written off, cancelled).
 
 Large messages in parts (PROTOCOL.md §6.13, §12.1): a shard sends ``welcome`` {parts: true}
-before its first answer to a connection's fetches (and again after it restarted); the worker
+after the first ``job`` it sends a connection (and again after it restarted); the worker
 answers ``hello`` {parts: true}. From then on a gradient block above ``CHUNK_THRESHOLD`` goes to
 that shard as ``part`` messages and the ``reply`` with ``xfer``, and the shard sends a slice
 above the threshold the same way, reassembled here per shard connection with the bounds of the
@@ -172,7 +172,7 @@ class ShardLinks:
             except RemoteProtocolError as e:
                 log.warning("undecodable message from shard %d: %s", i, e)
                 continue
-            if type(msg) is Welcome:  # the shard's transport (before its first answer to us)
+            if type(msg) is Welcome:  # the shard's transport (after its first job to us)
                 self.parts_ok[i] = msg.parts and self.hello is not None
                 if self.parts_ok[i]:
                     try:

@@ -2,8 +2,8 @@
 shard data socket and the real worker side (worker/shards.py ``ShardLinks``), with the
 threshold and part size patched small so a slice of 10,000 values travels in several parts.
 
-The shard tells a connection it takes parts with a ``welcome`` before its first answer to a
-fetch; a worker that takes them answers ``hello`` {parts: true}. Then the slices come as parts
+The shard tells a connection it takes parts with a ``welcome`` after the first ``job`` it sends
+it; a worker that takes them answers ``hello`` {parts: true}. Then the slices come as parts
 and the ``job`` with ``xfer``, and a gradient block goes as parts and the ``reply`` with
 ``xfer``: the bytes that arrive are the bytes sent (the iterate in the core's store, the block
 the shard holds and journals). A worker that never says hello gets every slice in one frame.
@@ -131,6 +131,15 @@ def fetch_whole(shard: Shard, links: ShardLinks, jid: int) -> Job:
     return job
 
 
+def hello_seen(shard: Shard, links: ShardLinks) -> None:
+    """The worker read the shard's welcome and the shard its hello."""
+    def done() -> bool:
+        assert links.receive(0) == []
+        return RID in shard.parts_peers
+
+    pump(shard, links.socks, done, "the welcome and the worker's hello")
+
+
 @pytest.fixture
 def links_seen(monkeypatch):
     """Parts the worker's shard link actually receives on its socket."""
@@ -170,9 +179,9 @@ def test_slices_and_blocks_travel_in_parts_both_ways_bit_for_bit(run, links_seen
     ctx = zmq.Context.instance()
     links = linked(ctx, shard)
     try:
-        first = fetch_whole(shard, links, 0)  # the welcome comes first; this answer went before our hello
-        assert links_seen["welcomes"] == 1 and links.parts_ok == [True]
-        pump(shard, [], lambda: RID in shard.parts_peers, "the worker's hello")
+        first = fetch_whole(shard, links, 0)  # one frame: the welcome comes after it, then our hello
+        hello_seen(shard, links)
+        assert links_seen["welcomes"] == 1 and links.parts_ok == [True] and links_seen["parts_to_worker"] == 0
         job = fetch_whole(shard, links, 1)
         e = shard.core.ledger[1]
         for i, p in zip(e.iterate_ids, job.points, strict=True):
@@ -359,7 +368,7 @@ def test_hostile_parts_are_refused_bounded_and_the_shard_still_serves(run, caplo
         links = linked(zmq.Context.instance(), shard)
         try:
             fetch_whole(shard, links, 0)
-            pump(shard, [], lambda: RID in shard.parts_peers, "the worker's hello")
+            hello_seen(shard, links)
             job = fetch_whole(shard, links, 1)
             assert links_seen["parts_to_worker"] == 5 * len(job.points)
             g = np.linspace(-1, 1, D // 2, dtype=np.float32)
