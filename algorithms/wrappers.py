@@ -42,11 +42,11 @@ Global gradient-norm clipping (``clip_norm`` = c): each stochastic gradient g of
 layout blocks together) in float64: ‖g‖₂² is the exactly rounded sum (``math.fsum``) of the
 per-block squared norms (:func:`block_sq_sums`, each summed in fixed chunks from its block's
 start), so a sharded server, whose shards each measure their own blocks, gets the same bits as
-one process (``Result.block_sq``; with ``clip_norm`` a block is never split between shards). A GRAD_PAIR reply is divided by one s for both gradients,
-taken from the newer point's gradient (``grads[0]``), so a variance-reduction difference
-∇f(x_k; ξ) − (1 − a) ∇f(x_{k−1}; ξ) is scaled as a whole. FULL_GRAD shards (exact full-gradient
-sums, e.g. ``snapshot-vr``'s snapshots) are not clipped. A reply within the bound is passed on
-unchanged (the same arrays).
+one process (``Result.block_sq``; with ``clip_norm`` a block is never split between shards).
+A GRAD_PAIR reply is divided by one s for both gradients, taken from the newer point's
+gradient (``grads[0]``), so a variance-reduction difference ∇f(x_k; ξ) − (1 − a) ∇f(x_{k−1}; ξ)
+is scaled as a whole. FULL_GRAD shards (exact full-gradient sums, e.g. ``snapshot-vr``'s
+snapshots) are not clipped. A reply within the bound is passed on unchanged (the same arrays).
 
 The wrappers keep no state of their own: the state, its state dict, checkpoints and journals
 are exactly the wrapped algorithm's, and ``name``, ``mode``, ``bind``, ``state_class``,

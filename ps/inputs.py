@@ -16,7 +16,6 @@ state directory cannot be written: the input is not accepted, the core never see
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 from protocol.codec import decode

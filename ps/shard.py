@@ -27,6 +27,7 @@ because the coordinator accepted it only after this shard's block was durable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -35,17 +36,34 @@ import resource
 import secrets
 import signal
 import time
+from collections import OrderedDict
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
+from algorithms.wrappers import block_sq_sums, needs_block_norms, needs_step_norms
+from protocol.chunks import split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
-from algorithms.wrappers import block_sq_sums, needs_block_norms, needs_step_norms
-from protocol.messages import MAX_HEADER_BYTES, Error, ErrorCode, Fetch, Job, JobKind, Reply
+from protocol.messages import (
+    CHUNK_BYTES,
+    CHUNK_THRESHOLD,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Error,
+    ErrorCode,
+    Fetch,
+    Hello,
+    Job,
+    JobKind,
+    Part,
+    Reply,
+    Welcome,
+)
 from protocol.wire import to_wire
+from ps.connections import ConnectionLimits, Connections, RateLimitedLog
 from ps.inputs import CoreInputs
 from ps.persist import (
     Journal,
@@ -71,6 +89,9 @@ CHECKPOINT_S = 30.0  # ... or this long, whichever first
 MAX_PARKED = 4096  # fetches waiting for their job to be issued here
 PARKED_S = 30.0  # ... for at most this long (the worker asks again)
 SHARD_FILE = "shard.json"
+MAX_PARTS_PEERS = 4096  # connections remembered (told, taking parts, holding a transfer): the least recent go
+TRANSFER_TIMEOUT_S = 10.0  # an unfinished transfer from a worker that got no part for this long is dropped
+TRANSFER_TOTAL_MIN = 64 << 20  # all unfinished transfers together: four blocks' worth, at least this
 
 
 
@@ -211,6 +232,16 @@ class Shard:
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
         self.span = (0, 0)  # the values the coordinator's welcome gives this shard
+        # Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome after
+        # the first job sent to them), those whose hello said they take parts, and the
+        # workers' unfinished transfers (the server's bounded table, built when the slice is known:
+        # one transfer per connection, all of them bounded, 10 s stale).
+        self.told: OrderedDict[bytes, None] = OrderedDict()
+        self.parts_peers: OrderedDict[bytes, None] = OrderedDict()
+        self.transfers: Connections | None = None
+        self.next_xfer = 0
+        self.parts_in = self.parts_out = 0
+        self.data_log = RateLimitedLog(log)
         self.lock = None
         if state_dir:
             from ps.persist import StateLock
@@ -371,7 +402,21 @@ class Shard:
             raise OSError(f"cannot bind {self.bind_to}: {e}") from None
         self.bound = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
         self.endpoint = self.advertise or self.bound
+        self.transfers = Connections(self.transfer_limits(span), now=self.clock())
         log.info("shard data on %s", self.endpoint)
+
+    @staticmethod
+    def transfer_limits(span: tuple[int, int]) -> ConnectionLimits:
+        """The bounds on workers' unfinished transfers (parts of gradient blocks), the server's
+        (ps/transport.py) for this slice: one transfer per connection of at most two float64
+        blocks, four such transfers' worth (at least ``TRANSFER_TOTAL_MIN``) over all
+        connections, a transfer dropped after ``TRANSFER_TIMEOUT_S`` without a part. A record
+        holds nothing but its transfer, so it is forgotten as soon as that could be dropped."""
+        lo, hi = span
+        xfer = 2 * max(hi - lo, 1) * 8
+        return ConnectionLimits(idle_s=TRANSFER_TIMEOUT_S, max_idle=MAX_PARTS_PEERS, transfer_bytes=xfer,
+                                transfer_total_bytes=max(TRANSFER_TOTAL_MIN, 4 * xfer),
+                                transfer_timeout_s=TRANSFER_TIMEOUT_S)
 
     def _send_ctl(self, header: bytes, frames: tuple = ()) -> None:
         try:
@@ -380,10 +425,23 @@ class Shard:
             pass  # the coordinator is not there: everything is said again (shello, progress, haves on welcome)
 
     def _send_data(self, rid: bytes, msg: Any) -> None:
+        """``msg`` to the worker at ``rid``: a ``job`` whose slices pass the threshold goes in parts,
+        then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it takes them; the
+        first job to a connection is followed by a welcome that says this shard takes parts."""
+        if type(msg) is Job and rid in self.parts_peers and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
+            self.next_xfer += 1
+            messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+            self.parts_out += len(messages) - 1
+        else:
+            messages = [encode(msg)]
+        if type(msg) is Job and rid not in self.told:  # the first job to this connection (that we remember)
+            self._remember(self.told, rid)
+            messages.append(self._welcome())  # after it: a peer's first answer is the answer to its fetch
         try:
-            self.data.send_multipart([rid, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            for frames in messages:
+                self.data.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
         except (zmq.Again, zmq.ZMQError):
-            pass  # the worker is gone, or its pipe is full: it asks again
+            pass  # the worker is gone, or its pipe is full: it asks again (a transfer cut short is dropped there)
 
     # ------------------------------------------------------------------ the loop
     def install_signal_handlers(self) -> None:
@@ -449,6 +507,12 @@ class Shard:
                                 applied_count=core.counters.applied if core else 0, rss=rss_bytes(),
                                 blocks=len(self.blocks), records_s=float(self.records_s)))
             self.next_progress = now + PROGRESS_S
+        if self.transfers is not None:
+            dropped = self.transfers.counters.transfers_dropped
+            self.transfers.expire(now)  # unfinished transfers without a part for 10 s
+            if self.transfers.counters.transfers_dropped > dropped:
+                self.data_log.warning("stale", now, "dropped %d unfinished transfers (no part for %g s)",
+                                      self.transfers.counters.transfers_dropped - dropped, TRANSFER_TIMEOUT_S)
         if self.parked:
             for key in [k for k, (t, _) in self.parked.items() if now - t > PARKED_S]:
                 del self.parked[key]
@@ -600,8 +664,12 @@ class Shard:
     # ------------------------------------------------------------------ data
     def _on_data(self, frames: list) -> None:
         rid = frames[0].bytes
+        now = self.clock()
         try:
-            msg = decode(frames[1:])
+            msg = decode(frames[1:], payload=lambda xfer, n: self._take_transfer(rid, xfer, n))
+            if type(msg) is Part:
+                self._part(rid, msg, now)
+                return
         except RemoteProtocolError as e:
             self._send_data(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
             return
@@ -609,11 +677,75 @@ class Shard:
             self._send_data(rid, Error(ErrorCode.REFUSED, "this shard has not started"))
             return
         if type(msg) is Fetch:
-            self._fetch(rid, msg, self.clock())
+            self._fetch(rid, msg, now)
         elif type(msg) is Reply:
+            if msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
+                msg = dataclasses.replace(msg, xfer=0)
+                frames = [rid, *encode(msg)]
             self._block(rid, msg, frames[1:])
+        elif type(msg) is Hello:
+            self._hello(rid, msg)
         else:
             self._send_data(rid, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for a shard"))
+
+    @staticmethod
+    def _remember(table: OrderedDict, rid: bytes) -> None:
+        table.pop(rid, None)
+        table[rid] = None
+        while len(table) > MAX_PARTS_PEERS:  # the least recent goes (told again / one frame: nothing breaks)
+            table.popitem(last=False)
+
+    def _welcome(self) -> list:
+        """What tells a connection that this shard takes and sends parts (PROTOCOL.md §12.1)."""
+        return encode(Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
+                              run_id=self.run_id, wire_dtype=self.wire, parts=True))
+
+    def _hello(self, rid: bytes, h: Hello) -> None:
+        """A worker's hello on its connection to this shard (its answer to our welcome): whether it
+        takes parts. Not answered; nothing else is kept."""
+        if rid != f"{h.worker_id}/{h.boot:x}".encode():
+            self._send_data(rid, Error(ErrorCode.REFUSED, "routing id is not <worker id>/<boot>"))
+            return
+        if h.parts:
+            self._remember(self.parts_peers, rid)
+        else:
+            self.parts_peers.pop(rid, None)
+
+    def _live(self, rid: bytes) -> bool:
+        """Whether ``rid`` is the routing id of a live worker as far as this shard's records say."""
+        wid = self._worker(rid)
+        w = self.core.workers.get(wid) if self.core is not None else None
+        return w is not None and rid == f"{wid}/{w.boot:x}".encode()
+
+    def _part(self, rid: bytes, part: Part, now: float) -> None:
+        """A part of a worker's gradient block (kept, bounded), only from a live worker's connection."""
+        if self.transfers is None or not self._live(rid):
+            self.data_log.warning("peer", now, "refused a part from %r: not a live worker's connection", rid[:64])
+            raise RemoteProtocolError("part from a connection that is not a live worker's")
+        t = self.transfers
+        dropped = t.counters.transfers_dropped
+        try:
+            t.add_part(t.get(rid, now), part, now)
+        except RemoteProtocolError as e:  # one line (per kind, rate-limited); the answer says it too
+            kind = "order" if "out of order" in str(e) else "bound"
+            self.data_log.warning(kind, now, "refused a part from %r: %s (transfer dropped)", rid[:64], e)
+            raise
+        if t.counters.transfers_dropped > dropped:  # superseded by a new transfer, or evicted for this one
+            self.data_log.warning("evicted", now, "dropped %d unfinished transfers: a new one from %r, or all of "
+                                  "them past %d bytes (the least recently fed evicted)",
+                                  t.counters.transfers_dropped - dropped, rid[:64], t.limits.transfer_total_bytes)
+        self.parts_in += 1
+
+    def _take_transfer(self, rid: bytes, xfer: int, nbytes: int) -> Any:
+        """The bytes of ``rid``'s complete transfer ``xfer`` (the decoder's ``payload``)."""
+        c = self.transfers.by_rid.get(rid) if self.transfers is not None else None
+        try:
+            if c is None:
+                raise RemoteProtocolError(f"transfer {xfer}: no parts received")
+            return self.transfers.take_transfer(c, xfer, nbytes)
+        except RemoteProtocolError as e:
+            self.data_log.warning("transfer", self.clock(), "refused a message in parts from %r: %s", rid[:64], e)
+            raise
 
     @staticmethod
     def _worker(rid: bytes) -> str:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-
 import json
 import logging
 import math

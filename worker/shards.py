@@ -15,6 +15,15 @@ shard took to answer one so far, at least ``REFETCH_MIN_S`` (before any answer,
 ``REFETCH_FIRST_S``). A shard busy sending earlier slices over a slow link is never asked
 again, so it never sends the same slices twice. A shard that answers UNKNOWN_JOB ends the job
 here (it was settled: written off, cancelled).
+
+Large messages in parts (PROTOCOL.md §6.13, §12.1): a shard sends ``welcome`` {parts: true}
+after the first ``job`` it sends a connection (and again after it restarted); the worker
+answers ``hello`` {parts: true}. From then on a gradient block above ``CHUNK_THRESHOLD`` goes to
+that shard as ``part`` messages and the ``reply`` with ``xfer``, and the shard sends a slice
+above the threshold the same way, reassembled here per shard connection with the bounds of the
+worker's link to the server (one transfer at a time, at most two arrays of
+``DEFAULT_MAX_ARRAY_BYTES``). Without that welcome (a shard of an older release) every block
+travels in one frame, as every slice does to a worker that never says hello to a shard.
 """
 
 from __future__ import annotations
@@ -27,9 +36,22 @@ from typing import Any
 import numpy as np
 import zmq
 
+from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import Error, ErrorCode, Fetch, Job, Reply
+from protocol.messages import (
+    CHUNK_BYTES,
+    CHUNK_THRESHOLD,
+    DEFAULT_MAX_ARRAY_BYTES,
+    Error,
+    ErrorCode,
+    Fetch,
+    Hello,
+    Job,
+    Part,
+    Reply,
+    Welcome,
+)
 from worker.sockio import recv_frames, send_frames
 
 log = logging.getLogger("latecomer.worker")
@@ -53,9 +75,12 @@ class ShardLinks:
     """DEALER sockets to every shard's data endpoint and the jobs being assembled from them."""
 
     def __init__(self, ctx: zmq.Context, shards: tuple, routing_id: bytes,
-                 curve: tuple[bytes, bytes, bytes] | None = None) -> None:
+                 curve: tuple[bytes, bytes, bytes] | None = None, *, parts: bool = True) -> None:
         """``curve``: (public, secret, server public) when the server runs CurveZMQ: every shard is
-        a CURVE server under the server's key pair, so the worker connects to each as to it."""
+        a CURVE server under the server's key pair, so the worker connects to each as to it.
+        ``routing_id``: ``<worker id>/<boot in hex>``, as on the link to the coordinator.
+        ``parts``: answer a shard's welcome with a hello, taking and sending large arrays in parts
+        (False: every slice and block in one frame, as a worker that never says hello to a shard)."""
         self.map = tuple(shards)
         self.ranges = tuple((lo, hi) for _, lo, hi in shards)
         self.socks: list[zmq.Socket] = []
@@ -76,6 +101,15 @@ class ShardLinks:
         self.answered = [0] * len(self.socks)  # the latest ``seq`` each shard answered
         self.seq = 0
         self.clock = time.monotonic
+        n = len(self.socks)
+        self.parts_ok = [False] * n  # shard i takes parts: its welcome said so
+        self.parts = [Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES) for _ in range(n)]  # its transfer to us
+        self.next_xfer = 0
+        self.parts_in = self.parts_out = 0
+        self.hello: list | None = None  # what we answer a shard's welcome (None: we never use parts)
+        if parts:
+            wid, _, boot = routing_id.decode("ascii").rpartition("/")
+            self.hello = encode(Hello(worker_id=wid, boot=int(boot, 16), credit=1, parts=True))
 
     def close(self) -> None:
         for s in self.socks:
@@ -130,11 +164,22 @@ class ShardLinks:
             now = self.clock()
             self.heard[i] = now
             try:
-                msg = decode(frames)
+                msg = decode(frames, payload=self.parts[i].take)
+                if type(msg) is Part:
+                    self.parts[i].add(msg)
+                    self.parts_in += 1
+                    continue
             except RemoteProtocolError as e:
                 log.warning("undecodable message from shard %d: %s", i, e)
                 continue
-            if type(msg) is Job:
+            if type(msg) is Welcome:  # the shard's transport (after its first job to us)
+                self.parts_ok[i] = msg.parts and self.hello is not None
+                if self.parts_ok[i]:
+                    try:
+                        send_frames(sock, self.hello, _NOBLOCK)
+                    except zmq.Again:
+                        self.parts_ok[i] = False  # the shard does not know we take parts: none either way
+            elif type(msg) is Job:
                 a = self.assembling.get(msg.job_id)
                 if a is None or msg.point_ids != a.need:
                     continue
@@ -169,11 +214,18 @@ class ShardLinks:
     def send_blocks(self, r: Reply) -> bool:
         """The reply's gradient slices to every shard. False: a shard's pipe refused it (retried;
         a shard takes a block it has once)."""
-        for (lo, hi), sock in zip(self.ranges, self.socks, strict=True):
+        for i, ((lo, hi), sock) in enumerate(zip(self.ranges, self.socks, strict=True)):
             block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
                           loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
+            if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > CHUNK_THRESHOLD:
+                self.next_xfer += 1  # large: parts, then the block with xfer (a new transfer drops one cut short)
+                messages = split(block, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+                self.parts_out += len(messages) - 1
+            else:
+                messages = [encode(block)]
             try:
-                send_frames(sock, encode(block), _NOBLOCK)
+                for frames in messages:
+                    send_frames(sock, frames, _NOBLOCK)
             except zmq.Again:
                 return False
         return True

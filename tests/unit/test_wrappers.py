@@ -352,7 +352,7 @@ def test_block_sq_sums_are_each_blocks_float64_squared_norm_and_the_norm_their_e
     g = rng.standard_normal(30 * 70 + 30 + 200_000).astype(np.float32)
     sums = block_sq_sums(g, layout)
     bounds = np.cumsum([0, 2100, 30, 0, 200_000])
-    for s, lo, hi in zip(sums, bounds[:-1], bounds[1:]):
+    for s, lo, hi in zip(sums, bounds[:-1], bounds[1:], strict=True):
         assert s == pytest.approx(float(np.dot(g[lo:hi].astype(np.float64), g[lo:hi].astype(np.float64))), rel=1e-13)
     assert sums[2] == 0.0
     assert norm_from_block_sq(sums) == pytest.approx(float(np.linalg.norm(g.astype(np.float64))), rel=1e-13)
