@@ -108,6 +108,20 @@ def same_training(sharded: dict, plain: dict, state: str) -> None:
     assert sharded["counters"]["applied"] == STEPS
 
 
+def log_waiter(log):
+    """``logged(pattern, timeout)``: the first match of ``pattern`` in the log file ``log`` (a
+    Path), waited for at most ``timeout`` seconds."""
+    def logged(pattern: str, timeout: float = 60) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, log.read_text(errors="replace"))
+            if m:
+                return m
+            time.sleep(0.05)  # polling interval of a bounded wait
+        raise TimeoutError(f"no {pattern!r} in the server's log: {log.read_text()[-2000:]}")
+    return logged
+
+
 def newest_checkpoint_lsn(d: str) -> int:
     lsns = [int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"ckpt-(\d+)\.bin", f))]
     return max(lsns)
@@ -120,16 +134,7 @@ def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tm
     server = spawn(*serve_args(state, "--shards", "2", "--local-shards", "1"), log=str(tmp_path / "serve.log"))
     procs = [server]
     try:
-        log = tmp_path / "serve.log"
-
-        def logged(pattern: str, timeout: float = 60) -> re.Match:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                m = re.search(pattern, log.read_text(errors="replace"))
-                if m:
-                    return m
-                time.sleep(0.05)  # polling interval of a bounded wait
-            raise TimeoutError(f"no {pattern!r} in the server's log: {log.read_text()[-2000:]}")
+        logged = log_waiter(tmp_path / "serve.log")
 
         endpoint = logged(r"listening on (\S+)").group(1)
         coordinator = logged(r"shards connect to (\S+)").group(1)
@@ -199,20 +204,28 @@ def test_kill9_of_the_coordinator_mid_run_recovers_with_its_shards_in_bf16(tmp_p
 def test_slices_larger_than_a_header_reach_the_shards(tmp_path):
     """Blocks of 100,000 float32 (400 KB, past the 64 KB a shard's data socket takes before its core
     is built): the shards take them, the run reaches its steps with every reply applied."""
-    state = str(tmp_path / "big")
+    state, s = synthetic_to_end(tmp_path / "big", 200000, 2, "asgd", 40)
+    assert s["version"] == 40 and s["counters"]["applied"] == 40 and s["blocks_timed_out"] == 0, s["counters"]
+
+
+def synthetic_to_end(state: os.PathLike, d: int, blocks: int, algorithm: str, steps: int,
+                     *settings: str) -> tuple[str, dict]:
+    """``serve --shards 2`` of ``synthetic`` (d values in ``blocks`` blocks) with one worker of
+    credit 2, to ``steps``: the state directory and its summary."""
+    state = str(state)
     server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "synthetic",
-                   "--problem-opt", "d=200000", "--problem-opt", "blocks=2", "--algorithm", "asgd",
-                   "--max-steps", "40", "--eval-every", "0", "--shards", "2", "--log-level", "info")
+                   "--problem-opt", f"d={d}", "--problem-opt", f"blocks={blocks}", "--algorithm", algorithm,
+                   *[a for kv in settings for a in ("--set", kv)], "--max-steps", str(steps), "--eval-every", "0",
+                   "--shards", "2", "--log-level", "info")
     procs = [server]
     try:
         endpoint = wait_line(server, r"listening on (\S+)", 60).group(1)
         procs.append(spawn("work", "--server", endpoint, "--credit", "2", "--give-up", "60",
-                           log=str(tmp_path / "w.log")))
+                           log=f"{state}-w.log"))
         finish(server, procs[1:], 120)
     finally:
         reap(procs, grace_s=10)
-    s = summary(state)
-    assert s["version"] == 40 and s["counters"]["applied"] == 40 and s["blocks_timed_out"] == 0, s["counters"]
+    return state, summary(state)
 
 
 def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_bit_for_bit(tmp_path):
@@ -221,27 +234,13 @@ def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_b
     against the record, and ``latecomer replay`` through one unsharded core, which measures the
     norm on the whole recomputed gradient, gives the shards' final iterate bit for bit. The clip
     acts on every step (grad_norm above clip_norm)."""
-    state = str(tmp_path / "clip")
-    server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "synthetic",
-                   "--problem-opt", "d=30000", "--problem-opt", "blocks=3", "--algorithm", "ordered-momentum",
-                   "--set", "clip_norm=0.001", "--max-steps", "60", "--eval-every", "0", "--shards", "2",
-                   "--log-level", "info")
-    procs = [server]
-    try:
-        endpoint = wait_line(server, r"listening on (\S+)", 60).group(1)
-        procs.append(spawn("work", "--server", endpoint, "--credit", "2", "--give-up", "60",
-                           log=str(tmp_path / "w.log")))
-        finish(server, procs[1:], 120)
-    finally:
-        reap(procs, grace_s=10)
-    s = summary(state)
+    state, s = synthetic_to_end(tmp_path / "clip", 30000, 3, "ordered-momentum", 60, "clip_norm=0.001")
     assert s["version"] == 60 and s["counters"]["applied"] == 60 and s["blocks_timed_out"] == 0, s["counters"]
     from ps.persist import read_journal
 
-    replies = [r.body["reply"] for r in read_journal(state) if r.op == "reply"]
-    assert len(replies) >= 60 and all(len(r["bsq"]) == 3 for r in replies), replies[:2]
-    norms = [math.sqrt(math.fsum(r["bsq"])) for r in replies]
-    assert min(norms) > 0.001, "the clip acts on every reply"
+    measured = [r.body["reply"]["bsq"] for r in read_journal(state) if r.op == "reply" and "bsq" in r.body["reply"]]
+    assert len(measured) >= s["counters"]["applied"] == 60 and all(len(f) == 3 for f in measured)
+    assert min(math.sqrt(math.fsum(f)) for f in measured) > 0.001, "the clip acts on every reply"
     replay_identical(state)
 
 
@@ -260,15 +259,7 @@ def test_lmo_l2_on_two_shards_divides_by_the_whole_momentums_norm_through_a_kill
                    "--set", "lmo=l2", "--set", "lr=0.01", "--set", "R=4", "--max-steps", str(steps),
                    "--eval-every", "0", "--shards", "2", "--local-shards", "1", "--log-level", "info", log=str(log))
     procs = [server]
-
-    def logged(pattern: str, timeout: float = 60) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, log.read_text(errors="replace"))
-            if m:
-                return m
-            time.sleep(0.05)  # polling interval of a bounded wait
-        raise TimeoutError(f"no {pattern!r} in the server's log: {log.read_text()[-2000:]}")
+    logged = log_waiter(log)
 
     try:
         endpoint = logged(r"listening on (\S+)").group(1)

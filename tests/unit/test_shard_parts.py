@@ -159,48 +159,53 @@ def test_control_messages_round_trip():
             unpack(pack("have", jobs=[[5, 1, 0, "", bad]]), ("have",))
 
 
-def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run):
+@pytest.fixture
+def hub(run):
+    """The coordinator's hub of 2 shards over the run's core (its socket bound, no shard joined)."""
+    core, inputs, *_ = run
+    h = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
+                 ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
+    yield h
+    h.close()
+
+
+def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run, hub):
     core, inputs, _shard, _sent, _ = run
-    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
-                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
-    try:
-        e0, e1 = core.ledger[0], core.ledger[1]
-        empty = (np.empty(0, np.float32),)
-        item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
-        assert not hub.take_reply(SimpleNamespace(msg=Reply(job_id=0, created_at=0, grads=empty), wid="w2"), 10.0)
-        assert hub.take_reply(item, 10.0)
-        hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "")], 10.1)
-        assert hub.ready_replies(10.2) == [] and hub.pending_for("w1") == [0]  # shard 1 has not said yet
-        hub._on_haves(hub.slots[1], [(0, e0.created_at, int(ErrorCode.NON_FINITE), "gradient holds NaN")], 10.3)
-        (it, refusal), = hub.ready_replies(10.4)
-        assert it is item and refusal == (ErrorCode.NON_FINITE, "shard 1: gradient holds NaN")
-        # While the worker lives and every shard is up, a header waits for its blocks however slow the
-        # shard's link (long past 2 x liveness); after block_wait_max_s it is dropped.
-        for s in hub.slots:
-            s.connected = True
-        item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
-        assert hub.take_reply(item1, 20.0)
-        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 20.1)
-        assert hub.block_wait_max_s >= 10 * hub.block_wait_s
-        assert hub.ready_replies(20.0 + 5 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
-        assert hub.ready_replies(20.0 + hub.block_wait_max_s - 0.1) == [] and hub.pending_for("w1") == [1]
-        assert hub.ready_replies(20.0 + hub.block_wait_max_s + 0.1) == [] and hub.pending_for("w1") == []
-        assert hub.blocks_timed_out == 1
-        # A shard whose block is missing restarted after the header came: what it had not journaled
-        # is gone, so the header waits block_wait_s after the rejoin, no longer. A rejoin of the
-        # shard that has its block changes nothing.
-        item2 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")  # sent again
-        assert hub.take_reply(item2, 300.0)
-        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 300.1)
-        hub._rejoined(hub.slots[0], 301.0)
-        assert hub.ready_replies(301.0 + 2 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
-        hub._rejoined(hub.slots[1], 302.0)
-        assert hub.ready_replies(302.0 + hub.block_wait_s - 0.1) == [] and hub.pending_for("w1") == [1]
-        assert hub.ready_replies(302.0 + hub.block_wait_s + 0.1) == [] and hub.pending_for("w1") == []
-        assert hub.blocks_timed_out == 2
-        assert hub.hold_reason() == "shard(s) 0,1 not connected"  # connected, but no core built (applied -1)
-    finally:
-        hub.close()
+    e0, e1 = core.ledger[0], core.ledger[1]
+    empty = (np.empty(0, np.float32),)
+    item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
+    assert not hub.take_reply(SimpleNamespace(msg=Reply(job_id=0, created_at=0, grads=empty), wid="w2"), 10.0)
+    assert hub.take_reply(item, 10.0)
+    hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "")], 10.1)
+    assert hub.ready_replies(10.2) == [] and hub.pending_for("w1") == [0]  # shard 1 has not said yet
+    hub._on_haves(hub.slots[1], [(0, e0.created_at, int(ErrorCode.NON_FINITE), "gradient holds NaN")], 10.3)
+    (it, refusal), = hub.ready_replies(10.4)
+    assert it is item and refusal == (ErrorCode.NON_FINITE, "shard 1: gradient holds NaN")
+    # While the worker lives and every shard is up, a header waits for its blocks however slow the
+    # shard's link (long past 2 x liveness); after block_wait_max_s it is dropped.
+    for s in hub.slots:
+        s.connected = True
+    item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
+    assert hub.take_reply(item1, 20.0)
+    hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 20.1)
+    assert hub.block_wait_max_s >= 10 * hub.block_wait_s
+    assert hub.ready_replies(20.0 + 5 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
+    assert hub.ready_replies(20.0 + hub.block_wait_max_s - 0.1) == [] and hub.pending_for("w1") == [1]
+    assert hub.ready_replies(20.0 + hub.block_wait_max_s + 0.1) == [] and hub.pending_for("w1") == []
+    assert hub.blocks_timed_out == 1
+    # A shard whose block is missing restarted after the header came: what it had not journaled
+    # is gone, so the header waits block_wait_s after the rejoin, no longer. A rejoin of the
+    # shard that has its block changes nothing.
+    item2 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")  # sent again
+    assert hub.take_reply(item2, 300.0)
+    hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "")], 300.1)
+    hub._rejoined(hub.slots[0], 301.0)
+    assert hub.ready_replies(301.0 + 2 * hub.block_wait_s) == [] and hub.pending_for("w1") == [1]
+    hub._rejoined(hub.slots[1], 302.0)
+    assert hub.ready_replies(302.0 + hub.block_wait_s - 0.1) == [] and hub.pending_for("w1") == [1]
+    assert hub.ready_replies(302.0 + hub.block_wait_s + 0.1) == [] and hub.pending_for("w1") == []
+    assert hub.blocks_timed_out == 2
+    assert hub.hold_reason() == "shard(s) 0,1 not connected"  # connected, but no core built (applied -1)
 
 
 def test_metrics_have_one_series_per_shard():
@@ -374,31 +379,26 @@ def test_a_restored_shard_bound_off_loopback_is_refused_before_it_binds_again(tm
     assert r.exit_code != 0 and "cannot be read" in r.output and built == [], r.output
 
 
-def test_the_hub_gives_the_reply_its_blocks_squared_norms_in_shard_order(run):
+def test_the_hub_gives_the_reply_its_blocks_squared_norms_in_shard_order(run, hub):
     """clip_norm: each shard's have carries its blocks' squared norms; the reply the core gets has
     them all, in block (shard) order whatever order the haves came in, and none when a shard sent
     none (the core then has nothing to clip by, and every shard's check of the record fails)."""
     core, inputs, _shard, _sent, _ = run
-    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
-                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
-    try:
-        e0, e1 = core.ledger[0], core.ledger[1]
-        empty = (np.empty(0, np.float32),)
-        item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
-        assert hub.take_reply(item, 10.0)
-        hub._on_haves(hub.slots[1], [(0, e0.created_at, 0, "", (3.0,))], 10.1)
-        hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "", (1.0, 2.0))], 10.2)
-        (it, refusal), = hub.ready_replies(10.3)
-        assert refusal is None and it.msg.block_sq == (1.0, 2.0, 3.0) and it.wid == "w1"
-        assert item.msg.block_sq is None  # the held header itself is not changed
-        item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
-        assert hub.take_reply(item1, 11.0)
-        hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "", (1.0, 2.0))], 11.1)
-        hub._on_haves(hub.slots[1], [(1, e1.created_at, 0, "")], 11.2)
-        (it, refusal), = hub.ready_replies(11.3)
-        assert refusal is None and it.msg.block_sq is None
-    finally:
-        hub.close()
+    e0, e1 = core.ledger[0], core.ledger[1]
+    empty = (np.empty(0, np.float32),)
+    item = SimpleNamespace(msg=Reply(job_id=0, created_at=e0.created_at, grads=empty), wid="w1")
+    assert hub.take_reply(item, 10.0)
+    hub._on_haves(hub.slots[1], [(0, e0.created_at, 0, "", (3.0,))], 10.1)
+    hub._on_haves(hub.slots[0], [(0, e0.created_at, 0, "", (1.0, 2.0))], 10.2)
+    (it, refusal), = hub.ready_replies(10.3)
+    assert refusal is None and it.msg.block_sq == (1.0, 2.0, 3.0) and it.wid == "w1"
+    assert item.msg.block_sq is None  # the held header itself is not changed
+    item1 = SimpleNamespace(msg=Reply(job_id=1, created_at=e1.created_at, grads=empty), wid="w1")
+    assert hub.take_reply(item1, 11.0)
+    hub._on_haves(hub.slots[0], [(1, e1.created_at, 0, "", (1.0, 2.0))], 11.1)
+    hub._on_haves(hub.slots[1], [(1, e1.created_at, 0, "")], 11.2)
+    (it, refusal), = hub.ready_replies(11.3)
+    assert refusal is None and it.msg.block_sq is None
 
 
 def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read():
@@ -412,39 +412,34 @@ def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read
         assert "bsq" in _check_record({"lsn": 3, "op": "msg", "wid": "w", "now": 1.0, "frames": [b"x"], "bsq": bad})
 
 
-def test_the_hub_gathers_a_steps_norms_one_reply_at_a_time(run):
+def test_the_hub_gathers_a_steps_norms_one_reply_at_a_time(run, hub):
     """lmo='l2': a reply whose blocks are all in waits for every shard's figures of its step
     (reduce?), one reply at a time, and the next reduction starts only after the core has taken the
     last one's reply (so its record is among those the shards apply first); a job settled
     meanwhile ends the reduction (the core counts the reply late)."""
     core, inputs, _shard, _sent, _ = run
-    hub = ShardHub(zmq.Context.instance(), "tcp://127.0.0.1:0", 2, core=core, persist=inputs.persist,
-                   ranges=((0, 6), (6, 12)), clock=lambda: 0.0)
-    try:
-        hub.step_norms = True  # as for a coordinator whose algorithm needs_step_norms
-        empty = (np.empty(0, np.float32),)
-        items = []
-        for jid in (0, 1):
-            e = core.ledger[jid]
-            items.append(SimpleNamespace(msg=Reply(job_id=jid, created_at=e.created_at, grads=empty), wid="w1"))
-            assert hub.take_reply(items[-1], 10.0)
-            for slot in hub.slots:
-                hub._on_haves(slot, [(jid, e.created_at, 0, "")], 10.1)
-        assert hub.ready_replies(10.2) == []
-        r = hub.reducing
-        assert r["jid"] == 0 and r["after"] == inputs.persist.journal.next_lsn - 1 and list(hub.pending) == [1]
-        assert sorted(hub.pending_for("w1")) == [0, 1]  # both still busy for the core's reconciliation
-        r["parts"][1] = (4.0,)
-        assert hub.ready_replies(10.3) == []  # shard 0 has not answered
-        r["parts"][0] = (1.0, 2.0)
-        (it, refusal), = hub.ready_replies(10.4)
-        assert refusal is None and it.msg.step_sq == (1.0, 2.0, 4.0) and it.msg.job_id == 0
-        assert hub.reducing is None and list(hub.pending) == [1]  # not in the same pass as the core takes job 0
-        inputs.message("w1", it.msg, 10.5)  # the core applies job 0 (journaled)
-        assert hub.ready_replies(10.6) == [] and hub.reducing["jid"] == 1
-        assert hub.reducing["after"] == inputs.persist.journal.next_lsn - 1
-        inputs.remove("w1", 10.7, "gone")  # job 1 written off meanwhile
-        (it, refusal), = hub.ready_replies(10.8)
-        assert it is items[1] and refusal is None and hub.reducing is None and hub.reductions == 1
-    finally:
-        hub.close()
+    hub.step_norms = True  # as for a coordinator whose algorithm needs_step_norms
+    empty = (np.empty(0, np.float32),)
+    items = []
+    for jid in (0, 1):
+        e = core.ledger[jid]
+        items.append(SimpleNamespace(msg=Reply(job_id=jid, created_at=e.created_at, grads=empty), wid="w1"))
+        assert hub.take_reply(items[-1], 10.0)
+        for slot in hub.slots:
+            hub._on_haves(slot, [(jid, e.created_at, 0, "")], 10.1)
+    assert hub.ready_replies(10.2) == []
+    r = hub.reducing
+    assert r["jid"] == 0 and r["after"] == inputs.persist.journal.next_lsn - 1 and list(hub.pending) == [1]
+    assert sorted(hub.pending_for("w1")) == [0, 1]  # both still busy for the core's reconciliation
+    r["parts"][1] = (4.0,)
+    assert hub.ready_replies(10.3) == []  # shard 0 has not answered
+    r["parts"][0] = (1.0, 2.0)
+    (it, refusal), = hub.ready_replies(10.4)
+    assert refusal is None and it.msg.step_sq == (1.0, 2.0, 4.0) and it.msg.job_id == 0
+    assert hub.reducing is None and list(hub.pending) == [1]  # not in the same pass as the core takes job 0
+    inputs.message("w1", it.msg, 10.5)  # the core applies job 0 (journaled)
+    assert hub.ready_replies(10.6) == [] and hub.reducing["jid"] == 1
+    assert hub.reducing["after"] == inputs.persist.journal.next_lsn - 1
+    inputs.remove("w1", 10.7, "gone")  # job 1 written off meanwhile
+    (it, refusal), = hub.ready_replies(10.8)
+    assert it is items[1] and refusal is None and hub.reducing is None and hub.reductions == 1
