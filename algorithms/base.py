@@ -286,7 +286,10 @@ class Algorithm:
     def needs_step_norms(self) -> bool:
         """Whether ``apply`` needs ``Result.step_sq``: a norm over every block of a vector of its
         own state (a sharded server gathers each shard's :meth:`step_sq` before the step, one
-        reply at a time; algorithms/sharding.py). The default: no."""
+        reply at a time; algorithms/sharding.py). That vector must change only when a reply is
+        applied (not in ``on_lost``, ``make_job`` or ``on_issued``): a multi-process coordinator
+        lets other records pass between a shard's answer and the step (each shard checks its
+        figures again when it applies the step, and stops on a difference). The default: no."""
         return False
 
     def step_sq(self, state: Any, result: Result) -> tuple[float, ...] | None:
