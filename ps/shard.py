@@ -196,6 +196,9 @@ class Shard:
         fsync: the blocks journal's policy (ps/persist.py).
     """
 
+    norms: tuple | None = None  # set by _build where the algorithm needs block norms (clip_norm)
+    step_norms: tuple | None = None  # likewise, norms of its state (lmo='l2')
+
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
@@ -212,8 +215,6 @@ class Shard:
         self.boot = secrets.randbits(63)
         self.index, self.run_id, self.n_shards = -1, 0, 0
         self.core: Any = None
-        self.norms: tuple | None = None  # set by _build where the algorithm needs block norms
-        self.step_norms: tuple | None = None  # likewise, norms of its state (lmo='l2')
         self.reduce_asked: dict[int, dict] = {}  # token -> a reduce? waiting for its record (lmo='l2')
         self.inputs: ShardInputs | None = None
         self.blocks: dict[int, tuple] = {}  # job id -> its gradient blocks (run dtype), journaled
@@ -232,16 +233,7 @@ class Shard:
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
         self.span = (0, 0)  # the values the coordinator's welcome gives this shard
-        # Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome after
-        # the first job sent to them), those whose hello said they take parts, and the
-        # workers' unfinished transfers (the server's bounded table, built when the slice is known:
-        # one transfer per connection, all of them bounded, 10 s stale).
-        self.told: OrderedDict[bytes, None] = OrderedDict()
-        self.parts_peers: OrderedDict[bytes, None] = OrderedDict()
-        self.transfers: Connections | None = None
-        self.next_xfer = 0
-        self.parts_in = self.parts_out = 0
-        self.data_log = RateLimitedLog(log)
+        self._init_parts()
         self.lock = None
         if state_dir:
             from ps.persist import StateLock
@@ -253,12 +245,7 @@ class Shard:
             self._restore(saved)
             bind = saved.get("bind", bind)
             advertise = advertise or saved.get("endpoint")
-        self.data = self.ctx.socket(zmq.ROUTER)
-        self.data.linger = 0
-        self.data.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.data.sndhwm = self.data.rcvhwm = 256
-        if self.security is not None:
-            self.security.apply(self.data)
+        self.data = self._data_socket()
         self.bind_to, self.advertise, self.bound = bind, advertise, ""
         self.endpoint = advertise or ""  # told the coordinator once bound
         if self.core is not None:
@@ -267,6 +254,28 @@ class Shard:
         if state_dir:
             os.makedirs(os.path.join(state_dir, "blocks"), exist_ok=True)
             self._save_info()
+
+    def _init_parts(self) -> None:
+        """Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome after
+        the first job sent to them), those whose hello said they take parts, and the workers'
+        unfinished transfers (the server's bounded table, built when the slice is known: one
+        transfer per connection, all of them bounded, 10 s stale)."""
+        self.told: OrderedDict[bytes, None] = OrderedDict()
+        self.parts_peers: OrderedDict[bytes, None] = OrderedDict()
+        self.transfers: Connections | None = None
+        self.next_xfer = 0
+        self.parts_in = self.parts_out = 0
+        self.data_log = RateLimitedLog(log)
+
+    def _data_socket(self) -> zmq.Socket:
+        """The ROUTER workers reach (bound once the slice is known), under CurveZMQ if the server runs it."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.sndhwm = sock.rcvhwm = 256
+        if self.security is not None:
+            self.security.apply(sock)
+        return sock
 
     # ------------------------------------------------------------------ state
     def _saved(self) -> dict | None:
