@@ -185,6 +185,15 @@ class ShmArena:
         """A new incarnation (hello) of ``worker_id``: its old lent slots are never lent again."""
         self._drop_grad(self.free_grad.pop(worker_id, []))
 
+    def retire_worker(self, worker_id: str) -> None:
+        """:meth:`forget_worker`, and the slots lent to ``worker_id`` now are lent to nobody: no
+        reply reads them, and they are unlinked when their jobs leave the ledger (a shard's
+        connection that says hello again, PROTOCOL.md §12.1, never gets any slot it held before)."""
+        self.forget_worker(worker_id)
+        for jid, (wid, slots) in list(self.lent.items()):
+            if wid == worker_id:
+                self.lent[jid] = ("", slots)  # "" is no worker's id
+
     def _drop_grad(self, slots: Iterable[int]) -> None:
         for s in slots:
             self.grad_arrays.pop(s, None)

@@ -59,10 +59,11 @@ from protocol.messages import (
     Job,
     JobKind,
     Part,
+    Ready,
     Reply,
     Welcome,
 )
-from protocol.wire import to_wire
+from protocol.wire import roundtrip, to_wire
 from ps.connections import ConnectionLimits, Connections, RateLimitedLog
 from ps.inputs import CoreInputs
 from ps.persist import (
@@ -163,6 +164,16 @@ def step_sq_of(core: Any, entry: Any, grads: tuple, block_sq: tuple | None) -> t
     return None if got is None else tuple(got)
 
 
+class _LiveRids:
+    """``rid in`` it: ``rid`` is a live worker's connection (ShmArena.sweep's ``workers``)."""
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+
+    def __contains__(self, key: str) -> bool:
+        return bool(key) and self.shard._live(key.encode("ascii", "replace"))
+
+
 def rss_bytes() -> int:
     """This process's resident memory now (Linux), else its peak."""
     try:
@@ -202,7 +213,10 @@ class Shard:
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
-                 keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic) -> None:
+                 keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic,
+                 shm: str = "auto") -> None:
+        if shm not in ("auto", "any", "off"):
+            raise ValueError(f"shm must be auto, any or off, got {shm!r}")
         self.coordinator = coordinator
         self.state_dir = state_dir
         self.allowed = allowed
@@ -234,6 +248,7 @@ class Shard:
         self.journal: Journal | None = None
         self.span = (0, 0)  # the values the coordinator's welcome gives this shard
         self._init_parts()
+        self._init_shm(shm)
         self.lock = None
         if state_dir:
             from ps.persist import StateLock
@@ -266,6 +281,21 @@ class Shard:
         self.next_xfer = 0
         self.parts_in = self.parts_out = 0
         self.data_log = RateLimitedLog(log)
+
+    def _init_shm(self, shm: str) -> None:
+        """The same-host path (PROTOCOL.md §6.11, §12.1): this shard's own shared memory, made when
+        the first worker on its host asks; the connections it was offered to (their hello said
+        shm from this host) and those that opened it (ready shm)."""
+        self.shm_mode = shm
+        self.arena: Any = None
+        self.shm_capable: OrderedDict[bytes, None] = OrderedDict()
+        self.shm_ready: OrderedDict[bytes, None] = OrderedDict()
+        self.shm_jobs_out = self.shm_blocks_in = 0  # fetches answered with refs, blocks read from shared memory
+        if shm != "off":
+            from protocol import shm as shm_mod
+
+            if shm_mod.shm_dir_usable():
+                shm_mod.remove_stale()  # files of servers and shards of our PID namespace that died
 
     def _data_socket(self) -> zmq.Socket:
         """The ROUTER workers reach (bound once the slice is known), under CurveZMQ if the server runs it."""
@@ -610,6 +640,7 @@ class Shard:
                 raise StateError(f"record {lsn} from the coordinator does not read")
             self._apply(Record(lsn, body["op"], body))
             lsn += 1
+        self._shm_sweep()
         self._answer_parked()
         self._answer_params()
         self._answer_reduces()
@@ -688,12 +719,19 @@ class Shard:
         if type(msg) is Fetch:
             self._fetch(rid, msg, now)
         elif type(msg) is Reply:
-            if msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
+            if msg.in_shm:  # its gradients are in the slots lent for the job: read as the frames they stand for
+                got = self._shm_block(rid, msg)
+                if got is None:
+                    return
+                msg, frames = got
+            elif msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
                 msg = dataclasses.replace(msg, xfer=0)
                 frames = [rid, *encode(msg)]
             self._block(rid, msg, frames[1:])
         elif type(msg) is Hello:
             self._hello(rid, msg)
+        elif type(msg) is Ready:
+            self._ready(rid, msg)
         else:
             self._send_data(rid, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for a shard"))
 
@@ -719,6 +757,73 @@ class Shard:
             self._remember(self.parts_peers, rid)
         else:
             self.parts_peers.pop(rid, None)
+        # The same-host path starts over with every hello: used only after a ready shm following
+        # the welcome that offers it; the slots this connection holds free are never lent again.
+        self.shm_capable.pop(rid, None)
+        self.shm_ready.pop(rid, None)
+        if self.arena is not None:
+            self.arena.retire_worker(rid.decode("ascii", "replace"))
+        if h.shm and self._shm_offer(h):
+            self._remember(self.shm_capable, rid)
+            welcome = Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
+                              run_id=self.run_id, wire_dtype=self.wire, parts=True, shm=self.arena.prefix)
+            try:
+                self.data.send_multipart([rid, *encode(welcome)], flags=zmq.NOBLOCK, copy=False)
+            except (zmq.Again, zmq.ZMQError):
+                self.shm_capable.pop(rid, None)  # never told: TCP
+
+    def _shm_offer(self, h: Hello) -> bool:
+        """Whether this shard offers its shared memory to the worker of hello ``h``: under the
+        server's rules (``auto``: the worker's host id is ours; ``any``; never with ``off``), once
+        its files could be made, for a float32 run."""
+        from protocol import shm as shm_mod
+
+        if self.shm_mode == "off" or (self.shm_mode == "auto" and h.host_id != shm_mod.host_id()):
+            return False
+        if self.core.dtype != np.float32 or self.range[1] <= self.range[0]:
+            return False
+        if self.arena is None:
+            if not shm_mod.shm_dir_usable():
+                self.shm_mode = "off"
+                return False
+            try:
+                self.arena = shm_mod.ShmArena(self.range[1] - self.range[0], self.boot)
+            except OSError as e:
+                log.warning("same-host path unavailable (%s): workers get slices over TCP", e)
+                self.shm_mode = "off"
+                return False
+            log.info("same-host path: slices and blocks through shared memory %s", self.arena.prefix)
+        return True
+
+    def _ready(self, rid: bytes, r: Ready) -> None:
+        """A worker's answer to the welcome that offered our shared memory: it opened it (or not)."""
+        if r.shm and rid in self.shm_capable:
+            self._remember(self.shm_ready, rid)
+            return
+        if rid in self.shm_capable:
+            log.info("worker %s cannot open this shard's shared memory: TCP for it", self._worker(rid)[:64])
+        self.shm_ready.pop(rid, None)
+
+    def _shm_block(self, rid: bytes, r: Reply) -> tuple[Reply, list] | None:
+        """An ``in_shm`` reply: the block as the frames it stands for (a copy of the lent slots,
+        in the run's wire dtype, as a TCP worker would have sent it: the journal, recovery and
+        replay see the same message), or None when refused: its slots were not lent to this
+        connection for this job (``err UNKNOWN_JOB``), or it carries frames too (``err BAD_SHAPE``).
+        A refused reply changes nothing here and is not announced."""
+        if r.job_id in self.blocks:
+            return dataclasses.replace(r, in_shm=False), []  # held: acknowledged again (no read)
+        lent = None if self.arena is None else self.arena.gradients(rid.decode("ascii", "replace"), r.job_id)
+        if lent is None or r.grads:
+            code = ErrorCode.BAD_SHAPE if lent is not None else ErrorCode.UNKNOWN_JOB
+            why = "in_shm with gradient frames" if lent is not None else "no shared-memory slots lent for this job"
+            self.data_log.warning("shm", self.clock(), "refused a reply from %r: %s (job %d)", rid[:64], why, r.job_id)
+            self._send_data(rid, Error(code, why, job_id=r.job_id))
+            return None
+        grads = tuple(to_wire(np.array(g), self.wire) for g in lent)  # a copy: the worker may write again
+        msg = Reply(job_id=r.job_id, created_at=r.created_at, grads=grads, loss=r.loss, count=r.count,
+                    compute_s=r.compute_s, holds=r.holds)
+        self.shm_blocks_in += 1
+        return msg, [rid, *encode(msg)]
 
     def _live(self, rid: bytes) -> bool:
         """Whether ``rid`` is the routing id of a live worker as far as this shard's records say."""
@@ -775,12 +880,54 @@ class Shard:
             self._send_data(rid, Error(ErrorCode.UNKNOWN_JOB, "not this worker's job, or not its iterates",
                                        job_id=f.job_id))
             return
+        if rid in self.shm_ready:
+            job = self._shm_job(rid, entry)
+            if job is not None:
+                self._send_data(rid, job)
+                return
         points = tuple(core.store[i] if self.wire == "f32" else to_wire(core.store[i], self.wire)
                        for i in f.iterate_ids)
         self._send_data(rid, Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
                                  iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
                                  shard=entry.shard, deadline=entry.deadline, point_ids=tuple(f.iterate_ids),
                                  points=points))
+
+    def _shm_job(self, rid: bytes, entry: Any) -> Job | None:
+        """The answer to a fetch over the same-host path: ``refs``, the slot of each of the job's
+        iterates (``point_ids`` empty, no frames), and ``grad_slots`` lent for its block (the same
+        ones if it is asked again). None (answered over TCP): not the live worker's connection, an
+        iterate not stored, or the job's slots lent to another connection."""
+        arena, core = self.arena, self.core
+        key = rid.decode("ascii", "replace")
+        if arena is None or not self._live(rid) or any(i not in core.store for i in entry.iterate_ids):
+            return None
+        held = arena.lent.get(entry.job_id)
+        if held is not None and held[0] != key:
+            return None
+        refs = tuple(self._iterate_slot(i) for i in entry.iterate_ids)
+        if held is not None:
+            slots = held[1]
+        else:
+            slots = arena.lend(key, entry.job_id, 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids))
+        self.shm_jobs_out += 1
+        return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
+                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline,
+                   refs=refs, grad_slots=slots)
+
+    def _iterate_slot(self, iid: int) -> int:
+        """The slot of iterate ``iid``: its slice as a worker over TCP sees it (float32 values of the
+        run's wire dtype, so that both paths compute the same and replay recomputes it), copied once."""
+        held = self.arena.copies.get(iid)
+        if held is not None:
+            return held[0]
+        x = self.core.store[iid]
+        return self.arena.iterate_slot(iid, x if self.wire == "f32" else roundtrip(x, self.wire))
+
+    def _shm_sweep(self) -> None:
+        """Slots the core no longer needs: copies of iterates gone from the store, gradient slots
+        of jobs gone from the ledger (back to their connection while its worker is live, else unlinked)."""
+        if self.arena is not None and self.core is not None:
+            self.arena.sweep(self.core.store, self.core.ledger, _LiveRids(self))
 
     def _answer_parked(self) -> None:
         if not self.parked:
@@ -830,6 +977,10 @@ class Shard:
             self.journal.close()
         self.ctl.close(linger=500)
         self.data.close(linger=0)
+        if self.arena is not None:
+            log.info("same-host path: %d fetches answered through shared memory, %d blocks read from it",
+                     self.shm_jobs_out, self.shm_blocks_in)
+            self.arena.close()  # its files unlinked
         if self.security is not None:
             self.security.stop()
         if self.own_ctx:

@@ -411,12 +411,14 @@ class Worker:
     def _link_shards(self, shards: tuple) -> None:
         """A sharded server: connect to its shards (again, if they moved), else none."""
         if self.shards is not None and self.shards.map == tuple(shards):
+            self.shards.wire = self.wire
             return
         if self.shards is not None:
             self.shards.close()
             self.shards = None
-        if shards:
-            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode(), curve=self.curve)
+        if shards:  # the same-host path to a shard on this host, as to the server (--shm)
+            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode(), curve=self.curve,
+                                     shm=self.cfg.shm == "auto" and shm_dir_usable(), wire=self.wire)
             log.info("sharded server: %d shards", len(shards))
 
     def _from_shard(self, i: int) -> None:

@@ -24,12 +24,24 @@ above the threshold the same way, reassembled here per shard connection with the
 worker's link to the server (one transfer at a time, at most two arrays of
 ``DEFAULT_MAX_ARRAY_BYTES``). Without that welcome (a shard of an older release) every block
 travels in one frame, as every slice does to a worker that never says hello to a shard.
+
+The same-host path (PROTOCOL.md §6.11, §12.1) per shard: a worker that may use shared memory
+says ``shm`` and its ``host_id`` in that hello; a shard on its host answers with a second
+``welcome`` naming its shared memory (``shm``: the prefix of its files), the worker opens its
+probe file and answers ``ready`` {shm: true} (false: it cannot, and stays on TCP). From then on
+the shard answers a fetch with ``refs`` (the slot of each of the job's iterates: its slice, as
+float32 values of the run's wire dtype) and ``grad_slots`` lent for the job's block; the worker
+copies the slices it needs out of the slots, writes its gradient slice into the lent slots (once
+per job: a reply sent again is never written again) and sends the block as ``reply``
+{in_shm: true} without frames. A block whose slots belong to a shard process or a handshake that
+is gone travels as frames. Every later welcome without ``shm`` starts over.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,16 +60,21 @@ from protocol.messages import (
     Fetch,
     Hello,
     Job,
+    JobKind,
     Part,
+    Ready,
     Reply,
     Welcome,
 )
+from protocol.shm import ShmReader, host_id
+from protocol.wire import from_wire, to_wire
 from worker.sockio import recv_frames, send_frames
 
 log = logging.getLogger("latecomer.worker")
 
 REFETCH_MIN_S = 2.0  # a fetch is asked again no sooner than this ...
 REFETCH_FIRST_S = 10.0  # ... and, before any shard has answered one, this
+MAX_SHM_JOBS = 1024  # jobs whose lent gradient slots are remembered (a reply sent again after that: frames)
 _NOBLOCK = zmq.NOBLOCK
 
 
@@ -69,18 +86,22 @@ class Assembly:
     asked_at: float = 0.0
     first_asked: float = 0.0
     seq: int = 0  # the order it was (last) asked in
+    shm: set = field(default_factory=set)  # shards whose pieces are views of their shared memory
 
 
 class ShardLinks:
     """DEALER sockets to every shard's data endpoint and the jobs being assembled from them."""
 
     def __init__(self, ctx: zmq.Context, shards: tuple, routing_id: bytes,
-                 curve: tuple[bytes, bytes, bytes] | None = None, *, parts: bool = True) -> None:
+                 curve: tuple[bytes, bytes, bytes] | None = None, *, parts: bool = True, shm: bool = False,
+                 wire: str = "f32") -> None:
         """``curve``: (public, secret, server public) when the server runs CurveZMQ: every shard is
         a CURVE server under the server's key pair, so the worker connects to each as to it.
         ``routing_id``: ``<worker id>/<boot in hex>``, as on the link to the coordinator.
         ``parts``: answer a shard's welcome with a hello, taking and sending large arrays in parts
-        (False: every slice and block in one frame, as a worker that never says hello to a shard)."""
+        (False: every slice and block in one frame, as a worker that never says hello to a shard).
+        ``shm``: ask each shard for the same-host path in that hello (with ``parts`` only).
+        ``wire``: the run's wire dtype (Welcome.wire_dtype)."""
         self.map = tuple(shards)
         self.ranges = tuple((lo, hi) for _, lo, hi in shards)
         self.socks: list[zmq.Socket] = []
@@ -109,7 +130,13 @@ class ShardLinks:
         self.hello: list | None = None  # what we answer a shard's welcome (None: we never use parts)
         if parts:
             wid, _, boot = routing_id.decode("ascii").rpartition("/")
-            self.hello = encode(Hello(worker_id=wid, boot=int(boot, 16), credit=1, parts=True))
+            self.hello = encode(Hello(worker_id=wid, boot=int(boot, 16), credit=1, parts=True, shm=shm,
+                                      host_id=host_id() if shm else ""))
+        self.wire = wire
+        self.shm: list[ShmReader | None] = [None] * n  # shard i's shared memory, once we said ready to it
+        # job id -> {shard index: [the reader its slots belong to, grad_slots, written]}
+        self.shm_jobs: OrderedDict[int, dict[int, list]] = OrderedDict()
+        self.shm_in = self.shm_out = 0  # pieces read from, blocks written to, shared memory
 
     def close(self) -> None:
         for s in self.socks:
@@ -172,7 +199,10 @@ class ShardLinks:
             except RemoteProtocolError as e:
                 log.warning("undecodable message from shard %d: %s", i, e)
                 continue
-            if type(msg) is Welcome:  # the shard's transport (after its first job to us)
+            if type(msg) is Welcome and msg.shm:  # the answer to our hello: the shard's shared memory
+                self._open_shm(i, msg)
+            elif type(msg) is Welcome:  # the shard's transport (after its first job to us)
+                self.shm[i] = None  # the same-host path starts over
                 self.parts_ok[i] = msg.parts and self.hello is not None
                 if self.parts_ok[i]:
                     try:
@@ -181,7 +211,13 @@ class ShardLinks:
                         self.parts_ok[i] = False  # the shard does not know we take parts: none either way
             elif type(msg) is Job:
                 a = self.assembling.get(msg.job_id)
-                if a is None or msg.point_ids != a.need:
+                if a is None:
+                    continue
+                if msg.refs or msg.grad_slots:
+                    msg = self._shm_piece(i, a, msg)
+                    if msg is None:
+                        continue
+                elif msg.point_ids != a.need:
                     continue
                 a.pieces[i] = msg
                 self.answered[i] = max(self.answered[i], a.seq)
@@ -197,6 +233,57 @@ class ShardLinks:
                     log.info("shard %d: %s %s (job %s)", i, msg.code.name, msg.message, msg.job_id)
         return out
 
+    def _open_shm(self, i: int, w: Welcome) -> None:
+        """Shard ``i`` offers its shared memory: probe it, and say whether we take it (ready)."""
+        if self.hello is None:
+            return  # we never said hello: an offer we did not ask for
+        why = None
+        try:
+            reader = ShmReader(w.shm)
+            why = reader.probe(w.server_boot)
+        except ValueError as e:
+            why = str(e)
+        self.shm[i] = reader if why is None else None
+        if why is None:
+            log.info("shard %d: same-host path through shared memory %s", i, w.shm)
+        else:
+            log.warning("shard %d: same-host path unavailable (%s): using TCP", i, why)
+        try:
+            send_frames(self.socks[i], encode(Ready(credit=1, shm=why is None)), _NOBLOCK)
+        except zmq.Again:
+            self.shm[i] = None  # the shard does not know we opened it: it answers over TCP
+
+    def _shm_piece(self, i: int, a: Assembly, msg: Job) -> Job | None:
+        """Shard ``i``'s answer over the same-host path as a piece: views of its slots for the
+        iterates we need (in the wire dtype, as a TCP piece), its gradient slots remembered for the
+        block. None: not usable (we hold no shared memory of that shard, or the slots do not fit)."""
+        reader, j = self.shm[i], a.job
+        lo, hi = self.ranges[i]
+        want = 1 if j.kind == JobKind.FULL_GRAD else len(j.iterate_ids)
+        if reader is None or msg.point_ids or msg.iterate_ids != j.iterate_ids \
+                or len(msg.refs) != len(j.iterate_ids) or len(msg.grad_slots) != want:
+            log.info("shard %d: a shared-memory answer for job %d that does not fit: ignored", i, j.job_id)
+            return None
+        try:
+            views = {iid: reader.view(s) for iid, s in zip(j.iterate_ids, msg.refs, strict=True)}
+            sizes = [reader.view(s).size for s in msg.grad_slots]
+        except (OSError, ValueError) as e:
+            log.warning("shard %d: shared memory for job %d: %s", i, j.job_id, e)
+            return None
+        if any(v.size != hi - lo for v in views.values()) or any(n != hi - lo for n in sizes):
+            log.warning("shard %d: shared-memory slots of job %d are not of %d values", i, j.job_id, hi - lo)
+            return None
+        points = tuple(views[iid] if self.wire == "f32" else to_wire(views[iid], self.wire) for iid in a.need)
+        self.shm_jobs.setdefault(j.job_id, {})[i] = [reader, msg.grad_slots, False]
+        self.shm_jobs.move_to_end(j.job_id)
+        while len(self.shm_jobs) > MAX_SHM_JOBS:
+            self.shm_jobs.popitem(last=False)
+        if self.wire == "f32":
+            a.shm.add(i)
+        self.shm_in += 1
+        return Job(job_id=j.job_id, kind=j.kind, created_at=j.created_at, iterate_ids=j.iterate_ids, seed=j.seed,
+                   point_ids=a.need, points=points)
+
     def _whole(self, a: Assembly) -> Job:
         pieces = [a.pieces[i] for i in range(len(self.socks))]
         points = []
@@ -205,7 +292,8 @@ class ShardLinks:
             for (lo, hi), part in zip(self.ranges, parts, strict=True):
                 if part.shape != (hi - lo,):
                     raise ValueError(f"shard slice of shape {part.shape}, expected ({hi - lo},)")
-            points.append(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            # one piece that is a view of a shard's slot: copied (the slot is the shard's to reuse)
+            points.append(np.concatenate(parts) if len(parts) > 1 else parts[0].copy() if a.shm else parts[0])
         j = a.job
         return Job(job_id=j.job_id, kind=j.kind, created_at=j.created_at, iterate_ids=j.iterate_ids, seed=j.seed,
                    batch_size=j.batch_size, shard=j.shard, deadline=j.deadline, point_ids=a.need,
@@ -215,6 +303,14 @@ class ShardLinks:
         """The reply's gradient slices to every shard. False: a shard's pipe refused it (retried;
         a shard takes a block it has once)."""
         for i, ((lo, hi), sock) in enumerate(zip(self.ranges, self.socks, strict=True)):
+            if self._in_shm(r, i, lo, hi):
+                try:
+                    send_frames(sock, encode(Reply(job_id=r.job_id, created_at=r.created_at, grads=(), loss=r.loss,
+                                                   count=r.count, compute_s=r.compute_s, holds=r.holds,
+                                                   in_shm=True)), _NOBLOCK)
+                except zmq.Again:
+                    return False
+                continue
             block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
                           loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
             if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > CHUNK_THRESHOLD:
@@ -228,6 +324,25 @@ class ShardLinks:
                     send_frames(sock, frames, _NOBLOCK)
             except zmq.Again:
                 return False
+        return True
+
+    def _in_shm(self, r: Reply, i: int, lo: int, hi: int) -> bool:
+        """Whether shard ``i`` gets the block of ``r`` through the slots it lent for the job: they
+        are of the shared memory we hold of it now, and the gradient slices are written there (once
+        per job: a reply sent again must not write a slot lent since to another job of ours)."""
+        held = self.shm_jobs.get(r.job_id, {}).get(i)
+        if held is None or held[0] is not self.shm[i] or len(held[1]) != len(r.grads):
+            return False
+        if not held[2]:
+            try:
+                for g, slot in zip(r.grads, held[1], strict=True):
+                    from_wire(g[lo:hi], self.wire, out=held[0].view(slot, writable=True)[:hi - lo])
+            except (OSError, ValueError) as e:  # e.g. a gradient not in the wire dtype: frames, checked there
+                log.warning("shard %d: job %d's block cannot go through shared memory (%s): frames", i, r.job_id, e)
+                del self.shm_jobs[r.job_id][i]
+                return False
+            held[2] = True
+            self.shm_out += 1
         return True
 
 
