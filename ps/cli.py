@@ -341,7 +341,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     if daemon.hub is not None:
         from ps.shardcli import start_local_shards
 
-        local = start_local_shards(daemon, state_dir, local_shards, spec, allow_problem, allow_algorithm)
+        local = start_local_shards(daemon, state_dir, local_shards, spec, allow_problem, allow_algorithm, shm)
     try:
         reason = serve_until_stopped(daemon, [d for d in (out, state_dir) if d])
     finally:

@@ -52,9 +52,13 @@ def _allow(ctx, param, value):
               help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
 @click.option("--exit-with-parent", is_flag=True, default=False, hidden=True,
               help="Die with the process that started this one (serve's local shards).")
+@click.option("--shm", type=click.Choice(["auto", "any", "off"]), default="auto", show_default=True,
+              help="Offer workers on this host its shared memory for slices and blocks (PROTOCOL.md 6.11, 12.1), as "
+                   "serve --shm: auto when the worker's host id is this host's; any: to every worker whose probe "
+                   "succeeds; off: never.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
-          keys_dir, insecure, exit_with_parent, log_level) -> None:
+          keys_dir, insecure, exit_with_parent, shm, log_level) -> None:
     """Serve a shard of a sharded server: a contiguous range of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
@@ -80,7 +84,7 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     try:
         s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
                   allowed=_allowed(allow_problem, allow_algorithm), fsync=fsync, checkpoint_records=checkpoint_records,
-                  keys_dir=keys_dir)
+                  keys_dir=keys_dir, shm=shm)
     except OSError as e:  # a bind in use, an unwritable directory
         raise click.ClickException(f"cannot start the shard: {e}") from None
     except ValueError as e:  # an unreadable key pair or allow-list
@@ -111,7 +115,7 @@ def _exit_with_parent() -> None:
 
 
 def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any, allow_problem: tuple,
-                       allow_algorithm: tuple) -> LocalShards:
+                       allow_algorithm: tuple, shm: str = "auto") -> LocalShards:
     """``serve --shards N``: its local shards started (each trusting what the command line trusts),
     and kept running by the daemon's loop."""
     import sys
@@ -125,6 +129,7 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
         extra.append(f"--allow-algorithm={spec.algorithm}")
     if daemon.security is not None:  # CurveZMQ: the local shards hold the server's key pair too
         extra.append(f"--keys={daemon.security.keys_dir}")
+    extra.append(f"--shm={shm}")  # serve's --shm: the same-host path to its local shards
     local = LocalShards(daemon.hub.endpoint, state_dir, daemon.hub.n if count is None else count,
                         extra=tuple(extra), log_level="info")
     local.start()

@@ -396,3 +396,36 @@ def test_no_offer_to_another_host_nor_from_a_shard_with_shm_off(tmp_path, worker
     finally:
         sock.close()
         r.close()
+
+
+def test_the_shard_command_takes_shm_and_serve_passes_its_own_to_local_shards(monkeypatch, tmp_path):
+    """`latecomer shard --shm off|auto|any` reaches the Shard; `serve --shm X --shards N` starts its
+    local shards with --shm=X; a bad choice is a one-line usage error."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    import ps.shard
+    import ps.shardcli
+    from ps.shardcli import shard as shard_cmd
+    from ps.shardcli import start_local_shards
+
+    got = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_shard(*args, **kw):
+        got.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(ps.shard, "Shard", fake_shard)
+    r = CliRunner().invoke(shard_cmd, ["--coordinator", "tcp://127.0.0.1:9", "--shm", "off"])
+    assert isinstance(r.exception, Stop) and got["shm"] == "off"
+    r = CliRunner().invoke(shard_cmd, ["--coordinator", "tcp://127.0.0.1:9", "--shm", "sometimes"])
+    assert r.exit_code == 2 and "--shm" in r.output
+    monkeypatch.setattr(ps.shardcli.LocalShards, "start", lambda self: None)
+    daemon = SimpleNamespace(security=None, hub=SimpleNamespace(endpoint="tcp://127.0.0.1:9", n=2), hooks=[])
+    spec = SimpleNamespace(problem="synthetic", algorithm="asgd")
+    local = start_local_shards(daemon, str(tmp_path), None, spec, (), (), "off")
+    assert "--shm=off" in local.extra and local.count == 2
