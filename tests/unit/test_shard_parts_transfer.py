@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import msgpack
 import numpy as np
@@ -27,11 +26,12 @@ import ps.shard as shard_mod
 import worker.shards as links_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import Error, ErrorCode, Hello, Job, Part, Ready, Reply, Welcome
+from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
 from ps.inputs import CoreInputs
 from ps.persist import Persistence, read_journal
 from ps.server import StateOptions, TrainingSpec, _new_run
 from ps.shard import Shard
+from tests.unit.shard_links import fetch_whole, pump
 from worker.shards import ShardLinks
 
 CORE_KW = {"batch_size": 1, "liveness_timeout": 3.0, "heartbeat_interval": 0.5, "min_workers": 1,
@@ -40,7 +40,6 @@ D = 20_000
 THRESHOLD = 4096  # bytes: the slice (10,000 float32 values, 40,000 bytes) is far above it
 CHUNK = 8192  # -> 5 parts per slice or block
 RID = b"w1/7"
-WAIT_S = 5.0
 
 
 class Clock:
@@ -95,40 +94,6 @@ def run(tmp_path, small_parts):
     shard._on_data = counting
     yield shard, seen, clock
     shard.close()
-
-
-def pump(shard: Shard, socks: list, done, what: str) -> None:
-    """Let the shard handle what its socket holds, until ``done()`` (at most WAIT_S)."""
-    deadline = time.monotonic() + WAIT_S
-    poller = zmq.Poller()
-    poller.register(shard.data, zmq.POLLIN)
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        poller.poll(20)
-        shard._drain(shard.data, shard._on_data)
-
-
-def job_header(shard: Shard, jid: int) -> Job:
-    e = shard.core.ledger[jid]
-    return Job(job_id=e.job_id, kind=e.kind, created_at=e.created_at, iterate_ids=e.iterate_ids, seed=e.seed,
-               batch_size=e.batch_size, shard=e.shard, deadline=e.deadline)
-
-
-def fetch_whole(shard: Shard, links: ShardLinks, jid: int) -> Job:
-    links.fetch(job_header(shard, jid), shard.core.ledger[jid].iterate_ids, time.monotonic())
-    got: list = []
-
-    def done() -> bool:
-        if links.socks[0].poll(0):
-            got.extend(links.receive(0))
-        return bool(got)
-
-    pump(shard, links.socks, done, f"job {jid}")
-    (kind, job), = got
-    assert kind == "job"
-    return job
 
 
 def hello_seen(shard: Shard, links: ShardLinks) -> None:

@@ -15,7 +15,6 @@ settled, and the files go with the shard. Every wait is bounded (polls with a de
 from __future__ import annotations
 
 import os
-import time
 
 import msgpack
 import numpy as np
@@ -32,6 +31,7 @@ from ps.inputs import CoreInputs
 from ps.persist import Persistence, read_journal
 from ps.server import StateOptions, TrainingSpec, _new_run
 from ps.shard import Shard
+from tests.unit.shard_links import fetch_whole, pump
 from worker.shards import ShardLinks
 
 pytestmark = pytest.mark.skipif(not shm_dir_usable(), reason="no usable /dev/shm")
@@ -41,7 +41,6 @@ CORE_KW = {"batch_size": 1, "liveness_timeout": 3.0, "heartbeat_interval": 0.5, 
 D = 20_000
 HALF = D // 2
 RID = b"w1/7"
-WAIT_S = 5.0
 
 
 class Run:
@@ -123,39 +122,6 @@ def worker_seen(monkeypatch):
 
     monkeypatch.setattr(links_mod, "recv_frames", counting)
     return seen
-
-
-def pump(shard: Shard, socks: list, done, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    poller = zmq.Poller()
-    poller.register(shard.data, zmq.POLLIN)
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        poller.poll(20)
-        shard._drain(shard.data, shard._on_data)
-
-
-def job_header(shard: Shard, jid: int) -> Job:
-    e = shard.core.ledger[jid]
-    return Job(job_id=e.job_id, kind=e.kind, created_at=e.created_at, iterate_ids=e.iterate_ids, seed=e.seed,
-               batch_size=e.batch_size, shard=e.shard, deadline=e.deadline)
-
-
-def fetch_whole(shard: Shard, links: ShardLinks, jid: int) -> Job:
-    links.fetch(job_header(shard, jid), shard.core.ledger[jid].iterate_ids, time.monotonic())
-    got: list = []
-
-    def done() -> bool:
-        if links.socks[0].poll(0):
-            got.extend(links.receive(0))
-        return bool(got)
-
-    pump(shard, links.socks, done, f"job {jid}")
-    (kind, job), = got
-    assert kind == "job"
-    return job
 
 
 def linked(r: Run, rid: bytes = RID, wire: str | None = None, **kw) -> ShardLinks:
