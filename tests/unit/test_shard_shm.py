@@ -31,7 +31,7 @@ from ps.inputs import CoreInputs
 from ps.persist import Persistence, read_journal
 from ps.server import StateOptions, TrainingSpec, _new_run
 from ps.shard import Shard
-from tests.unit.shard_links import fetch_whole, pump
+from tests.unit.shard_links import WAIT_S, fetch_whole, pump
 from worker.shards import ShardLinks
 
 pytestmark = pytest.mark.skipif(not shm_dir_usable(), reason="no usable /dev/shm")
