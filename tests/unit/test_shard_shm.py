@@ -142,6 +142,18 @@ def handshake(r: Run, links: ShardLinks) -> None:
     assert links.shm[0] is not None and links.shm[0].prefix == r.shard.arena.prefix
 
 
+@pytest.fixture
+def shm_links(run):
+    """The real ShardLinks of a worker on the shard's host, past the shared-memory handshake (a test
+    that counts what the worker receives asks for ``worker_seen`` before this)."""
+    links = linked(run, shm=True)
+    try:
+        handshake(run, links)
+        yield links
+    finally:
+        links.close()
+
+
 def block(r: Run, jid: int, seed: int) -> tuple[Reply, np.ndarray]:
     """A reply of job ``jid`` as the worker's compute side hands it over (gradients in the wire
     dtype), and the float32 values of this shard's slice as they travel."""
@@ -165,166 +177,150 @@ def journaled_block(r: Run, jid: int) -> Reply:
     return decode(rec.body["frames"])
 
 
-def test_slices_and_blocks_go_through_the_shards_shared_memory_bit_for_bit(run, worker_seen):
+def test_slices_and_blocks_go_through_the_shards_shared_memory_bit_for_bit(run, worker_seen, shm_links):
     r = run
     shard = r.shard
-    links = linked(r, shm=True)
-    try:
-        handshake(r, links)
-        kinds = [(k, refs) for k, refs, _ in worker_seen]
-        assert kinds == [(Job, False), (Welcome, False), (Welcome, False)], kinds  # job 0 over TCP, both welcomes
-        assert shard.shm_jobs_out == 0 and shard.arena.files() == [f"{shard.arena.prefix}-probe"]
-        before_w, before_s = len(worker_seen), len(r.frames_in)
+    links = shm_links
+    kinds = [(k, refs) for k, refs, _ in worker_seen]
+    assert kinds == [(Job, False), (Welcome, False), (Welcome, False)], kinds  # job 0 over TCP, both welcomes
+    assert shard.shm_jobs_out == 0 and shard.arena.files() == [f"{shard.arena.prefix}-probe"]
+    before_w, before_s = len(worker_seen), len(r.frames_in)
 
-        job = fetch_whole(shard, links, 1)  # over shared memory
-        e = shard.core.ledger[1]
-        for i, p in zip(e.iterate_ids, job.points, strict=True):  # what the TCP path gives, bit for bit
-            assert p.tobytes() == to_wire(shard.core.store[i], shard.wire).tobytes()
-        reply, g = block(r, 1, 3)
-        send_block(r, links, reply)
-        held, = shard.blocks[1]
-        assert held.dtype == np.float32 and held.tobytes() == g.tobytes()
-        assert shard.haves[-1][1] == [1, e.created_at, 0, ""]
+    job = fetch_whole(shard, links, 1)  # over shared memory
+    e = shard.core.ledger[1]
+    for i, p in zip(e.iterate_ids, job.points, strict=True):  # what the TCP path gives, bit for bit
+        assert p.tobytes() == to_wire(shard.core.store[i], shard.wire).tobytes()
+    reply, g = block(r, 1, 3)
+    send_block(r, links, reply)
+    held, = shard.blocks[1]
+    assert held.dtype == np.float32 and held.tobytes() == g.tobytes()
+    assert shard.haves[-1][1] == [1, e.created_at, 0, ""]
 
-        # What travelled: one header each way, no array frame.
-        got = worker_seen[before_w:]
-        assert [(k, refs) for k, refs, _ in got] == [(Job, True)] and len(got[0][2]) == 1, got
-        assert r.frames_in[before_s:] == [[n] for n, in r.frames_in[before_s:]] and len(r.frames_in) - before_s == 2
-        assert sum(n for m in r.frames_in[before_s:] for n in m) < 1000  # the fetch and the reply: headers only
-        assert shard.shm_jobs_out == 1 and shard.shm_blocks_in == 1 and links.shm_in == 1 and links.shm_out == 1
+    # What travelled: one header each way, no array frame.
+    got = worker_seen[before_w:]
+    assert [(k, refs) for k, refs, _ in got] == [(Job, True)] and len(got[0][2]) == 1, got
+    assert r.frames_in[before_s:] == [[n] for n, in r.frames_in[before_s:]] and len(r.frames_in) - before_s == 2
+    assert sum(n for m in r.frames_in[before_s:] for n in m) < 1000  # the fetch and the reply: headers only
+    assert shard.shm_jobs_out == 1 and shard.shm_blocks_in == 1 and links.shm_in == 1 and links.shm_out == 1
 
-        # The journal keeps the block as the frames a TCP worker sends: recovery and replay unchanged.
-        kept = journaled_block(r, 1)
-        assert not kept.in_shm and kept.grads[0].tobytes() == to_wire(g, shard.wire).tobytes()
+    # The journal keeps the block as the frames a TCP worker sends: recovery and replay unchanged.
+    kept = journaled_block(r, 1)
+    assert not kept.in_shm and kept.grads[0].tobytes() == to_wire(g, shard.wire).tobytes()
 
-        # The same job asked again once the shard no longer takes this connection's shared memory:
-        # over TCP, the same bytes.
-        shard.shm_ready.pop(RID)
-        again = fetch_whole(shard, links, 1)
-        assert worker_seen[-1][1] is False and len(worker_seen[-1][2]) == 1 + len(again.points)
-        for a, b in zip(job.points, again.points, strict=True):
-            assert a.tobytes() == b.tobytes()
-    finally:
-        links.close()
+    # The same job asked again once the shard no longer takes this connection's shared memory:
+    # over TCP, the same bytes.
+    shard.shm_ready.pop(RID)
+    again = fetch_whole(shard, links, 1)
+    assert worker_seen[-1][1] is False and len(worker_seen[-1][2]) == 1 + len(again.points)
+    for a, b in zip(job.points, again.points, strict=True):
+        assert a.tobytes() == b.tobytes()
 
 
-def test_lent_slots_come_back_when_the_job_is_settled_and_go_with_the_shard(run):
+def test_lent_slots_come_back_when_the_job_is_settled_and_go_with_the_shard(run, shm_links):
     r = run
     shard = r.shard
-    links = linked(r, shm=True)
-    try:
-        handshake(r, links)
-        fetch_whole(shard, links, 1)
-        arena = shard.arena
-        lent = arena.lent[1][1]
-        files = arena.files()
-        assert len(files) == 1 + 1 + len(lent)  # the probe, job 1's iterate slice, its gradient slot
-        send_block(r, links, block(r, 1, 4)[0])
-        r.settle(1, 2.0)  # applied: the coordinator issued job 2 to w1
-        assert 1 not in arena.lent and arena.free_grad["w1/7"] == list(lent)
-        fetch_whole(shard, links, 2)
-        assert arena.lent[2][1] == lent  # the same worker's next job reuses the slot: no new file for it
-        assert len(arena.files()) <= len(files) + 1  # at most the new iterate's slice
-        reply, g = block(r, 2, 5)
-        send_block(r, links, reply)
-        assert shard.blocks[2][0].tobytes() == g.tobytes()
-        r.settle(2, 3.0)
-        prefix = arena.prefix
-    finally:
-        links.close()
+    links = shm_links
+    fetch_whole(shard, links, 1)
+    arena = shard.arena
+    lent = arena.lent[1][1]
+    files = arena.files()
+    assert len(files) == 1 + 1 + len(lent)  # the probe, job 1's iterate slice, its gradient slot
+    send_block(r, links, block(r, 1, 4)[0])
+    r.settle(1, 2.0)  # applied: the coordinator issued job 2 to w1
+    assert 1 not in arena.lent and arena.free_grad["w1/7"] == list(lent)
+    fetch_whole(shard, links, 2)
+    assert arena.lent[2][1] == lent  # the same worker's next job reuses the slot: no new file for it
+    assert len(arena.files()) <= len(files) + 1  # at most the new iterate's slice
+    reply, g = block(r, 2, 5)
+    send_block(r, links, reply)
+    assert shard.blocks[2][0].tobytes() == g.tobytes()
+    r.settle(2, 3.0)
+    prefix = arena.prefix
     r.close()
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(prefix + "-")]  # the shard unlinked its files
     r.close = lambda: None
 
 
-def test_in_shm_replies_of_slots_not_lent_are_refused_and_change_nothing(run):
+def test_in_shm_replies_of_slots_not_lent_are_refused_and_change_nothing(run, shm_links):
     r = run
     shard = r.shard
-    links = linked(r, shm=True)
-    try:
-        handshake(r, links)
-        e0, e1 = shard.core.ledger[0], shard.core.ledger[1]
-        refused = []
+    links = shm_links
+    e0, e1 = shard.core.ledger[0], shard.core.ledger[1]
+    refused = []
 
-        def refuse(rid: bytes, reply: Reply, code: ErrorCode) -> None:
-            n, sent = len(r.frames_in), len(r.sent)
-            own = rid == RID  # the worker's own connection (a ROUTER takes one connection per routing id)
-            sock = links.socks[0] if own else zmq.Context.instance().socket(zmq.DEALER)
+    def refuse(rid: bytes, reply: Reply, code: ErrorCode) -> None:
+        n, sent = len(r.frames_in), len(r.sent)
+        own = rid == RID  # the worker's own connection (a ROUTER takes one connection per routing id)
+        sock = links.socks[0] if own else zmq.Context.instance().socket(zmq.DEALER)
+        if not own:
+            sock.linger = 0
+            sock.routing_id = rid
+            sock.connect(shard.endpoint)
+        try:
+            sock.send_multipart(encode(reply))
+            pump(shard, [sock], lambda: len(r.frames_in) > n, "the shard to take the reply")
+        finally:
             if not own:
-                sock.linger = 0
-                sock.routing_id = rid
-                sock.connect(shard.endpoint)
-            try:
-                sock.send_multipart(encode(reply))
-                pump(shard, [sock], lambda: len(r.frames_in) > n, "the shard to take the reply")
-            finally:
-                if not own:
-                    sock.close()
-            (to, err), = r.sent[sent:]
-            assert to == rid and type(err) is Error and err.code == code and err.job_id == reply.job_id, err
-            refused.append(reply.job_id)
+                sock.close()
+        (to, err), = r.sent[sent:]
+        assert to == rid and type(err) is Error and err.code == code and err.job_id == reply.job_id, err
+        refused.append(reply.job_id)
 
-        # Job 0 went over TCP: no slots lent for it.
-        refuse(RID, Reply(job_id=0, created_at=e0.created_at, grads=(), loss=0.5, count=1, in_shm=True),
-               ErrorCode.UNKNOWN_JOB)
-        fetch_whole(shard, links, 1)
-        slots = shard.arena.lent[1]
-        stale = Reply(job_id=1, created_at=e1.created_at, grads=(), loss=0.5, count=1, in_shm=True)
-        # Another live worker, and another incarnation of w1: not theirs.
-        refuse(b"w2/2", stale, ErrorCode.UNKNOWN_JOB)
-        refuse(b"w1/8", stale, ErrorCode.UNKNOWN_JOB)
-        # Frames as well as slots.
-        refuse(RID, Reply(job_id=1, created_at=e1.created_at, grads=(np.zeros(HALF, np.float32),), loss=0.5,
-                          count=1, in_shm=True), ErrorCode.BAD_SHAPE)
-        assert refused == [0, 1, 1, 1]
-        assert shard.blocks == {} and shard.haves == [] and shard.arena.lent[1] == slots
-        shard.journal.sync()
-        assert not [x for x in read_journal(os.path.join(shard.state_dir, "blocks")) if x.op == "block"]
+    # Job 0 went over TCP: no slots lent for it.
+    refuse(RID, Reply(job_id=0, created_at=e0.created_at, grads=(), loss=0.5, count=1, in_shm=True),
+           ErrorCode.UNKNOWN_JOB)
+    fetch_whole(shard, links, 1)
+    slots = shard.arena.lent[1]
+    stale = Reply(job_id=1, created_at=e1.created_at, grads=(), loss=0.5, count=1, in_shm=True)
+    # Another live worker, and another incarnation of w1: not theirs.
+    refuse(b"w2/2", stale, ErrorCode.UNKNOWN_JOB)
+    refuse(b"w1/8", stale, ErrorCode.UNKNOWN_JOB)
+    # Frames as well as slots.
+    refuse(RID, Reply(job_id=1, created_at=e1.created_at, grads=(np.zeros(HALF, np.float32),), loss=0.5,
+                      count=1, in_shm=True), ErrorCode.BAD_SHAPE)
+    assert refused == [0, 1, 1, 1]
+    assert shard.blocks == {} and shard.haves == [] and shard.arena.lent[1] == slots
+    shard.journal.sync()
+    assert not [x for x in read_journal(os.path.join(shard.state_dir, "blocks")) if x.op == "block"]
 
-        # The good reply still goes through.
-        reply, g = block(r, 1, 6)
-        send_block(r, links, reply)
-        assert shard.blocks[1][0].tobytes() == g.tobytes()
-    finally:
-        links.close()
+    # The good reply still goes through.
+    reply, g = block(r, 1, 6)
+    send_block(r, links, reply)
+    assert shard.blocks[1][0].tobytes() == g.tobytes()
 
 
-def test_a_hello_again_never_gets_the_old_slots(run):
+def test_a_hello_again_never_gets_the_old_slots(run, shm_links):
     r = run
     shard = r.shard
-    links = linked(r, shm=True)
-    try:
-        handshake(r, links)
-        fetch_whole(shard, links, 1)
-        old = shard.arena.lent[1][1]
-        send_block(r, links, block(r, 1, 7)[0])
-        r.settle(1, 2.0)
-        assert shard.arena.free_grad["w1/7"] == list(old)
-        n = len(shard.arena.files())
-        # The shard forgot this connection (restart, eviction): its next job (over shared memory,
-        # the worker still ready) is followed by a welcome, and the worker says hello again.
-        shard.told.clear()
-        before = links.shm[0]
-        fetch_whole(shard, links, 2)
-        assert shard.arena.lent[2] == ("w1/7", old)
+    links = shm_links
+    fetch_whole(shard, links, 1)
+    old = shard.arena.lent[1][1]
+    send_block(r, links, block(r, 1, 7)[0])
+    r.settle(1, 2.0)
+    assert shard.arena.free_grad["w1/7"] == list(old)
+    n = len(shard.arena.files())
+    # The shard forgot this connection (restart, eviction): its next job (over shared memory,
+    # the worker still ready) is followed by a welcome, and the worker says hello again.
+    shard.told.clear()
+    before = links.shm[0]
+    fetch_whole(shard, links, 2)
+    assert shard.arena.lent[2] == ("w1/7", old)
 
-        def done() -> bool:  # the shard answered the hello (a new offer opened here), then took the ready
-            assert links.receive(0) == []
-            return links.shm[0] is not None and links.shm[0] is not before and RID in shard.shm_ready
+    def done() -> bool:  # the shard answered the hello (a new offer opened here), then took the ready
+        assert links.receive(0) == []
+        return links.shm[0] is not None and links.shm[0] is not before and RID in shard.shm_ready
 
-        pump(shard, links.socks, done, "the handshake again")
-        assert shard.arena.free_grad.get("w1/7", []) == [] and shard.arena.lent[2] == ("", old)  # lent to nobody
-        reply, g = block(r, 2, 8)
-        send_block(r, links, reply)  # its slots are of the handshake before: the block goes as frames
-        assert shard.shm_blocks_in == 1 and links.shm_out == 1 and shard.blocks[2][0].tobytes() == g.tobytes()
-        assert shard.arena.gradients("w1/7", 2) is None
-        r.settle(2, 3.0)
-        assert len(shard.arena.files()) <= n - len(old) + 1  # unlinked (at most the new iterate's slice more)
-        assert not {f"{shard.arena.prefix}-{s}" for s in old} & set(shard.arena.files())
-        fetch_whole(shard, links, 3)
-        assert not set(shard.arena.lent[3][1]) & set(old)  # never lent again
-    finally:
-        links.close()
+    pump(shard, links.socks, done, "the handshake again")
+    assert shard.arena.free_grad.get("w1/7", []) == [] and shard.arena.lent[2] == ("", old)  # lent to nobody
+    reply, g = block(r, 2, 8)
+    send_block(r, links, reply)  # its slots are of the handshake before: the block goes as frames
+    assert shard.shm_blocks_in == 1 and links.shm_out == 1 and shard.blocks[2][0].tobytes() == g.tobytes()
+    assert shard.arena.gradients("w1/7", 2) is None
+    r.settle(2, 3.0)
+    assert len(shard.arena.files()) <= n - len(old) + 1  # unlinked (at most the new iterate's slice more)
+    assert not {f"{shard.arena.prefix}-{s}" for s in old} & set(shard.arena.files())
+    fetch_whole(shard, links, 3)
+    assert not set(shard.arena.lent[3][1]) & set(old)  # never lent again
 
 
 def test_no_offer_to_another_host_nor_from_a_shard_with_shm_off(tmp_path, worker_seen):
