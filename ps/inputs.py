@@ -115,7 +115,7 @@ class CoreInputs:
         ``wire_dtype``: the run's; journaled reply frames are converted from it and recomputed
         gradients are quantized to it, as on the live run."""
         from protocol.messages import ErrorCode, Reply
-        from ps.persist import reply_from_wire
+        from ps.persist import journaled_norms, reply_from_wire
 
         b, op, core = rec.body, rec.op, self.core
         if op == "msg":
@@ -125,10 +125,9 @@ class CoreInputs:
                 refusal = (ErrorCode(kept[0]), kept[1])
             elif type(msg) is Reply:
                 msg = self.payload(msg, b["wid"], problem, wire_dtype)
-                if b.get("bsq") is not None:  # a sharded coordinator's, from its shards (ps/persist.py)
-                    msg = dataclasses.replace(msg, block_sq=tuple(b["bsq"]))
-                if b.get("ssq") is not None:
-                    msg = dataclasses.replace(msg, step_sq=tuple(b["ssq"]))
+                block_sq, step_sq = journaled_norms(b)  # a sharded coordinator's, from its shards
+                if block_sq is not None or step_sq is not None:
+                    msg = dataclasses.replace(msg, block_sq=block_sq, step_sq=step_sq)
             return self.message(b["wid"], msg, b["now"], b.get("key", ""), refusal) or []
         if op == "reply":  # accepted replies are journaled without gradients: recomputed from the seed
             wire = b["reply"].get("wire", wire_dtype)

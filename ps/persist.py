@@ -543,6 +543,13 @@ def _check_record(rec: Any) -> str | None:
     return None
 
 
+def journaled_norms(fields: dict) -> tuple[tuple | None, tuple | None]:
+    """(block_sq, step_sq) of a journaled reply (``bsq``, ``ssq``: a sharded coordinator's figures
+    from its shards), None where absent."""
+    block_sq, step_sq = (None if fields.get(k) is None else tuple(fields[k]) for k in ("bsq", "ssq"))
+    return block_sq, step_sq
+
+
 def _block_sq_ok(v: Any) -> bool:
     """An absent ``bsq`` (per-block squared norms of a sharded reply), or a list of finite numbers >= 0."""
     return v is None or (type(v) is list and all(type(x) in _NUMBER and 0.0 <= x < math.inf for x in v))
@@ -1448,8 +1455,7 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
         # measured, journaled with the reply. (A core with the whole vector measures it again.)
         n = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
         grads = tuple(np.empty(0, core.dtype) for _ in range(n))
-        block_sq = None if fields.get("bsq") is None else tuple(fields["bsq"])
-        step_sq = None if fields.get("ssq") is None else tuple(fields["ssq"])
+        block_sq, step_sq = journaled_norms(fields)
     elif entry is not None and entry.worker_id == wid and not entry.received:
         job = Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline)

@@ -72,6 +72,7 @@ from ps.persist import (
     StateError,
     checkpoint_files,
     cut_torn_tail,
+    journaled_norms,
     last_lsn,
     read_journal,
     reply_from_wire,
@@ -133,8 +134,7 @@ class ShardInputs(CoreInputs):
             if grads is None:
                 raise StateError(f"the coordinator accepted job {jid}, and this shard holds no gradient block for "
                                  f"it (its blocks journal lost a record?)")
-        block_sq = None if fields.get("bsq") is None else tuple(fields["bsq"])
-        step_sq = None if fields.get("ssq") is None else tuple(fields["ssq"])
+        block_sq, step_sq = journaled_norms(fields)
         if grads and self.norms is not None and entry.kind != JobKind.FULL_GRAD:
             layout, first, n = self.norms
             mine = block_sq_sums(grads[0], layout)
