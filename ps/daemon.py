@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from problems.base import Problem
-from protocol.codec import encode, error_text
+from protocol.codec import encode, error_text, looks_like_heartbeat
 from protocol.errors import LocalProtocolError
 from protocol.messages import (
     Bye,
@@ -43,7 +43,7 @@ from ps.connections import (
 from ps.core import Disconnect, Send, ServerCore
 from ps.inputs import CoreInputs
 from ps.persist import EventLog, Persistence
-from ps.transport import Count, ServerTransport
+from ps.transport import SMALL_MESSAGE, Count, ServerTransport
 from worker.compute import describe_layout
 
 log = logging.getLogger("latecomer.server")
@@ -163,6 +163,7 @@ class Daemon:
         self.stopping: str | None = None
         self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled (_receive_batch)
         self.backlogged: dict[bytes, int] = {}  # routing id -> its messages in the backlog
+        self.backlog_hb: dict[bytes, bytes] = {}  # routing id -> its last message queued, where that is a heartbeat
         self.backlog_bytes = 0
         self.sends = 0  # messages sent (Send commands executed): what a backlogged message cost
         self.last_urgent = -math.inf  # when a message of a worker that trains was last handled
@@ -368,6 +369,7 @@ class Daemon:
             self.backlogged[rid] = left
         else:
             del self.backlogged[rid]
+            self.backlog_hb.pop(rid, None)
         self.backlog_bytes -= _nbytes(frames)
         return frames
 
@@ -378,18 +380,39 @@ class Daemon:
         for frames in self.transport.pending():
             rid = frames[0].bytes
             c = by_rid.get(rid)
-            if rid not in self.backlogged and self.transport.is_repeat(c, frames, now):
+            queued = rid in self.backlogged
+            if self._queued_repeat(rid, frames) if queued else self.transport.is_repeat(c, frames, now):
                 continue  # a heartbeat repeat: dropped unread (ps/connections.py)
             w = workers.get(c.wid) if c is not None and c.live else None
-            if w is not None and w.jobs_done and rid not in self.backlogged:
+            if w is not None and w.jobs_done and not queued:
                 urgent.append(frames)
             else:
                 self.backlog.append(frames)
                 self.backlogged[rid] = self.backlogged.get(rid, 0) + 1
                 self.backlog_bytes += _nbytes(frames)
+                body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE else None
+                if body is not None and looks_like_heartbeat(body):
+                    self.backlog_hb[rid] = body
+                else:
+                    self.backlog_hb.pop(rid, None)
             if len(urgent) + len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES:
                 break
         return urgent
+
+    def _queued_repeat(self, rid: bytes, frames: list) -> bool:
+        """Whether a message of a connection with messages in the backlog is byte for byte the
+        heartbeat it queued last, with nothing in between: that one is still to be handed on (and
+        refreshes the worker's liveness when it is, later than this one arrived), so this one would
+        tell the core nothing. Dropped and counted as a repeat, like one that repeats the heartbeat
+        handed on last (ServerTransport.is_repeat). Without it a server that fell behind queued
+        every repeat of every connection with a message waiting (a full backlog of them: 4,000
+        fakes heartbeating every 0.4 s kept it at MAX_BACKLOG and the real workers at a quarter of
+        their rate, while the messages waiting in libzmq held its decoder buffers)."""
+        tail = self.backlog_hb.get(rid)
+        if tail is None or len(frames) != 2 or len(frames[1]) != len(tail) or frames[1].bytes != tail:
+            return False
+        self.conns.counters.hb_repeats += 1
+        return True
 
     def _handle(self, frames: list) -> None:
         self._on_frames(frames)

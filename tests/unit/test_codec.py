@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from protocol.codec import decode, encode
+from protocol.codec import decode, encode, encode_reference, looks_like_heartbeat
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.messages import (
     ALLOWED_DTYPES,
@@ -238,6 +238,17 @@ def test_round_trip_every_type(cls: type, data: st.DataObject) -> None:
     assert isinstance(encoded[0], bytes) and len(encoded[0]) <= MAX_HEADER_BYTES
     assert all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in encoded[1:])
     assert_same(msg, decode(as_frames(encoded, kind)))
+
+
+@pytest.mark.parametrize("cls", list(MESSAGES), ids=lambda c: c.__name__)
+@MAIN
+@given(data=st.data())
+def test_looks_like_heartbeat_is_true_of_heartbeats_alone(cls: type, data: st.DataObject) -> None:
+    """The server's raw-bytes test (a connection's identical queued heartbeats are one,
+    ps/daemon.py) recognises every heartbeat encode writes and no other message."""
+    msg = data.draw(MESSAGES[cls])
+    assert looks_like_heartbeat(bytes(encode(msg)[0])) == (cls is Heartbeat)
+    assert looks_like_heartbeat(bytes(encode_reference(msg)[0])) == (cls is Heartbeat)
 
 
 @MAIN

@@ -133,3 +133,33 @@ def test_a_message_that_issues_a_burst_of_jobs_pauses_the_backlog_for_the_traini
         assert handled[1:] == [(b"h4", b"ready4")]
     finally:
         d.close()
+
+
+def test_identical_heartbeats_queued_in_a_row_are_one():
+    """A connection with messages in the backlog: a heartbeat byte for byte the one it queued
+    last, with nothing in between, is dropped unread and counted as a repeat (the queued one
+    refreshes the worker's liveness when it is handed on). A heartbeat that says something else,
+    or one after another message, is queued: the connection's order and content are kept.
+    Without this a server that fell behind queued every repeat (tests/integration/
+    test_attack_scale.py: a backlog full of them, the real workers at a quarter of their rate)."""
+    from protocol.codec import encode
+    from protocol.messages import Heartbeat
+
+    def hb(seen: int) -> bytes:
+        return bytes(encode(Heartbeat(boot=7, credit=1, busy=(), seen=seen))[0])
+
+    x, y = hb(-1), hb(3)
+    sent = [b"hello", x, x, x, y, y, b"reply", y, x, x]
+    d, core, handled = daemon_with([[F(b"idle"), F(m)] for m in sent])
+    try:
+        bind(d, core, b"idle", "idle", jobs_done=0)  # not urgent: everything goes to the backlog
+        repeats = d.conns.counters.hb_repeats
+        while True:
+            d._receive_batch()
+            if not d.backlog:
+                break
+        assert [m for _, m in handled] == [b"hello", x, y, b"reply", y, x]
+        assert d.conns.counters.hb_repeats - repeats == 4
+        assert not d.backlog_hb and not d.backlogged, "nothing kept once the connection's backlog is empty"
+    finally:
+        d.close()
