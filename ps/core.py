@@ -63,6 +63,31 @@ MAX_CREDIT = 64  # jobs one worker may hold at once, whatever credit it asks for
 MAX_JOB_ID_SKIP = 1 << 20  # how far a rejoining worker's seen job ids may move the counter (_skip_job_ids)
 
 
+EVICTED_KEPT = 4096  # iterate ids swept from the store that the core remembers (EvictionCursor)
+
+
+class EvictionCursor:
+    """What a driver keeps beside the core's store (shared-memory copies, wire-dtype copies of
+    iterates) learns which iterates left the store from this, not by looking at each of its own:
+    :meth:`take` answers the ids swept since its last call. With thousands of jobs outstanding the
+    store holds thousands of iterates; a scan of every copy after each batch of messages was the
+    biggest single cost of a server under 4,000 heartbeating fakes (13 % of its loop)."""
+
+    def __init__(self) -> None:
+        self.core: Any = None
+        self.mark = 0
+
+    def take(self, core: Any) -> list[int] | None:
+        """The iterate ids ``core`` swept from its store since the last call; None where that is
+        not known (the first call, another core object, or more swept than it keeps): look at all."""
+        n = core.evictions - self.mark
+        known = core is self.core and n <= len(core.evicted)
+        self.core, self.mark = core, core.evictions
+        if not known:
+            return None
+        return [core.evicted[-i] for i in range(1, n + 1)] if n else []
+
+
 # --------------------------------------------------------------------------- commands
 
 @dataclass(frozen=True, slots=True)
@@ -490,6 +515,8 @@ class ServerCore:
             self._enter(w)
         self.jobs = Outstanding(self.ledger)
         self._unref: set[int] = {i for i, n in self.refs.items() if n <= 0}
+        self.evicted: deque[int] = deque(maxlen=EVICTED_KEPT)  # the latest iterate ids swept from the store
+        self.evictions = 0  # how many were, ever, by this object (EvictionCursor)
 
     def _enter(self, w: WorkerInfo) -> None:
         """Index a worker just put at the end of ``workers``."""
@@ -1247,3 +1274,5 @@ class ServerCore:
                 del self.refs[iid]
                 self.store.pop(iid, None)
                 self._unref.discard(iid)
+                self.evicted.append(iid)
+                self.evictions += 1

@@ -65,6 +65,7 @@ from protocol.messages import (
 )
 from protocol.wire import roundtrip, to_wire
 from ps.connections import ConnectionLimits, Connections, RateLimitedLog
+from ps.core import EvictionCursor
 from ps.inputs import CoreInputs
 from ps.persist import (
     Journal,
@@ -288,6 +289,7 @@ class Shard:
         shm from this host) and those that opened it (ready shm)."""
         self.shm_mode = shm
         self.arena: Any = None
+        self.evictions = EvictionCursor()  # which iterates left the core's store (_shm_sweep)
         self.shm_capable: OrderedDict[bytes, None] = OrderedDict()
         self.shm_ready: OrderedDict[bytes, None] = OrderedDict()
         self.shm_jobs_out = self.shm_blocks_in = 0  # fetches answered with refs, blocks read from shared memory
@@ -927,7 +929,7 @@ class Shard:
         """Slots the core no longer needs: copies of iterates gone from the store, gradient slots
         of jobs gone from the ledger (back to their connection while its worker is live, else unlinked)."""
         if self.arena is not None and self.core is not None:
-            self.arena.sweep(self.core.store, self.core.ledger, _LiveRids(self))
+            self.arena.sweep(self.core.store, self.core.ledger, _LiveRids(self), self.evictions.take(self.core))
 
     def _answer_parked(self) -> None:
         if not self.parked:

@@ -63,6 +63,7 @@ from ps.connections import (
     Connections,
     RateLimitedLog,
 )
+from ps.core import EvictionCursor
 from ps.endpoints import needs_ipv6
 from ps.persist import reply_from_wire
 from worker.sockio import recv_frames, send_frames
@@ -186,6 +187,7 @@ class ServerTransport:
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_dtype = wire_dtype
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
+        self.evictions = EvictionCursor()  # which iterates left the core's store (sweep)
         self.shm_any = shm == "any"  # offer it to every worker that asks: its probe decides
         self.arena, self.host_id = _open_arena(core.dim, core.server_boot) if shm != "off" else (None, "")
         self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
@@ -429,10 +431,12 @@ class ServerTransport:
         """After the core's commands: shared-memory slots and wire copies of iterates the core no
         longer holds are released."""
         core = self.core
+        gone = self.evictions.take(core)  # only these left the store since the last sweep (None: unknown)
         if self.arena is not None and (self.arena.lent or self.arena.copies or self.arena.free_grad):
-            self.arena.sweep(core.store, core.ledger, core.workers)
+            self.arena.sweep(core.store, core.ledger, core.workers, gone)
         if self.wire_cache:
-            for iid in [i for i in self.wire_cache if i not in core.store]:
+            for iid in [i for i in (self.wire_cache if gone is None else gone)
+                        if i in self.wire_cache and i not in core.store]:
                 del self.wire_cache[iid]
 
     # ------------------------------------------------------------------ heartbeats

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import algorithms
 from protocol.messages import Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
-from ps.core import MAX_CREDIT, CoreConfig, LedgerEntry, Outstanding, Send, ServerCore
+from ps.core import EVICTED_KEPT, MAX_CREDIT, CoreConfig, EvictionCursor, LedgerEntry, Outstanding, Send, ServerCore
 
 D = 4
 
@@ -86,6 +86,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.held: dict[str, list[Job]] = {}
         self.boots: dict[str, int] = {}
+        self.cursor = EvictionCursor()  # a driver's copies of the store's iterates, kept by evictions
+        self.copies: set[int] = set()
 
     def _absorb(self, cmds):
         for wid, job in jobs_in(cmds):
@@ -158,6 +160,18 @@ class IndexMachine(RuleBasedStateMachine):
     def indexes_agree_with_a_scan(self):
         check_indexes(self.core)
         assert self.core.accounted()
+
+    @invariant()
+    def a_driver_told_the_evictions_holds_what_the_store_holds(self):
+        """Copies kept beside the store (shared memory, wire dtype) and released by what the
+        EvictionCursor says left it, never by a scan, are exactly the store's iterates."""
+        gone = self.cursor.take(self.core)
+        if gone is None:
+            self.copies = set(self.core.store)  # not known: look at all
+        else:
+            self.copies.difference_update(gone)
+        self.copies |= set(self.core.store)
+        assert self.copies == set(self.core.store)
 
     @invariant()
     def cancel_through_the_index_is_cancel_over_a_list(self):
@@ -327,3 +341,20 @@ def test_checkpoint_columns_restore_bit_for_bit_and_read_format_1():
 
 def vars_of(x) -> dict:
     return {f: getattr(x, f) for f in type(x).__slots__}
+
+
+def test_the_eviction_cursor_says_unknown_past_its_window_and_for_another_core():
+    """``take`` lists what was swept since its last call, and None (look at all) at its first
+    call, for another core object, or once more were swept than the core keeps (EVICTED_KEPT)."""
+    core, cursor = make_core(), EvictionCursor()
+    assert cursor.take(core) is None
+    assert cursor.take(core) == []
+    for iid in range(3):
+        core.evicted.append(iid)
+        core.evictions += 1
+    assert sorted(cursor.take(core)) == [0, 1, 2] and cursor.take(core) == []
+    for iid in range(EVICTED_KEPT + 1):
+        core.evicted.append(100 + iid)
+        core.evictions += 1
+    assert cursor.take(core) is None and cursor.take(core) == []
+    assert cursor.take(make_core()) is None

@@ -53,6 +53,17 @@ def test_a_copied_iterate_is_shared_and_released_with_the_store(arena, tmp_path)
     assert np.array_equal(r.view(slot), y)
 
 
+def test_a_sweep_told_what_left_the_store_looks_at_those_copies_only(arena):
+    """``gone`` (ps.core.EvictionCursor): the copies of those iterates are released, where they
+    are gone from the store; the others are not looked at."""
+    for iid in (1, 2, 3):
+        arena.iterate_slot(iid, np.full(D, iid, np.float32))
+    arena.sweep(store={3: 0}, ledger={}, workers={}, gone=[1, 3, 99])
+    assert set(arena.copies) == {2, 3}, "1 released; 3 is still in the store; 2 not looked at"
+    arena.sweep(store={3: 0}, ledger={}, workers={})
+    assert set(arena.copies) == {3}
+
+
 def test_pool_buffers_live_in_shared_memory_and_publish_without_a_copy(arena, tmp_path):
     pool = ArrayPool(factory=arena.allocate)
     a = pool.empty((D,), np.float32)
