@@ -67,7 +67,8 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     every heartbeat was decoded, journaled and handed to the core, and the server sent each
     worker a heartbeat every 0.5 s in one burst of 4,000. Now a heartbeat that repeats the one
     handed on less than a third of the liveness timeout ago is dropped unread, before it is
-    even queued (Connections.repeat_heartbeat: two thirds of theirs), the server heartbeats each
+    even queued (Connections.repeat_heartbeat: two thirds of theirs; and one that repeats the
+    heartbeat its connection queued last, Daemon._queued_repeat), the server heartbeats each
     worker once per max(interval, liveness/3) = 1 s (server_heartbeat_period), in slices between
     batches of messages, and the daemon handles the messages of workers that answer jobs before
     the others (Daemon._receive_batch: the 4,000 joins otherwise starved the real workers to 0-10
@@ -78,7 +79,11 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     day: at a fast time, 0.65-0.69 with the repeats dropped and the heartbeat period (0.40 with
     the repeats handed on, 0.59 with the server heartbeating every 0.5 s, 0.15 as before); at a
     slow time, when the same code gave 0.37 (and the code before the transport refactor 0.30)
-    and a CI run failed at 0.42, 0.56-0.67 with the scheduling.
+    and a CI run failed at 0.42, 0.56-0.67 with the scheduling. At a slower time still (the
+    joining 13-28 s), the repeats of connections with a message in the backlog were queued: the
+    backlog stayed full (4,096) for the whole attack, 0.21-0.43, and RSS +290 to +364 MiB (the
+    messages waiting in libzmq hold its decoder buffers); with them dropped there too and the
+    shared-memory copies swept by eviction (ps.core.EvictionCursor), 0.52-0.62 and +140 to +156 MiB.
 
     RSS bound 250 MiB: each connection costs libzmq its pipe and stream buffers (tens of KiB),
     plus the worker's record and its job; 4,000 of them measured at about 140 MiB."""
