@@ -316,7 +316,8 @@ def _drive(pers, core, problem, steps, *, now0=0.0, bad=(), ticks=False, dt=1.0)
     return now
 
 
-_DERIVED = {"alg", "cfg", "events", "layout_text", "_seq", "_next_seq", "_alive", "jobs", "_unref", "evicted", "evictions"}
+_DERIVED = {"alg", "cfg", "events", "layout_text", "_seq", "_next_seq", "_alive", "jobs", "_unref",
+            "evicted", "evictions"}
 
 
 def _same(a, b, where="core") -> None:
