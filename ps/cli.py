@@ -525,7 +525,7 @@ def waiting_for(d: Any) -> str:
     if ready < joined:
         return f"{joined - ready} loading the problem"
     if ready < wanted:
-        return f"{wanted - ready} more workers"
+        return f"{wanted - ready} more worker{'s' if wanted - ready > 1 else ''}"
     return "first replies"
 
 
