@@ -297,18 +297,29 @@ def _read_events(path: str) -> list[dict]:
     return out
 
 
-def _first_issued(path: str, deadline: float, alive) -> float | None:
-    """The time of the first job issued (polls the events file until ``deadline``)."""
-    while time.monotonic() < deadline and alive():
+class _EventTail:
+    """Reads the server's events file as it grows: the first job's issue time and the newest step."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.rest = path, 0, ""
+        self.t_first: float | None = None
+        self.version = 0
+
+    def poll(self) -> None:
         try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if '"issued"' in line and line.endswith("\n"):
-                        return float(json.loads(line)["t"])
+            with open(self.path, encoding="utf-8") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+                self.offset = f.tell()
         except FileNotFoundError:
-            pass
-        time.sleep(0.05)
-    return None
+            return
+        lines = (self.rest + chunk).split("\n")
+        self.rest = lines.pop()  # a line not yet complete
+        for line in lines:
+            if self.t_first is None and '"issued"' in line:
+                self.t_first = float(json.loads(line)["t"])
+            elif '"applied"' in line:
+                self.version = max(self.version, int(json.loads(line)["version"]))
 
 
 def _tail(path: str, n: int = 400) -> str:
@@ -337,7 +348,7 @@ def run_latecomer(model: str, size: str, procs: int, seconds: float, max_steps: 
     args = ["serve", "--bind", endpoint, "--problem", "benchmodel:make", "--problem-opt", f"model={model}",
             "--problem-opt", f"size={size}", "--problem-opt", f"snapshots={snaps}", "--algorithm", "asgd",
             "--set", f"lr={spec.lr}", "--batch-size", str(spec.batch), "--eval-every", str(spec.snap_every),
-            "--max-steps", str(max_steps), "--max-time", str(START_TIMEOUT_S + seconds + 60),
+            "--max-time", str(START_TIMEOUT_S + seconds + 60),
             "--min-workers", str(procs), "--events", events, "--out", "out", "--log-level", "warning"]
     t_start = time.monotonic()
     server = _ps(args, folder, subprocess.DEVNULL, serve_log)
@@ -352,16 +363,21 @@ def run_latecomer(model: str, size: str, procs: int, seconds: float, max_steps: 
             if slowdown > 1 and i == procs - 1:
                 w += ["--slowdown", f"{slowdown:g}"]
             procs_.append(_ps(w, folder, subprocess.DEVNULL, wlog))
-        t_first = _first_issued(events, time.monotonic() + START_TIMEOUT_S, lambda: server.poll() is None)
+        tail, deadline = _EventTail(events), time.monotonic() + START_TIMEOUT_S
+        while tail.t_first is None and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            tail.poll()
+        t_first = tail.t_first
         if t_first is None:
             serve_log.flush()
             run.skipped = f"no job issued within {START_TIMEOUT_S:g} s: {_tail(serve_log.name)}"[:300]
             return run
         cpu0, sample = server_cpu(server.pid), ([], math.nan, 0)
         next_status = time.monotonic() + 1.0
-        while server.poll() is None and time.monotonic() < t_first + seconds:
-            sleep_until(min(t_first + seconds, next_status))
-            if time.monotonic() >= next_status:  # the last figures before its end
+        while server.poll() is None and time.monotonic() < t_first + seconds and tail.version < max_steps:
+            sleep_until(min(t_first + seconds, time.monotonic() + 0.1))
+            tail.poll()
+            if time.monotonic() >= next_status:  # the figures a second before its end, if it ends by itself
                 sample = _sample(endpoint, server.pid) or sample
                 next_status = time.monotonic() + 1.0
         sample = _sample(endpoint, server.pid) or sample

@@ -47,11 +47,13 @@ import time
 import click
 
 from benchmarks.model_runs import Run, grad_time, run_latecomer, run_torch, score
+from ps.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("plain", "ddp-1", "latecomer-1", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")
+QUICK_SYSTEMS = ("plain", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")  # the three targets' runs
 SLOWDOWN = 3.0
-SECONDS, QUICK_SECONDS = 30.0, 8.0
+SECONDS, QUICK_SECONDS = 25.0, 5.0
 GRAD_REPS, QUICK_GRAD_REPS = 7, 3
 CAP_FACTOR = 4  # after the plain run, runs stop at this many times its steps to the target
 GRAD_TARGET, STEPS_TARGET, TTA_TARGET = 1.15, 1.0, 0.7
@@ -134,6 +136,8 @@ def grad_line(g: dict) -> str:
 def run_models(models: list[str], size: str, grad_size: str, seconds: float, grad_reps: int, cores: int,
                systems: list[str], echo=print, json_out: str | None = None) -> dict:
     """Everything the report needs (JSON-able); ``json_out`` is rewritten after each model."""
+    import torch
+
     from benchmarks import model_zoo as zoo
 
     data = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit(),
@@ -144,9 +148,10 @@ def run_models(models: list[str], size: str, grad_size: str, seconds: float, gra
     for model in models:
         spec = zoo.spec_of(model, size)
         for gs in dict.fromkeys((grad_size, size)):  # full size for the target; the run size for the profile
-            g = grad_time(model, gs, grad_reps, cores)
+            g = grad_time(model, gs, grad_reps, max(1, cores // 2))  # the threads of a 2-worker run's worker
             echo(grad_line(g))
             data["grad"].append(g)
+        torch.set_num_threads(1)  # scoring is not timed: one thread, the least disturbed by other load
         problem = zoo.make_problem(model, size)
         cap = 10**9
         for name in systems:
@@ -261,7 +266,8 @@ def markdown(data: dict, plot_path: str | None = None) -> str:
              "## Gradient time", "",
              "A latecomer worker's gradient (`TorchProblem.grad(x, seed, batch)`: parameters from the flat vector, the "
              "seeded batch, forward, backward, the flat gradient) against a plain `loss_fn(model(inputs), target)"
-             ".backward()` on the same batch, in the same process with the same threads, interleaved; median of "
+             ".backward()` on the same batch, in the same process with the same threads (those of one worker of the "
+             "2-worker runs), interleaved; median of "
              f"{data['grad_reps']} repetitions after 2 of warm-up. Target: <= {GRAD_TARGET:g} at full size.", "",
              "| model | size | parameters | blocks | batch | threads | plain fwd+bwd ms | TorchProblem.grad ms | ratio "
              "| target |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -395,7 +401,7 @@ def default_paths(default: bool, quick: bool) -> tuple[str, str]:
 
 
 def main(models: str, size: str, grad_size: str, seconds: float | None, grad_reps: int | None, quick: bool,
-         cores: int | None, systems: str, out: str | None, json_out: str | None, plot_out: str | None,
+         cores: int | None, systems: str | None, out: str | None, json_out: str | None, plot_out: str | None,
          echo=print) -> dict:
     """What ``latecomer bench --models`` and ``python -m benchmarks.models`` run."""
     from benchmarks import model_zoo as zoo
@@ -404,6 +410,8 @@ def main(models: str, size: str, grad_size: str, seconds: float | None, grad_rep
     bad = [m for m in ms if m not in zoo.MODELS]
     if bad or not ms:
         raise click.BadParameter(f"unknown model(s) {bad}; choose from {', '.join(zoo.MODELS)}", param_hint="--model")
+    if systems is None:
+        systems = ",".join(QUICK_SYSTEMS if quick else SYSTEMS)
     sl = [s.strip() for s in systems.split(",") if s.strip()]
     for s in sl:
         try:
@@ -451,8 +459,9 @@ def model_options(f):
         click.option("--grad-reps", type=click.IntRange(min=1), default=None,
                      help=f"With --models: timed repetitions per gradient (default {GRAD_REPS}; --quick "
                           f"{QUICK_GRAD_REPS})."),
-        click.option("--systems", default=",".join(SYSTEMS), show_default=True,
-                     help="With --models: comma-separated systems to run."),
+        click.option("--systems", default=None,
+                     help=f"With --models: comma-separated systems to run (default {','.join(SYSTEMS)}; --quick "
+                          f"{','.join(QUICK_SYSTEMS)})."),
         click.option("--cores", type=click.IntRange(min=1), default=None,
                      help="With --models: cores split between a run's processes (default: this machine's)."),
     ]
@@ -462,12 +471,15 @@ def model_options(f):
 
 
 @click.command("models")
-@click.option("--quick", is_flag=True, help=f"{QUICK_SECONDS:g} s per run, {QUICK_GRAD_REPS} gradient repetitions.")
+@click.option("--quick", is_flag=True, help=f"{QUICK_SECONDS:g} s per run, {QUICK_GRAD_REPS} gradient repetitions, "
+                                           f"the systems of the three targets only.")
 @click.option("--seconds", type=float, default=None, help=f"Seconds per run (default {SECONDS:g}).")
 @model_options
-@click.option("--out", default=None, help="Markdown report (default benchmarks/RESULTS-models.md for the full run).")
-@click.option("--json", "json_out", default=None, help="JSON (default: beside --out).")
-@click.option("--plot", "plot_out", default=None, help="PNG (default for the full run: docs/img/bench-models.png).")
+@click.option("--out", default=None, callback=output_file,
+              help="Markdown report (default benchmarks/RESULTS-models.md for the full run).")
+@click.option("--json", "json_out", default=None, callback=output_file, help="JSON (default: beside --out).")
+@click.option("--plot", "plot_out", default=None, callback=output_file,
+              help="PNG (default for the full run: docs/img/bench-models.png).")
 def cli(quick, seconds, model_names, model_size, grad_size, grad_reps, systems, cores, out, json_out,
         plot_out) -> None:
     """Real models: latecomer against a plain loop and DDP (see benchmarks/models.py)."""
