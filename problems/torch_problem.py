@@ -20,10 +20,15 @@ How the model becomes a latecomer problem:
   draw from torch's RNG are reproduced exactly (by other workers, by ``latecomer replay``).
   Transforms that draw from ``numpy.random`` or ``random`` are *not* reproducible: seed your
   own generator from :func:`job_seed` (the current job's seed) instead. The flat vector is
-  copied to the device once per point and the parameters are views of that one leaf tensor
-  (``torch.func.functional_call``); the model is in train mode. On CUDA the Dropout masks come
-  from the CUDA generator, so they differ from the CPU's (gradients agree in distribution, not
-  bit for bit).
+  copied to the device once per point (through pinned memory on CUDA); each block is a
+  separate leaf tensor viewing that copy (``torch.func.functional_call``), so the backward
+  costs what a plain ``loss.backward()`` costs, and the blocks' gradients are gathered into one
+  new flat float32 vector (one copy; on CUDA one more, into pinned memory). The model is in
+  train mode. On CUDA the Dropout masks come from the CUDA generator, so they differ from the
+  CPU's (gradients agree in distribution, not bit for bit).
+- **Full gradients** (``snapshot-vr``): ``full_grad(x, lo, hi)`` sums the gradients of the
+  training positions ``[lo, hi)`` in chunks of ``batch_size`` (each chunk's mean loss counted
+  ``len(chunk)`` times); ``num_samples`` is the training set's size.
 - **BatchNorm and other buffers.** Workers compute gradients in train mode with batch
   statistics and never change the module's buffers (each job works on copies). Before each
   ``evaluate(x)`` the running statistics are re-estimated at ``x`` ("precise BN", as fvcore
@@ -59,6 +64,7 @@ _JOB_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("latecomer_job_s
 # Streams derived from one seed (SeedSequence([seed, stream])): independent generators for the
 # batch indices, the RNG seen while fetching the batch, and the RNG seen by the forward pass.
 _INDEX, _FETCH, _FORWARD, _HOLDOUT, _BN, _EVAL = range(6)
+_FULL = 1 << 32  # + a chunk's start: the streams of full_grad's chunks
 
 
 def job_seed() -> int:
@@ -326,6 +332,7 @@ class TorchProblem(Problem):
             self._train = _Source(train, None, collate_fn)
             self._test = _Source(test, None, collate_fn)
         self.num_train, self.num_test = len(self._train), len(self._test)
+        self.num_samples = self.num_train  # full_grad's positions
 
     # ------------------------------------------------------------------ helpers
     def _build(self) -> nn.Module:
@@ -355,18 +362,43 @@ class TorchProblem(Problem):
             torch.cuda.default_generators[self._rng_devices[0]].manual_seed(s)
 
     def _flat(self, x: np.ndarray) -> torch.Tensor:
+        """``x`` as a new float32 tensor on the device: one copy (through pinned memory on CUDA,
+        the transfer asynchronous). A copy, so read-only buffers (zero-copy network frames,
+        shared memory the server writes) are fine."""
         x = np.asarray(x)
         if x.shape != (self.dim,):
             raise ValueError(f"parameter vector of shape {x.shape}, expected ({self.dim},)")
-        # torch.tensor copies, so read-only buffers (zero-copy network frames) are fine.
-        return torch.tensor(x.astype(np.float32, copy=False), device=self.device)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(self.dim, dtype=torch.float32, pin_memory=cuda)
+        host.numpy()[...] = x
+        return host.to(self.device, non_blocking=True) if cuda else host
 
     def _views(self, flat: torch.Tensor, prefix: str = "") -> dict[str, torch.Tensor]:
-        out, off = {}, 0
-        for (name, shape), n in zip(self.layout, self._sizes, strict=True):
-            out[prefix + name] = flat[off:off + n].view(shape)
-            off += n
-        return out
+        """The blocks of ``flat`` as views, by name (``prefix`` + parameter name)."""
+        return {prefix + name: t.view(shape)
+                for (name, shape), t in zip(self.layout, flat.split(self._sizes), strict=True)}
+
+    def _leaves(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of ``flat`` as separate leaf tensors that share its memory and require a
+        gradient: autograd then gives each block its own gradient (the cost of a plain
+        backward), where one leaf seen through a slice per block built a full-size gradient per
+        block (blocks x d)."""
+        return [t.detach().view(shape).requires_grad_(True)
+                for (_, shape), t in zip(self.layout, flat.split(self._sizes), strict=True)]
+
+    def _gather(self, grads: list[torch.Tensor]) -> np.ndarray:
+        """The blocks' gradients as one new flat float32 numpy vector: one copy (on CUDA, one
+        copy on the device and one into pinned host memory)."""
+        flat = [g.reshape(-1) for g in grads]
+        if self.device.type == "cuda":
+            dev = torch.cat(flat)
+            host = torch.empty(self.dim, dtype=torch.float32, pin_memory=True)
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return host.numpy()
+        out = torch.empty(self.dim, dtype=torch.float32)
+        torch.cat(flat, out=out)
+        return out.numpy()
 
     def _buffer_copies(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Copies of the module's buffers: a job may update them (BatchNorm in train mode), the
@@ -381,23 +413,34 @@ class TorchProblem(Problem):
         g = torch.Generator().manual_seed(derive_seed(seed, _INDEX))
         return torch.randperm(self.num_train, generator=g)[:batch_size]
 
-    def _loss_at(self, flat: torch.Tensor, batch: Any, seed: int) -> tuple[torch.Tensor, Any, Any]:
-        """The loss (and output, target) at the point ``flat`` on ``batch``, forward RNG from ``seed``."""
+    def _loss_at(self, params: Mapping[str, torch.Tensor], batch: Any, seed: int) -> tuple[torch.Tensor, Any, Any]:
+        """The loss (and output, target) with ``params`` (``model.``-prefixed names) on
+        ``batch``, forward RNG from ``seed``."""
         self._seed_rng(derive_seed(seed, _FORWARD))
-        state = {**self._views(flat, "model."), **self._buffer_copies("model.")}
+        state = {**params, **self._buffer_copies("model.")}
         loss, out, target = torch.func.functional_call(self._caller, state, (batch,))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"TorchProblem: the loss must be a scalar tensor, got {what}")
         return loss.reshape(()), out, target
 
-    def _grad_at(self, x: np.ndarray, batch: Any, seed: int) -> GradResult:
-        flat = self._flat(x).requires_grad_(True)
-        loss, _, _ = self._loss_at(flat, batch, seed)
+    def _backward(self, x: np.ndarray, batch: Any, seed: int, scale: float = 1.0) -> tuple[list[torch.Tensor], float]:
+        """The loss at ``x`` on ``batch`` (times ``scale``) and its gradient, one tensor per
+        block: ``x`` copied to the device once, its blocks separate leaves (:meth:`_leaves`), a
+        block the loss does not reach gets zeros."""
+        leaves = self._leaves(self._flat(x))
+        params = {"model." + name: t for (name, _), t in zip(self.layout, leaves, strict=True)}
+        loss, _, _ = self._loss_at(params, batch, seed)
         if not loss.requires_grad:
             raise ValueError("TorchProblem: the loss does not depend on the model's parameters")
-        (g,) = torch.autograd.grad(loss, flat)
-        return GradResult(grad=g.detach().cpu().numpy().astype(np.float32, copy=False), loss=float(loss.detach()))
+        if scale != 1.0:
+            loss = loss * scale
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
+        return list(grads), float(loss.detach())
+
+    def _grad_at(self, x: np.ndarray, batch: Any, seed: int) -> GradResult:
+        grads, loss = self._backward(x, batch, seed)
+        return GradResult(grad=self._gather(grads), loss=loss)
 
     def _train_batch(self, seed: int, batch_size: int) -> Any:
         positions = self.batch_positions(seed, batch_size)
@@ -443,6 +486,37 @@ class TorchProblem(Problem):
         with self._seeded(seed, _FETCH):
             batch = self._train_batch(seed, batch_size)
             return self._grad_at(x_new, batch, seed), self._grad_at(x_old, batch, seed)
+
+    def full_grad(self, x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, float]:
+        """The sum over training positions ``[lo, hi)`` of the items' gradients, the count and
+        the summed loss (``num_samples`` = the training set's size; ``snapshot-vr``'s full
+        gradient is the sum of its shards over N).
+
+        The positions are taken in chunks of ``batch_size`` from ``lo``; each chunk's loss,
+        taken to be the mean over its items (as ``loss_fn`` and ``compute_loss`` should give
+        it), counts ``len(chunk)`` times. Train mode, like :meth:`grad` (BatchNorm uses the
+        chunk's statistics), with the forward RNG of each chunk seeded from the problem's seed
+        and the chunk's start, so the result is a pure function of ``(x, lo, hi)`` on CPU."""
+        if not 0 <= lo <= hi <= self.num_train:
+            raise ValueError(f"shard [{lo}, {hi}) is not inside [0, {self.num_train})")
+        if hi == lo:
+            return np.zeros(self.dim, np.float32), 0, 0.0
+        self.model.train()
+        total: list[torch.Tensor] | None = None
+        loss_sum = 0.0
+        for at in range(lo, hi, self.batch_size):
+            positions = torch.arange(at, min(at + self.batch_size, hi))
+            seed = derive_seed(self.seed, _FULL + at)
+            with self._seeded(seed, _FETCH):
+                batch = _to_device(self._train.fetch(positions), self.device)
+                grads, loss = self._backward(x, batch, seed, scale=float(len(positions)))
+            loss_sum += loss
+            if total is None:
+                total = grads
+            else:
+                for t, g in zip(total, grads, strict=True):
+                    t.add_(g)
+        return self._gather(total), hi - lo, loss_sum
 
     @torch.no_grad()
     def estimate_buffers(self, x: np.ndarray) -> dict[str, torch.Tensor]:

@@ -500,9 +500,12 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
 
 
 def _bar_progress(bar: Any, steps: int, d: Any, ev: dict | None) -> None:
-    """``run``'s progress bar: steps, workers, the latest loss (and accuracy)."""
+    """``run``'s progress bar: steps, workers, the latest loss (and accuracy); before the first
+    step, what it waits for (workers starting, then loading the problem)."""
     bar.n = min(d.core.version, steps)
     post = {"workers": len(d.core.workers)}
+    if d.core.version == 0:
+        post["waiting"] = waiting_for(d)
     if d.evaluations:
         last = d.evaluations[-1]
         post["loss"] = f"{last['loss']:.4f}"
@@ -510,6 +513,20 @@ def _bar_progress(bar: Any, steps: int, d: Any, ev: dict | None) -> None:
             post["acc"] = f"{last['accuracy']:.3f}"
     bar.set_postfix(post, refresh=False)
     bar.refresh()
+
+
+def waiting_for(d: Any) -> str:
+    """What a run that has not made its first step waits for, in a few words."""
+    workers = d.core.workers.values()
+    joined, ready = len(workers), sum(1 for w in workers if w.ready)
+    wanted = d.core.cfg.min_workers
+    if joined == 0:
+        return "workers starting"
+    if ready < joined:
+        return f"{joined - ready} loading the problem"
+    if ready < wanted:
+        return f"{wanted - ready} more worker{'s' if wanted - ready > 1 else ''}"
+    return "first replies"
 
 
 def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], reason: str, ages: dict,

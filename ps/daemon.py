@@ -41,6 +41,7 @@ from ps.connections import (
     ConnectionLimits,
 )
 from ps.core import Disconnect, Send, ServerCore
+from ps.evaluator import Evaluator
 from ps.inputs import CoreInputs
 from ps.persist import EventLog, Persistence
 from ps.transport import SMALL_MESSAGE, Count, ServerTransport
@@ -171,7 +172,8 @@ class Daemon:
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
-        self.last_eval_version = -1
+        self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/evaluator.py)
+        self.last_eval_version = -1  # the version of the evaluation started last
         # A sharded server (ps/shardhub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
         # coordinator's (an empty iterate), the parameters are the shards'.
         self.hooks: list[Callable[[float], None]] = []  # called every pass of the loop (serve's local shards)
@@ -218,41 +220,51 @@ class Daemon:
             return self.core.params()
         return self.x if self.x is not None else np.zeros(0, self.core.dtype)
 
-    def evaluate(self) -> dict[str, float] | None:
-        """Evaluate the current iterate. ``t`` counts from the first job issued (0 before). A
-        sharded server evaluates the iterate last gathered from its shards (None if it has none
-        of the current version: it asks for it, and evaluates when it has come)."""
+    def _run_time(self) -> float:
+        """Seconds since the first job was issued (0 before): an evaluation's ``t``."""
         if self.training_started_at is None and self.core.started:
             self.training_started_at = self.clock()
-        t = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+        return 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+
+    def evaluate(self) -> None:
+        """Start an evaluation of the current iterate, off the loop (ps/evaluator.py): the
+        figures are recorded (:meth:`_collect`) when it ends, named by the version it started
+        at, with ``t`` of its start (counted from the first job issued, 0 before). A sharded
+        server evaluates the iterate last gathered from its shards: if it has none of the
+        current version it asks for it, and starts the evaluation when it has come."""
         version = self.core.version
-        if self.hub is not None:
-            if self.x_version != version or self.x is None:
-                if self.gathering is None:
-                    self.gathering = self.hub.request_params(self.persist.journal.next_lsn - 1)
-                self.last_eval_version = version
-                return None
-        ev = {"t": t, "version": float(version),
-              **{k: float(v) for k, v in self.problem.evaluate(self.params()).items()}}
-        self.evaluations.append(ev)
         self.last_eval_version = version
-        return ev
+        if self.hub is not None and (self.x_version != version or self.x is None):
+            if self.gathering is None:
+                self.gathering = self.hub.request_params(self.persist.journal.next_lsn - 1)
+            return
+        self._start_evaluation(version, self.params())
+
+    def _start_evaluation(self, version: int, x: np.ndarray) -> None:
+        if self.evaluator.busy:  # a gathered iterate came while one ran (rare): this one waits
+            self._record(self.evaluator.wait())
+        self.evaluator.submit(version, self._run_time(), x)
+
+    def _record(self, ev: dict[str, float] | None, *, progress: bool = True) -> None:
+        if ev is not None:
+            self.evaluations.append(ev)
+            if progress and self.on_progress:
+                self.on_progress(self, ev)
+
+    def _collect(self) -> bool:
+        """Record the evaluation that ended, if one did. Returns whether one did."""
+        ev = self.evaluator.take()
+        self._record(ev)
+        return ev is not None
 
     def _gathered(self) -> None:
-        """Parameters the shards sent: the newest is the iterate; evaluated (progress) when asked for."""
+        """Parameters the shards sent: the newest is the iterate; evaluated when asked for."""
         for token, _lsn, version, x in self.hub.take_params():
             if version >= self.x_version:
                 self.x, self.x_version = x, version
             if token == self.gathering:
                 self.gathering = None
-                if self.training_started_at is None and self.core.started:
-                    self.training_started_at = self.clock()
-                t = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
-                ev = {"t": t, "version": float(version),
-                      **{k: float(v) for k, v in self.problem.evaluate(x).items()}}
-                self.evaluations.append(ev)
-                if self.on_progress:
-                    self.on_progress(self, ev)
+                self._start_evaluation(version, x)
 
     def _sync_hold(self, now: float) -> None:
         """Hold the issuing of jobs while a shard is missing (journaled: the shards and replay follow)."""
@@ -454,11 +466,17 @@ class Daemon:
             self.events_dirty = False
 
     def _progress(self, now: float) -> None:
-        if self.eval_every and self.core.version >= self.last_eval_version + self.eval_every:
-            ev = self.evaluate()
-            if self.on_progress and ev is not None:
-                self.on_progress(self, ev)
+        if self._collect():
             self.next_progress = now
+        if self.eval_every and self.core.version >= self.last_eval_version + self.eval_every:
+            if not self.evaluator.busy and self.gathering is None:
+                self.evaluate()
+            elif self.evaluator.busy and self.evaluator.late_for != self.last_eval_version:
+                self.evaluator.late_for = self.last_eval_version  # counted once per evaluation
+                self.evaluator.late += 1
+                if self.evaluator.late == 1:
+                    log.info("an evaluation is slower than %d steps of training: the next one starts when the "
+                             "last ends", self.eval_every)
         if self.on_progress and now >= self.next_progress + 0.2:
             self.on_progress(self, None)
             self.next_progress = now
@@ -472,17 +490,23 @@ class Daemon:
         return self.stopping is not None
 
     def _shutdown(self) -> None:
+        """The run is over: no more jobs, a checkpoint, (sharded) the final gather, bye to every
+        worker; then the evaluation still running, if any, and one of the final iterate. The
+        workers are told bye before the loop waits for an evaluation: they would hear nothing
+        while it waits."""
         self.inputs.stop_issuing()
         if self.persist is not None:
             self.persist.checkpoint(self.core)
         if self.hub is not None:
             self._final_gather()
-            if self.evaluations and self.evaluations[-1]["version"] != self.x_version:
-                self.last_eval_version = -1  # the iterate gathered last is evaluated
-        if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
-            self.evaluate()
         self._flush_events()
         self._drain(Bye(f"server stopping: {self.stopping}"))
+        self._record(self.evaluator.wait())  # the one running, if any
+        if self.hub is not None and self.evaluations and self.evaluations[-1]["version"] != self.x_version:
+            self.last_eval_version = -1  # the iterate gathered last is evaluated
+        if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
+            self.evaluate()
+        self._record(self.evaluator.wait(), progress=False)
         log.info("stopping: %s", self.stopping)
 
     def _final_gather(self, timeout_s: float = 120.0) -> None:

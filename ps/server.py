@@ -311,7 +311,7 @@ def log_progress(daemon: Any, ev: dict[str, float] | None) -> None:
     """``serve``'s progress: a log line per evaluation."""
     if ev is not None:
         core = daemon.core
-        log.info("step %d  %s  workers %d  applied %d lost %d", core.version,
+        log.info("step %d  %s  workers %d  applied %d lost %d", int(ev["version"]),
                  "  ".join(f"{k} {v:.4g}" for k, v in ev.items() if k not in ("t", "version")),
                  len(core.workers), core.counters.applied, core.counters.lost)
 

@@ -105,3 +105,18 @@ def test_cli_simulate_wire_dtype(cli, tmp_path):
         assert summary["wire_dtype"] == wire
         finals[wire] = summary["points"][-1]["loss"]
     assert finals["f32"] != finals["bf16"]
+
+
+def test_runs_progress_bar_says_what_the_first_step_waits_for():
+    from types import SimpleNamespace as NS
+
+    from ps.cli import waiting_for
+
+    def daemon(*ready: bool, wanted: int = 2):
+        workers = {f"w{i}": NS(ready=r) for i, r in enumerate(ready)}
+        return NS(core=NS(workers=workers, cfg=NS(min_workers=wanted)))
+
+    assert waiting_for(daemon()) == "workers starting"
+    assert waiting_for(daemon(False, True)) == "1 loading the problem"
+    assert waiting_for(daemon(True)) == "1 more worker" and waiting_for(daemon(True, wanted=3)) == "2 more workers"
+    assert waiting_for(daemon(True, True)) == "first replies"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -337,3 +340,29 @@ def test_loader_user_mistakes_raise_one_line_value_errors(spec, options, message
     with pytest.raises(ValueError) as info:
         load_problem(spec, options)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_digits_split_is_cached_and_read_back_without_importing_sklearn(tmp_path, monkeypatch):
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from problems.digits import digits_split
+
+    monkeypatch.setenv("LATECOMER_CACHE", str(tmp_path))
+    data = load_digits()
+    expected = train_test_split((data.data / 16.0).astype(np.float32), data.target.astype(np.int64), test_size=0.25,
+                                stratify=data.target, random_state=3)
+    first = digits_split(0.25, 3)
+    (path,) = tmp_path.iterdir()
+    assert path.name.endswith("-0.25-3.npz")
+    for a, b in zip(first, expected, strict=True):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    code = ("import sys; from problems.digits import digits_split; s = digits_split(0.25, 3); "
+            "print('sklearn' in sys.modules, sum(len(a) for a in s))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LATECOMER_CACHE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out == ["False", str(2 * 1797)]
+    path.write_bytes(path.read_bytes()[:100])  # damaged: ignored, computed and written again
+    again = digits_split(0.25, 3)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(again, expected, strict=True))
+    assert path.stat().st_size > 100

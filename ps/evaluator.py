@@ -1,0 +1,103 @@
+"""Evaluations off the server's loop: one at a time, in a thread, on a copy of the iterate.
+
+The daemon's loop must go on answering heartbeats, replies and readys while a problem
+evaluates (a ResNet-18 with its BatchNorm statistics re-estimated takes seconds on a CPU; a
+loop that waits that long makes every worker say ``server silent ... reconnecting``). So the
+loop hands :class:`Evaluator` the version and a copy of its iterate and goes on; the thread
+calls ``problem.evaluate`` on that copy, and the loop takes the figures on a later pass
+(:meth:`Evaluator.take`), in the loop's own thread, where they are recorded as before. The
+figures are those of exactly the version the evaluation names, whatever the core did
+meanwhile; nothing that is journaled depends on them, so replay is unchanged.
+
+One evaluation runs at a time. When the next one is due while one is still running, it
+starts when that one ends, at the version the core has then: the loop never queues copies of
+the iterate, and a run whose evaluation is slower than ``eval_every`` steps of training is
+evaluated as often as the evaluation allows (logged once).
+
+The problem is used by this thread only while it evaluates (the server computes no gradient;
+``latecomer replay`` and the simulator evaluate in their own thread, synchronously). An
+exception in ``evaluate`` is raised again by :meth:`Evaluator.take`, in the loop, as a
+synchronous evaluation raised it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Evaluator"]
+
+
+class Evaluator:
+    """Run ``problem.evaluate`` in a background thread, one evaluation at a time.
+
+    Args:
+        problem: anything with ``evaluate(x) -> {name: number}``.
+        clock: the monotonic clock (how long an evaluation took, :attr:`last_s`).
+    """
+
+    def __init__(self, problem: Any, clock: Any = time.monotonic) -> None:
+        self.problem = problem
+        self.clock = clock
+        self._thread: threading.Thread | None = None
+        self._result: dict[str, float] | BaseException | None = None
+        self.version: int | None = None  # the version being evaluated (None: idle)
+        self.started = 0  # evaluations started
+        self.last_s: float | None = None  # seconds the last finished evaluation took
+        self.late = 0  # evaluations that were due while the one before still ran (the daemon counts them)
+        self.late_for = -1  # the version of the running evaluation that made one late
+
+    @property
+    def busy(self) -> bool:
+        """An evaluation is running, or finished and not yet taken."""
+        return self._thread is not None
+
+    def submit(self, version: int, t: float, x: np.ndarray) -> None:
+        """Evaluate ``x`` (copied now) as the iterate of ``version`` at run time ``t``.
+
+        Raises:
+            RuntimeError: an evaluation is still busy.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"an evaluation (of step {self.version}) is still running")
+        copy = np.array(x, copy=True)  # the iterate it names, whatever the core does next
+        self.version, self._result = int(version), None
+        self._thread = threading.Thread(target=self._run, args=(int(version), float(t), copy),
+                                        name=f"latecomer-evaluate-{version}", daemon=True)
+        self.started += 1
+        self._thread.start()
+
+    def _run(self, version: int, t: float, x: np.ndarray) -> None:
+        t0 = self.clock()
+        try:
+            figures = self.problem.evaluate(x)
+            self._result = {"t": t, "version": float(version), **{k: float(v) for k, v in figures.items()}}
+        except BaseException as e:  # noqa: BLE001 - raised again in the loop by take()
+            self._result = e
+        self.last_s = self.clock() - t0
+
+    def take(self) -> dict[str, float] | None:
+        """The figures of the evaluation that finished (``t``, ``version`` and the problem's),
+        once; None while it runs or when none was started.
+
+        Raises:
+            Exception: whatever the problem's ``evaluate`` raised.
+        """
+        th = self._thread
+        if th is None or th.is_alive():
+            return None
+        th.join()
+        result, self._thread, self._result, self.version = self._result, None, None, None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def wait(self, timeout: float | None = None) -> dict[str, float] | None:
+        """:meth:`take`, after waiting at most ``timeout`` seconds (None: as long as it takes)
+        for the running evaluation to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.take()
