@@ -2,8 +2,8 @@
 time, and training runs of the same model by three systems.
 
 * :func:`grad_time`: ``TorchProblem.grad(x, seed, batch)`` (what a latecomer worker calls per
-  job) against a plain ``loss_fn(model(inputs), target).backward()`` on the same batch, in this
-  process, interleaved, median of ``reps`` after warm-up.
+  job) against a plain ``loss_fn(model(inputs), target).backward()`` on the same batch, in one
+  process, interleaved, median of ``reps`` after warm-up (:func:`grad_time_fresh`: in a fresh one).
 * :func:`run_torch`: a plain single-process SGD loop (``procs=0``) or
   ``torch.nn.parallel.DistributedDataParallel`` over gloo with ``procs`` processes on this host
   (``torch.multiprocessing`` spawn, ``init_process_group("gloo", "tcp://127.0.0.1:PORT")``).
@@ -131,11 +131,53 @@ def grad_time(model: str, size: str, reps: int, threads: int, warmup: int = 2, s
         else:
             tp.append(plain())
             tg.append(ours())
-    p, g = statistics.median(tp), statistics.median(tg)
-    return {"model": model, "size": size, "params": zoo.num_params(net),
-            "blocks": sum(1 for p_ in net.parameters() if p_.requires_grad), "batch": spec.batch, "threads": threads,
-            "reps": reps, "plain_s": p, "grad_s": g, "ratio": g / p if p > 0 else math.nan, "plain_all": tp,
-            "grad_all": tg}
+    # The floor the issue names: plain forward+backward plus two copies of d floats (x into the
+    # model's parameters, the gradients out as one flat float32 vector), timed alike.
+    params = [q for q in net.parameters() if q.requires_grad]
+    flat = torch.from_numpy(np.asarray(x, dtype=np.float32))
+
+    def copies() -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            off = 0
+            for q in params:
+                q.copy_(flat[off:off + q.numel()].view_as(q))
+                off += q.numel()
+        torch.cat([q.grad.reshape(-1) for q in params]).numpy()
+        return time.perf_counter() - t
+
+    copies()
+    tc = [copies() for _ in range(reps)]
+    p, g, c = statistics.median(tp), statistics.median(tg), statistics.median(tc)
+    return {"model": model, "size": size, "params": zoo.num_params(net), "blocks": len(params), "batch": spec.batch,
+            "threads": threads, "reps": reps, "plain_s": p, "grad_s": g, "ratio": g / p if p > 0 else math.nan,
+            "copies_s": c, "floor_ratio": (p + c) / p if p > 0 else math.nan, "plain_all": tp, "grad_all": tg}
+
+
+def _grad_child(args: tuple, q) -> None:
+    try:
+        q.put(("done", grad_time(*args)))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        q.put(("error", traceback.format_exc()[-1500:]))
+
+
+def grad_time_fresh(model: str, size: str, reps: int, threads: int, timeout_s: float = 600.0) -> dict:
+    """:func:`grad_time` in a fresh process, as a worker computes: the allocator's state of this
+    process (earlier models' large buffers) changes what large copies cost (a 7.4 M-parameter MLP's
+    gradient measured 1.01x plain in a fresh process, 1.24x after a ResNet-18's in the same one)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_grad_child, args=((model, size, reps, threads), q), daemon=True)
+    try:
+        p.start()
+        msg = q.get(timeout=timeout_s)
+    finally:
+        reap_mp([p], grace=10)
+    if msg[0] == "error":
+        raise RuntimeError(f"gradient timing of {model}/{size} failed: {msg[1].strip().splitlines()[-1]}")
+    return msg[1]
 
 
 # --------------------------------------------------------------------------- plain loop and DDP
@@ -430,7 +472,9 @@ def _latecomer_figures(run: Run, events: list[dict], summary: dict, t_first: flo
     ages = [e["age"] for e in events if e["ev"] == "applied"]
     evals = [e for e in summary.get("evaluations", []) if "snapshot" in e]
     # the server's evaluation times count from its first job issued: t_first, to the events' resolution
-    stalls = [(t_first + e["t"], e.get("snapshot_s", 0.0)) for e in evals]
+    # a saving the loop waited for (evaluations on the loop) is left out of the clock; one in the server's
+    # evaluation thread is not: the loop went on meanwhile
+    stalls = [(t_first + e["t"], e.get("snapshot_s", 0.0)) for e in evals if e.get("in_loop", 1.0)]
     at = {}  # version -> time it was reached
     for t, v in applied:
         at.setdefault(int(v), t)
@@ -442,12 +486,13 @@ def _latecomer_figures(run: Run, events: list[dict], summary: dict, t_first: flo
             continue
         run.snapshots.append([_clock(t, t_first, stalls), v, os.path.join(snaps, f"{int(e['snapshot']):05d}.npy")])
     run.steps = int(applied[-1][1]) if applied else 0
-    run.snap_s = sum(d for _, d in stalls)
+    run.snap_s = sum(e.get("snapshot_s", 0.0) for e in evals)
     if applied:
         run.train_s = _clock(applied[-1][0], t_first, stalls)
         run.steps_per_s = run.steps / run.train_s if run.train_s > 0 else math.nan
     c = summary.get("counters", {})
     run.profile = {"threads": threads, "server_cpu_s_per_update": cpu_per_update,
+                   "snapshots_in_loop": bool(evals) and all(e.get("in_loop", 1.0) for e in evals),
                    "workers": [{"id": r.get("worker"), "jobs": r.get("jobs_done"), "mean_job_s": r.get("mean_job_s")}
                                for r in rows],
                    "lost": c.get("lost"), "dropped": c.get("dropped"),

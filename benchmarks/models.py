@@ -6,7 +6,7 @@ character LM with tied embedding and head, a 60-block wide MLP):
 1. **Gradient time**: a worker's ``TorchProblem.grad`` against a plain forward+backward on the
    same batch in the same process, at full size (benchmarks/model_runs.py ``grad_time``).
 2. **Training runs** at the run size (``small`` by default), each for ``--seconds`` from its
-   first step (or, after the plain run, until 4 times the steps the plain loop needed to reach
+   first step (or, after the plain run, until 5 times the steps the plain loop needed to reach
    the target), by these systems, on this machine's cores split evenly between processes:
 
    ======================  ==========================================================
@@ -46,16 +46,16 @@ import time
 
 import click
 
-from benchmarks.model_runs import Run, grad_time, run_latecomer, run_torch, score
+from benchmarks.model_runs import Run, grad_time_fresh, run_latecomer, run_torch, score
 from ps.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("plain", "ddp-1", "latecomer-1", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")
 QUICK_SYSTEMS = ("plain", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")  # the three targets' runs
 SLOWDOWN = 3.0
-SECONDS, QUICK_SECONDS = 25.0, 5.0
+SECONDS, QUICK_SECONDS = 30.0, 5.0
 GRAD_REPS, QUICK_GRAD_REPS = 7, 3
-CAP_FACTOR = 4  # after the plain run, runs stop at this many times its steps to the target
+CAP_FACTOR = 5  # after the plain run, runs stop at this many times its steps to the target
 GRAD_TARGET, STEPS_TARGET, TTA_TARGET = 1.15, 1.0, 0.7
 
 
@@ -130,7 +130,7 @@ def grad_line(g: dict) -> str:
     return (f"{g['model']:8s} gradient ({g['size']}, {g['params']:,} params, {g['blocks']} blocks, "
             f"batch {g['batch']}): "
             f"plain fwd+bwd {g['plain_s'] * 1e3:8.1f} ms, TorchProblem.grad {g['grad_s'] * 1e3:8.1f} ms, "
-            f"ratio {g['ratio']:.2f}")
+            f"ratio {g['ratio']:.2f} (copies of d floats {g['copies_s'] * 1e3:.1f} ms: floor {g['floor_ratio']:.2f})")
 
 
 def run_models(models: list[str], size: str, grad_size: str, seconds: float, grad_reps: int, cores: int,
@@ -148,7 +148,7 @@ def run_models(models: list[str], size: str, grad_size: str, seconds: float, gra
     for model in models:
         spec = zoo.spec_of(model, size)
         for gs in dict.fromkeys((grad_size, size)):  # full size for the target; the run size for the profile
-            g = grad_time(model, gs, grad_reps, max(1, cores // 2))  # the threads of a 2-worker run's worker
+            g = grad_time_fresh(model, gs, grad_reps, max(1, cores // 2))  # threads: a 2-worker run's worker's
             echo(grad_line(g))
             data["grad"].append(g)
         torch.set_num_threads(1)  # scoring is not timed: one thread, the least disturbed by other load
@@ -200,8 +200,11 @@ def _met(v: float, op: str, bound: float) -> bool | None:
 
 
 def ratios(data: dict) -> list[dict]:
-    """The ratios per model, those with a target marked met or not (None: not measurable)."""
+    """The ratios per model, those with a target marked met or not (None: not measurable). A pair
+    with a system that was not run has no row; one whose run was skipped has a n/a row. Where one of
+    the two never reached the target, the time ratio is a bound (``bound``: "upper" or "lower")."""
     out = []
+    planned = {(r["model"], r["name"]) for r in data["runs"]}
     runs = {(r["model"], r["name"]): r for r in data["runs"] if not r["skipped"]}
     for model in data["specs"]:
         for g in data["grad"]:
@@ -217,26 +220,46 @@ def ratios(data: dict) -> list[dict]:
 
         for a, b in (("latecomer-1", "plain"), ("latecomer-1", "ddp-1"), ("latecomer-2", "ddp-2"),
                      ("latecomer-2-slow", "ddp-2-slow")):
+            if (model, a) not in planned or (model, b) not in planned:
+                continue
             row = _ratio_row(model, f"steps/s: {a} / {b}", get(a, "steps_per_s"), get(b, "steps_per_s"))
             if (a, b) == ("latecomer-2", "ddp-2"):
                 row["target"], row["met"] = f">= {STEPS_TARGET:g}", _met(row["value"], ">=", STEPS_TARGET)
             out.append(row)
         for a, b in (("latecomer-1", "plain"), ("latecomer-2", "ddp-2"), ("latecomer-2-slow", "ddp-2-slow")):
-            row = _ratio_row(model, f"time to target: {a} / {b}", get(a, "tta_s"), get(b, "tta_s"))
-            ra, rb = runs.get((model, a)), runs.get((model, b))
-            if ra and rb and not math.isfinite(row["value"]):
-                if math.isfinite(ra["tta_s"]) and not math.isfinite(rb["tta_s"]) and rb["train_s"] > 0:
-                    row["value"] = ra["tta_s"] / rb["train_s"]
-                    row["note"] = f"{b} did not reach the target in its {rb['train_s']:.1f} s: an upper bound"
-                elif not math.isfinite(ra["tta_s"]) and math.isfinite(rb["tta_s"]):
-                    row["note"] = f"{a} did not reach the target in its {ra['train_s']:.1f} s"
-            if (a, b) == ("latecomer-2-slow", "ddp-2-slow"):
-                row["target"] = f"<= {TTA_TARGET:g}"
-                row["met"] = _met(row["value"], "<=", TTA_TARGET)
-                if row["met"] is None and ra and rb and not math.isfinite(ra["tta_s"]) and math.isfinite(rb["tta_s"]):
-                    row["met"] = False
-            out.append(row)
+            if (model, a) not in planned or (model, b) not in planned:
+                continue
+            out.append(_tta_row(model, a, b, runs.get((model, a)), runs.get((model, b)),
+                                TTA_TARGET if (a, b) == ("latecomer-2-slow", "ddp-2-slow") else None))
     return out
+
+
+def _tta_row(model: str, a: str, b: str, ra: dict | None, rb: dict | None, target: float | None) -> dict:
+    ta = ra["tta_s"] if ra else math.nan
+    tb = rb["tta_s"] if rb else math.nan
+    row = _ratio_row(model, f"time to target: {a} / {b}", ta, tb)
+    row["bound"] = ""
+    if ra and rb and math.isfinite(ta) != math.isfinite(tb):
+        if math.isfinite(ta) and rb["train_s"] > 0:  # b's time is more than its whole run
+            row["value"], row["bound"] = ta / rb["train_s"], "upper"
+            row["note"] = f"{b} did not reach the target in its {rb['train_s']:.1f} s: an upper bound"
+        elif math.isfinite(tb) and tb > 0:
+            row["value"], row["bound"] = ra["train_s"] / tb, "lower"
+            row["note"] = (f"{a} did not reach the target in its {ra['train_s']:.1f} s ({ra['steps']} steps): "
+                           "a lower bound")
+    if target is not None:
+        row["target"] = f"<= {target:g}"
+        if row["bound"] == "upper":
+            row["met"] = True if row["value"] <= target else None  # below a bound above the target: unknown
+        elif row["bound"] == "lower":
+            row["met"] = False  # latecomer did not get there in its run
+        else:
+            row["met"] = _met(row["value"], "<=", target)
+    return row
+
+
+def _value(row: dict) -> str:
+    return {"upper": "< ", "lower": "> "}.get(row.get("bound", ""), "") + _fmt(row["value"], ".2f")
 
 
 def _verdict(row: dict) -> str:
@@ -246,7 +269,7 @@ def _verdict(row: dict) -> str:
 
 
 def ratio_lines(rows: list[dict]) -> list[str]:
-    return [f"{r['model']:8s} {r['what']:64s} {_fmt(r['value'], '6.2f')}  "
+    return [f"{r['model']:8s} {r['what']:64s} {_value(r):>6s}  "
             + (f"target {r['target']}: {_verdict(r)}" if r["target"] else "")
             + (f"  ({r['note']})" if r["note"] else "")
             for r in rows]
@@ -266,18 +289,21 @@ def markdown(data: dict, plot_path: str | None = None) -> str:
              "## Gradient time", "",
              "A latecomer worker's gradient (`TorchProblem.grad(x, seed, batch)`: parameters from the flat vector, the "
              "seeded batch, forward, backward, the flat gradient) against a plain `loss_fn(model(inputs), target)"
-             ".backward()` on the same batch, in the same process with the same threads (those of one worker of the "
-             "2-worker runs), interleaved; median of "
-             f"{data['grad_reps']} repetitions after 2 of warm-up. Target: <= {GRAD_TARGET:g} at full size.", "",
+             ".backward()` on the same batch, in one fresh process (as a worker's) with the same threads (those of one "
+             "worker of the 2-worker runs), interleaved; median of "
+             f"{data['grad_reps']} repetitions after 2 of warm-up. Target: <= {GRAD_TARGET:g} at full size. *Copies*: "
+             "what the issue counts as the least a worker adds, two copies of d floats (x into the parameters, the "
+             "gradients out as one flat vector: `copy_` per block and one `torch.cat`), timed alike in the same "
+             "process; *floor* = (plain + copies) / plain.", "",
              "| model | size | parameters | blocks | batch | threads | plain fwd+bwd ms | TorchProblem.grad ms | ratio "
-             "| target |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| target | copies ms | floor |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in data["grad"]:
         target = ""
         if g["size"] == data["grad_size"]:
             target = "met" if g["ratio"] <= GRAD_TARGET else "not met"
         lines.append(f"| {g['model']} | {g['size']} | {g['params']:,} | {g['blocks']} | {g['batch']} | "
                      f"{g['threads']} | {g['plain_s'] * 1e3:.1f} | {g['grad_s'] * 1e3:.1f} | {g['ratio']:.2f} | "
-                     f"{target} |")
+                     f"{target} | {_fmt(g.get('copies_s'), '.1f', 1e3)} | {_fmt(g.get('floor_ratio'), '.2f')} |")
     lines += ["", "## Training runs", "",
               f"Size `{data['size']}` (benchmarks/model_zoo.py). Each run: {data['seconds']:g} s from its first step, "
               f"or, after the plain run, until {CAP_FACTOR}x the steps the plain loop took to the target. One step = "
@@ -311,7 +337,7 @@ def markdown(data: dict, plot_path: str | None = None) -> str:
     lines += ["", "## Ratios and targets", "", "| model | ratio | value | target | verdict | note |",
               "|---|---|---|---|---|---|"]
     for r in data.get("ratios", []):
-        lines.append(f"| {r['model']} | {r['what']} | {_fmt(r['value'], '.2f')} | {r['target']} | {_verdict(r)} | "
+        lines.append(f"| {r['model']} | {r['what']} | {_value(r)} | {r['target']} | {_verdict(r)} | "
                      f"{r['note']} |")
     lines += ["", "## Where a latecomer worker's time goes", "",
               "Per latecomer run and worker: jobs done, the worker's mean compute per job (as it reports it: the "
@@ -369,14 +395,15 @@ def plot(data: dict, out: str) -> None:
              ("time to target: latecomer-2-slow / ddp-2-slow", "time to target: latecomer-2-slow / ddp-2-slow",
               TTA_TARGET)]
     for ax, (prefix, title, target) in zip(axes[1], kinds, strict=False):
-        vals = []
+        vals, labels = [], []
         for model in models:
-            v = [r["value"] for r in data.get("ratios", []) if r["model"] == model and r["what"].startswith(prefix)]
-            vals.append(v[0] if v and math.isfinite(v[0]) else 0.0)
+            got = [r for r in data.get("ratios", []) if r["model"] == model and r["what"].startswith(prefix)]
+            ok = bool(got) and math.isfinite(got[0]["value"])
+            vals.append(got[0]["value"] if ok else 0.0)
+            labels.append(_value(got[0]) if ok else "n/a")
         bars = ax.bar(models, vals, color="tab:blue")
-        for b, v in zip(bars, vals, strict=True):
-            ax.annotate(f"{v:.2f}" if v else "n/a", (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom",
-                        fontsize=8)
+        for b, v, label in zip(bars, vals, labels, strict=True):
+            ax.annotate(label, (b.get_x() + b.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target:g}")
         ax.set_title(title, fontsize=9)
         if prefix == "gradient time" and max(vals, default=0) > 5:

@@ -142,18 +142,34 @@ def test_ratios_and_their_verdicts():
 
 
 def test_ratios_when_a_run_did_not_reach_the_target():
-    # latecomer never reached it: not met, and the note says why
-    slow = [r for r in _data(lc_slow=math.nan)["ratios"] if "2-slow / ddp-2-slow" in r["what"]
-            and r["what"].startswith("time")][0]
-    assert math.isnan(slow["value"]) and slow["met"] is False and "did not reach" in slow["note"]
-    # DDP never reached it in its 10 s: latecomer's time over DDP's whole run, an upper bound
-    slow = [r for r in _data(ddp_slow=math.nan)["ratios"] if "2-slow / ddp-2-slow" in r["what"]
-            and r["what"].startswith("time")][0]
-    assert slow["value"] == pytest.approx(0.4) and slow["met"] is True and "upper bound" in slow["note"]
+    def slow_row(**tta) -> dict:
+        return [r for r in _data(**tta)["ratios"] if r["what"] == "time to target: latecomer-2-slow / ddp-2-slow"][0]
+
+    # latecomer never reached it in its 10 s, DDP in 8: more than 10 / 8, and not met
+    row = slow_row(lc_slow=math.nan)
+    assert row["value"] == pytest.approx(1.25) and row["bound"] == "lower" and row["met"] is False
+    assert "did not reach" in row["note"] and "> 1.25" in " ".join(ratio_lines([row]))
+    # DDP never reached it in its 10 s: latecomer's 4 s over DDP's whole run, an upper bound below the target
+    row = slow_row(ddp_slow=math.nan)
+    assert row["value"] == pytest.approx(0.4) and row["bound"] == "upper" and row["met"] is True
+    assert "upper bound" in row["note"]
+    # an upper bound above the target says nothing
+    row = slow_row(ddp_slow=math.nan, lc_slow=9.0)
+    assert row["value"] == pytest.approx(0.9) and row["met"] is None
     # neither: not measurable
-    both = [r for r in _data(ddp_slow=math.nan, lc_slow=math.nan)["ratios"] if "2-slow / ddp-2-slow" in r["what"]
-            and r["what"].startswith("time")][0]
-    assert math.isnan(both["value"]) and both["met"] is None
+    row = slow_row(ddp_slow=math.nan, lc_slow=math.nan)
+    assert math.isnan(row["value"]) and row["met"] is None
+
+
+def test_ratios_leave_out_pairs_not_run():
+    data = _data()
+    data["runs"] = [r for r in data["runs"] if r["name"] not in ("ddp-1", "latecomer-1")]
+    whats = {r["what"] for r in ratios(data)}
+    assert "steps/s: latecomer-2 / ddp-2" in whats
+    assert not any("latecomer-1" in w for w in whats)
+    data["runs"] = [r | {"skipped": "boom"} if r["name"] == "ddp-2" else r for r in data["runs"]]
+    row = {r["what"]: r for r in ratios(data)}["steps/s: latecomer-2 / ddp-2"]  # run but skipped: n/a
+    assert math.isnan(row["value"]) and row["met"] is None
 
 
 def test_markdown_has_every_table_and_row(tmp_path):
