@@ -224,3 +224,48 @@ def momentum_step(x: np.ndarray, lr: float, m: np.ndarray, c: float, a: float, g
         np.add(x[i:j], yb, out=yb)
     y.setflags(write=False)
     return y
+
+
+def momentum_into(m: np.ndarray, c: float, a: float, g: np.ndarray, blend: tuple[float, float] | None = None
+                  ) -> np.ndarray:
+    """``m *= c; add_scaled(m, a, g)``, then the direction u in a new pooled buffer, in one blocked pass.
+
+    u is ``bm·m + bg·g`` for ``blend = (bm, bg)`` (a Nesterov direction), else a copy of m; the
+    caller owns it and may overwrite it (the LMO steps write their direction into it in place).
+    Bit-identical to ``m *= np.asarray(c, m.dtype)``, ``m += np.asarray(a, m.dtype) * g`` and
+    ``u = np.asarray(bm, m.dtype) * m + np.asarray(bg, m.dtype) * g`` (or ``u = m.copy()``): per
+    block the same ufunc calls in that order, so m and g are read once, m and u written once,
+    with no array-sized temporary. The plain calls run below BLOCKED_MIN, for other shapes, or
+    when m shares memory with g."""
+    n = m.shape[0] if m.ndim == 1 else 0
+    u = POOL.empty(m.shape, m.dtype)
+    cm, ca = np.asarray(c, m.dtype), np.asarray(a, m.dtype)
+    cb = None if blend is None else (np.asarray(blend[0], m.dtype), np.asarray(blend[1], m.dtype))
+    if not (_blocked(n, g) and not np.may_share_memory(m, g)):
+        m *= cm
+        add_scaled(m, a, g)
+        if cb is None:
+            np.copyto(u, m)
+        else:
+            np.multiply(m, cb[0], out=u)
+            t = POOL.empty(m.shape, m.dtype)
+            np.multiply(g, cb[1], out=t)
+            np.add(u, t, out=u)
+        return u
+    t = _scratch(m.dtype)
+    for i in range(0, n, BLOCK):
+        j = i + BLOCK
+        mb = m[i:j]
+        gb = g[i:j]
+        tb = t[:mb.shape[0]]
+        ub = u[i:j]
+        np.multiply(mb, cm, out=mb)
+        np.multiply(gb, ca, out=tb)
+        np.add(mb, tb, out=mb)
+        if cb is None:
+            np.copyto(ub, mb)
+        else:
+            np.multiply(mb, cb[0], out=ub)
+            np.multiply(gb, cb[1], out=tb)
+            np.add(ub, tb, out=ub)
+    return u

@@ -11,6 +11,12 @@ coefficients (a, b, c): ``A = X Xᵀ``, ``X ← a X + (b A + c A²) X``; transpo
 The coefficient table is a parameter (:data:`CLASSIC_NS5`, :data:`POLAR_EXPRESS_NS5`);
 :func:`ns_coefficients` gives the triples the Muon methods run for ``ns`` and ``ns_steps``.
 
+Its arithmetic is a parameter too (:data:`NS_DTYPES`, docs/ALGORITHMS.md §6.1): ``"float64"``
+and ``"float32"`` run in numpy (OpenBLAS: ``X Xᵀ`` and ``A A`` as symmetric rank-k updates, half
+the multiplications of a general product), ``"bfloat16"`` in torch on the CPU (the arithmetic of
+``torch.optim.Muon``: bf16 products, as Keller Jordan's code). The Muon methods' ``ns_dtype="auto"``
+is the run's dtype: float32 on the server, float64 for a float64 run (the worked examples).
+
 Which blocks get Newton–Schulz is a per-block flag (``lmo_mask``, from the problem through
 ``bind``); without one, every block with ≥ 2 dimensions does. The official NanoChat code flags
 only the hidden matrices (embeddings, output head, biases and norm weights take the momentum
@@ -25,7 +31,8 @@ from typing import Sequence
 import numpy as np
 
 __all__ = [
-    "CLASSIC_NS5", "POLAR_EXPRESS_NS5", "NS_TABLES", "NS_EPS", "newton_schulz", "ns_coefficients", "lmo_sign",
+    "CLASSIC_NS5", "POLAR_EXPRESS_NS5", "NS_TABLES", "NS_EPS", "NS_DTYPES", "newton_schulz", "ns_coefficients",
+    "ns_dtype_for", "lmo_sign",
     "lmo_l2", "lmo_spectral", "muon_direction", "check_layout", "check_lmo_mask", "default_lmo_mask",
     "momentum_blocks",
     "layout_numel", "pa_schedule", "coupled_threshold",
@@ -54,6 +61,10 @@ NS_TABLES: dict[str, tuple[tuple[float, float, float], ...]] = {
 #: Added to the Frobenius norm before the first Newton–Schulz step (as in the reference code).
 NS_EPS = 1e-7
 
+#: Newton–Schulz arithmetic by the name the ``ns_dtype`` hyper-parameters use; "auto" is the run's
+#: dtype (:func:`ns_dtype_for`).
+NS_DTYPES = ("auto", "float32", "float64", "bfloat16")
+
 
 def ns_coefficients(name: str, steps: int) -> tuple[tuple[float, float, float], ...]:
     """The (a, b, c) triples, one per Newton–Schulz step, that ``ns=name, ns_steps=steps`` runs.
@@ -75,36 +86,98 @@ def ns_coefficients(name: str, steps: int) -> tuple[tuple[float, float, float], 
     return NS_TABLES[name][: int(steps)]
 
 
-def newton_schulz(g: np.ndarray, coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5) -> np.ndarray:
-    """Approximate the orthogonal polar factor U Vᵀ of ``g = U Σ Vᵀ`` (no minus sign).
-
-    Args:
-        g: a 2-D array.
-        coefficients: (a, b, c) per step; steps beyond the table reuse its last triple.
-        steps: number of iterations (>= 0).
-
-    Returns:
-        A float64 array of ``g``'s shape. Singular values land near 1, not exactly on it
-        (classic NS5 maps diag(3, 1) to about diag(0.753, 1.134)).
+def ns_dtype_for(name: str, run_dtype: np.dtype | type) -> str:
+    """The arithmetic ``ns_dtype=name`` runs for a run of ``run_dtype``: ``"auto"`` is float64 for a
+    float64 run and float32 for any other; the other names are themselves.
 
     Raises:
-        ValueError: ``g`` is not 2-D, ``steps`` < 0 or the table is empty.
+        ValueError: an unknown name.
     """
-    x = np.array(g, dtype=np.float64, copy=True)
-    if x.ndim != 2:
-        raise ValueError(f"newton_schulz expects a 2-D array, got shape {x.shape}")
+    if name not in NS_DTYPES:
+        raise ValueError(f"Invalid ns_dtype: {name!r} (choose one of {', '.join(NS_DTYPES)})")
+    if name != "auto":
+        return name
+    return "float64" if np.dtype(run_dtype) == np.float64 else "float32"
+
+
+def _check_ns_args(coefficients: Coefficients, steps: int, dtype: str) -> None:
     if steps < 0 or int(steps) != steps:
         raise ValueError(f"Invalid steps: {steps!r}")
     if len(coefficients) == 0:
         raise ValueError("newton_schulz needs at least one (a, b, c) triple")
-    transposed = x.shape[0] > x.shape[1]
-    if transposed:
-        x = x.T
-    x /= np.linalg.norm(x) + NS_EPS
+    if dtype not in NS_DTYPES[1:]:
+        raise ValueError(f"Invalid dtype: {dtype!r} (choose one of {', '.join(NS_DTYPES[1:])})")
+
+
+def _ns_wide(g: np.ndarray, coefficients: Coefficients, steps: int, dtype: str) -> tuple[np.ndarray, bool]:
+    """Newton–Schulz of a checked 2-D ``g``: ``(X, transposed)`` with the result ``X.T`` when
+    ``transposed`` (rows > cols: the iteration ran on ``gᵀ``), else ``X``; X is C-contiguous,
+    float64 for ``dtype="float64"``, float32 otherwise (bfloat16 values widened exactly). g is
+    read, never written, and copied once (the working copy).
+    """
+    transposed = g.shape[0] > g.shape[1]
+    wide = np.float64 if dtype == "float64" else np.float32
+    # The working copy first (C order, the wide orientation), then its norm: the same bits whatever
+    # g's dtype, orientation or strides (a norm taken in another element order rounds otherwise).
+    x = np.array(g.T if transposed else g, dtype=wide, order="C")
+    x /= float(np.linalg.norm(x)) + NS_EPS
+    if dtype == "bfloat16":
+        return _ns_bfloat16(x, coefficients, steps), transposed
+    rows = x.shape[0]
+    a_buf, b_buf, y = np.empty((rows, rows), wide), np.empty((rows, rows), wide), np.empty_like(x)
     for i in range(int(steps)):
         a, b, c = coefficients[min(i, len(coefficients) - 1)]
-        gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        np.matmul(x, x.T, out=a_buf)  # X Xᵀ: a symmetric rank-k update (numpy calls syrk), exactly symmetric
+        np.matmul(a_buf, a_buf.T, out=b_buf)  # A A = A Aᵀ (A is exactly symmetric): syrk again
+        np.multiply(a_buf, b, out=a_buf)
+        np.multiply(b_buf, c, out=b_buf)
+        np.add(b_buf, a_buf, out=b_buf)  # B = b A + c A², rounded as the reference's expression
+        np.matmul(b_buf, x, out=y)
+        np.multiply(x, a, out=x)
+        np.add(x, y, out=y)  # X ← a X + B X
+        x, y = y, x
+    return x, transposed
+
+
+def _ns_bfloat16(x: np.ndarray, coefficients: Coefficients, steps: int) -> np.ndarray:
+    """The iteration in torch bfloat16 on the CPU, from the normalized float32 ``x`` (wide),
+    in torch.optim.Muon's form: ``A = X Xᵀ``, ``B = addmm(A, A, A, β=b, α=c)``,
+    ``X = addmm(X, B, X, β=a)``. Returns float32 (the bf16 values, exactly)."""
+    import torch  # a dependency of the project; imported on first use only
+
+    with torch.no_grad():
+        t = torch.from_numpy(x).to(torch.bfloat16)
+        for i in range(int(steps)):
+            a, b, c = coefficients[min(i, len(coefficients) - 1)]
+            gram = t @ t.T
+            t = torch.addmm(t, torch.addmm(gram, gram, gram, beta=b, alpha=c), t, beta=a)
+        return t.to(torch.float32).numpy()
+
+
+def newton_schulz(g: np.ndarray, coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5, *,
+                  dtype: str = "float64") -> np.ndarray:
+    """Approximate the orthogonal polar factor U Vᵀ of ``g = U Σ Vᵀ`` (no minus sign).
+
+    Args:
+        g: a 2-D array (any real dtype; not modified).
+        coefficients: (a, b, c) per step; steps beyond the table reuse its last triple.
+        steps: number of iterations (>= 0).
+        dtype: the arithmetic, ``"float64"`` (default), ``"float32"`` or ``"bfloat16"`` (torch).
+
+    Returns:
+        A C-contiguous array of ``g``'s shape, float64 for ``dtype="float64"``, float32 otherwise.
+        Singular values land near 1, not exactly on it (classic NS5 maps diag(3, 1) to about
+        diag(0.753, 1.134)). Deterministic: the same input, dtype and BLAS thread count give the
+        same bits.
+
+    Raises:
+        ValueError: ``g`` is not 2-D, ``steps`` < 0, the table is empty or the dtype unknown.
+    """
+    g = np.asarray(g)
+    if g.ndim != 2:
+        raise ValueError(f"newton_schulz expects a 2-D array, got shape {g.shape}")
+    _check_ns_args(coefficients, steps, dtype)
+    x, transposed = _ns_wide(g, coefficients, steps, dtype)
     return np.ascontiguousarray(x.T) if transposed else x
 
 
@@ -187,7 +260,8 @@ def check_lmo_mask(layout: Layout, lmo_mask: object) -> tuple[bool, ...] | None:
 
 
 def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[bool] | None = None,
-                   coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5) -> np.ndarray:
+                   coefficients: Coefficients = POLAR_EXPRESS_NS5, steps: int = 5, dtype: str = "float64",
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Muon's update O for the flat vector ``u``, block by block; the step is ``x − η O``.
 
     - Block with an LMO step (``lmo_mask`` True; without a mask, every block with ≥ 2 dims):
@@ -205,36 +279,56 @@ def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[boo
         u: flat 1-D direction (momentum or its Nesterov variant).
         layout: ``((name, shape), ...)`` covering ``u`` in order, or ``()``.
         lmo_mask: one bool per layout block (see :func:`check_lmo_mask`), or None.
-        coefficients, steps: passed to :func:`newton_schulz` (see :func:`ns_coefficients`).
+        coefficients, steps, dtype: passed to :func:`newton_schulz` (see :func:`ns_coefficients`);
+            the scale √max(1, rows/cols) is applied in NS's result dtype, then the block is
+            rounded to ``out``'s dtype.
+        out: where to write O (1-D, ``u``'s length); it may be ``u`` itself, whose fallback blocks
+            are then left as they are (no copy) and whose Newton–Schulz blocks are overwritten
+            after they are read. None: a new array, float64 for ``dtype="float64"``, else float32.
 
     Returns:
-        A float64 array of ``u``'s shape.
+        ``out`` (or the new array).
 
     Raises:
-        ValueError: ``u`` is not 1-D, the layout does not cover it or the mask does not fit.
+        ValueError: ``u`` is not 1-D, the layout does not cover it, the mask or ``out`` does not fit.
     """
     u = np.asarray(u)
     if u.ndim != 1:
         raise ValueError(f"muon_direction expects a flat vector, got shape {u.shape}")
+    _check_ns_args(coefficients, steps, dtype)
+    if out is None:
+        out = np.empty(u.shape, np.float64 if dtype == "float64" else np.float32)
+    elif out.shape != u.shape or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable contiguous array of u's shape {u.shape}")
     if not layout:
         norm = float(np.linalg.norm(u))
-        return np.zeros(u.shape) if norm == 0.0 else np.asarray(u, dtype=np.float64) / norm
+        if norm == 0.0:
+            out[...] = 0
+        else:  # in float64, rounded once to out's dtype
+            np.divide(u, norm, out=out, dtype=np.float64, casting="same_kind")
+        return out
     if layout_numel(layout) != u.shape[0]:
         raise ValueError(f"layout of size {layout_numel(layout)} does not match vector of size {u.shape[0]}")
     mask = check_lmo_mask(layout, lmo_mask)
     if mask is None:
         mask = default_lmo_mask(layout)
-    out = np.empty(u.shape, dtype=np.float64)
+    in_place = out is u
     off = 0
     for (_, shape), lmo in zip(layout, mask, strict=True):
         size = math.prod(shape)
         blk = u[off:off + size]
         if lmo and size > 0:
-            mat = blk.reshape(shape[0], size // shape[0]) if len(shape) >= 2 else blk.reshape(1, size)
-            o = newton_schulz(mat, coefficients, steps)
-            o *= math.sqrt(max(1.0, mat.shape[0] / mat.shape[1]))
-            out[off:off + size] = o.reshape(-1)
-        else:
+            rows = shape[0] if len(shape) >= 2 else 1
+            mat = blk.reshape(rows, size // rows)
+            x, transposed = _ns_wide(mat, coefficients, steps, dtype)
+            o = x.T if transposed else x
+            target = out[off:off + size].reshape(mat.shape)
+            scale = math.sqrt(max(1.0, mat.shape[0] / mat.shape[1]))
+            if scale == 1.0:
+                np.copyto(target, o, casting="same_kind")
+            else:
+                np.multiply(o, scale, out=target, dtype=o.dtype, casting="same_kind")
+        elif not in_place:
             out[off:off + size] = blk
         off += size
     return out

@@ -29,6 +29,7 @@ from algorithms._common import frozen, grad_job
 from algorithms._pool import step_into
 from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper
 from algorithms.lmo import (
+    NS_DTYPES,
     NS_TABLES,
     check_layout,
     check_lmo_mask,
@@ -36,6 +37,7 @@ from algorithms.lmo import (
     momentum_blocks,
     muon_direction,
     ns_coefficients,
+    ns_dtype_for,
 )
 from protocol.messages import JobKind
 
@@ -491,6 +493,8 @@ class RennalaMuon(_PlainBatch, _Rennala):
             or ``"classic"`` (Keller Jordan's (3.4445, −4.7750, 2.0315) at every step).
         ns_steps: Newton–Schulz iterations (integer ≥ 1, default 5; Polar Express runs at most 5).
         restart: cancel old-round jobs after an update (default) or drop them on arrival.
+        ns_dtype: Newton–Schulz arithmetic, as ``ringmaster-lmo``'s: ``"auto"`` (default: the run's
+            dtype), ``"float32"``, ``"float64"`` or ``"bfloat16"`` (torch on the CPU).
     """
 
     name = "rennala-muon"
@@ -501,6 +505,7 @@ class RennalaMuon(_PlainBatch, _Rennala):
     ns: Literal["polar-express", "classic"] = "polar-express"
     ns_steps: int = 5
     restart: bool = True
+    ns_dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
 
     # Set by bind(), not hyper-parameters: ((name, shape), ...) of the problem's blocks and its
     # per-block LMO flags (None: every block with >= 2 dims gets Newton–Schulz).
@@ -516,6 +521,8 @@ class RennalaMuon(_PlainBatch, _Rennala):
             raise ValueError(f"Invalid ns: {self.ns!r} (choose one of {', '.join(NS_TABLES)})")
         check_hyper("ns_steps", self.ns_steps, lo=1, integer=True)
         _check_flag("restart", self.restart)
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"Invalid ns_dtype: {self.ns_dtype!r} (choose one of {', '.join(NS_DTYPES)})")
 
     def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> RennalaMuon:
         """A copy of this algorithm that steps each block of ``layout`` on its own (Newton–Schulz
@@ -545,10 +552,11 @@ class RennalaMuon(_PlainBatch, _Rennala):
         beta, one_minus = np.asarray(self.beta, dt), np.asarray(1.0 - self.beta, dt)
         state.m *= beta
         state.m += one_minus * mean
-        u = beta * state.m + one_minus * mean if self.nesterov else state.m
+        u = beta * state.m + one_minus * mean if self.nesterov else state.m.copy()
         coefficients = ns_coefficients(self.ns, self.ns_steps)
-        o = muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients, steps=len(coefficients))
-        state.x = frozen(state.x - np.asarray(self.lr, dt) * o.astype(dt, copy=False))
+        o = muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients, steps=len(coefficients),
+                           dtype=ns_dtype_for(self.ns_dtype, dt), out=u)
+        state.x = frozen(state.x - np.asarray(self.lr, dt) * o)
         state.version += 1
         state.grad_sum[...] = 0
         state.count = 0

@@ -546,9 +546,9 @@ BAD_HYPERS = {
                     {"gamma_x": 2.0}],
     RingmasterLMO: [{"lr": 0.0}, {"alpha": 0.0}, {"alpha": 1.5}, {"R": 0}, {"lmo": "nuclear"},
                     {"schedule": "cosine"}, {"ns": "polar"}, {"ns_steps": 0}, {"nesterov": "true"},
-                    {"stops": None}],
+                    {"stops": None}, {"ns_dtype": "float16"}, {"ns_dtype": None}],
     DelayAdaptiveMuon: [{"lr": -1.0}, {"n_workers": 0}, {"alpha": 0.0}, {"ns": "exact"}, {"ns_steps": 0},
-                        {"nesterov": 0}],
+                        {"nesterov": 0}, {"ns_dtype": "bf16"}],
 }
 
 

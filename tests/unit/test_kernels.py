@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from algorithms import _pool
-from algorithms._pool import add_scaled, finite, momentum_step, step_into, step_into_checked
+from algorithms._pool import add_scaled, finite, momentum_into, momentum_step, step_into, step_into_checked
 
 B = _pool.BLOCK
 SIZES = [1, 7, 1000, B - 1, B, B + 1, _pool.BLOCKED_MIN - 1, _pool.BLOCKED_MIN, _pool.BLOCKED_MIN + 1,
@@ -142,6 +142,32 @@ def test_momentum_step_is_bit_identical(d, dtype):
 @pytest.mark.parametrize("d,dtype", _cases(SMALL_SIZES))
 def test_momentum_step_is_bit_identical_with_many_blocks(small_block, d, dtype):
     _check_momentum(d, dtype)
+
+
+def _check_momentum_into(d, dtype):
+    rng = np.random.default_rng(d + 3)
+    m0, g = _vec(rng, d, dtype), _vec(rng, d, dtype, 1e2)
+    for c, a, blend in ((0.95, 0.05, (0.95, 0.05)), (0.5, 0.5, None), (1.0 - 0.3, np.asarray(0.3, dtype), (0.7, 0.3))):
+        m = m0.copy()
+        u = momentum_into(m, c, a, g, blend)
+        want_m = plain_add_scaled(m0 * np.asarray(c, dtype), a, g)
+        _same(m, want_m)
+        if blend is None:
+            _same(u, want_m)
+            assert u is not m and not np.may_share_memory(u, m)
+        else:  # the Nesterov blend as ringmaster-lmo wrote it: (1 − α) m + α g, scalars in m's dtype
+            _same(u, np.asarray(blend[0], dtype) * want_m + np.asarray(blend[1], dtype) * g)
+        assert u.flags.writeable
+
+
+@pytest.mark.parametrize("d,dtype", _cases(SIZES))
+def test_momentum_into_is_bit_identical(d, dtype):
+    _check_momentum_into(d, dtype)
+
+
+@pytest.mark.parametrize("d,dtype", _cases(SMALL_SIZES))
+def test_momentum_into_is_bit_identical_with_many_blocks(small_block, d, dtype):
+    _check_momentum_into(d, dtype)
 
 
 def _bad_positions(d):

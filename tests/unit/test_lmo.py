@@ -257,3 +257,188 @@ def test_coupled_threshold_is_floor_of_one_over_alpha():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError):
             coupled_threshold(bad)
+
+
+# ---- issue 24: Newton–Schulz in float32 (the server's default) and bfloat16, and the in-place step
+
+# Newton–Schulz in float32 and bfloat16 against float64 (entries of O are at most about 1.2). Polar Express's
+# steep first polynomial amplifies rounding most on tiny matrices: worst seen over 30 random draws per shape,
+# float32 1.8e-5 absolute on 2×2, 1.6e-6 from 48×64 up; bfloat16 (8 significant bits) 0.17 relative
+# (Frobenius) on 2×2, 0.018 from 48×64 up.
+F32_ATOL = 1e-4
+F32_ATOL_WORKED = 1e-5  # §11.4's vectors in float32 (worst 2.9e-6; float64 meets 1e-6)
+BF16_RTOL_TINY, BF16_RTOL = 0.3, 0.05  # min(rows, cols) < 40, and from 40 up
+
+NS_SHAPES = [(2, 2), (7, 5), (5, 7), (64, 48), (48, 200), (300, 40), (1, 500), (128, 128), (96, 384)]
+
+
+def _ns_inputs():
+    rng = np.random.default_rng(24)
+    return [m for m, *_ in NS5_VECTORS] + [np.array([[3.0, 4.0]])] + [rng.standard_normal(s) for s in NS_SHAPES]
+
+
+@pytest.mark.parametrize("table", [CLASSIC_NS5, POLAR_EXPRESS_NS5], ids=["classic", "polar-express"])
+def test_newton_schulz_float32_and_bfloat16_agree_with_float64(table):
+    for m in _ns_inputs():
+        ref = newton_schulz(m, table, 5)
+        o32 = newton_schulz(m.astype(np.float32), table, 5, dtype="float32")
+        assert o32.dtype == np.float32 and o32.shape == m.shape and o32.flags.c_contiguous
+        np.testing.assert_allclose(o32, ref, rtol=0, atol=F32_ATOL)
+        # a float64 input in float32 arithmetic: rounded to float32 first, the same bits
+        assert newton_schulz(m, table, 5, dtype="float32").tobytes() == o32.tobytes()
+        obf = newton_schulz(m.astype(np.float32), table, 5, dtype="bfloat16")
+        assert obf.dtype == np.float32 and obf.shape == m.shape
+        rtol = BF16_RTOL if min(m.shape) >= 40 else BF16_RTOL_TINY
+        assert np.linalg.norm(obf - ref) <= rtol * np.linalg.norm(ref)
+        assert not np.array_equal(obf, o32)  # it is the other arithmetic
+
+
+def test_newton_schulz_float32_reproduces_the_worked_vectors():
+    for m, _, classic, polar in NS5_VECTORS:
+        np.testing.assert_allclose(newton_schulz(m, CLASSIC_NS5, 5, dtype="float32"), classic, atol=F32_ATOL_WORKED)
+        np.testing.assert_allclose(newton_schulz(m, POLAR_EXPRESS_NS5, 5, dtype="float32"), polar,
+                                   atol=F32_ATOL_WORKED)
+    np.testing.assert_allclose(newton_schulz(np.array([[3.0, 4.0]]), CLASSIC_NS5, 5, dtype="float32"),
+                               [[0.417862, 0.557149]], atol=F32_ATOL_WORKED)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_newton_schulz_is_deterministic_and_transposes_exactly(dtype):
+    """Two calls give the same bits; a tall matrix runs on its transpose, so NS(gᵀ) is NS(g)ᵀ bit
+    for bit (a missed transpose would still converge, to other bits); the input is not written."""
+    rng = np.random.default_rng(7)
+    for shape in [(40, 90), (3, 50), (1, 64)]:  # wide; square matrices are not transposed
+        g = rng.standard_normal(shape).astype(np.float32)
+        g0 = g.copy()
+        o = newton_schulz(g, POLAR_EXPRESS_NS5, 5, dtype=dtype)
+        assert o.tobytes() == newton_schulz(g, POLAR_EXPRESS_NS5, 5, dtype=dtype).tobytes()
+        tall = newton_schulz(np.ascontiguousarray(g.T), POLAR_EXPRESS_NS5, 5, dtype=dtype)
+        assert tall.flags.c_contiguous and tall.tobytes() == np.ascontiguousarray(o.T).tobytes()
+        assert newton_schulz(g.T, POLAR_EXPRESS_NS5, 5, dtype=dtype).tobytes() == tall.tobytes()  # a strided view
+        np.testing.assert_array_equal(g, g0)
+    with pytest.raises(ValueError, match="dtype"):
+        newton_schulz(np.eye(2), dtype="float16")
+
+
+GPT_LAYOUT = (("wte", (50, 8)), ("attn", (24, 8)), ("attn.b", (24,)), ("proj", (8, 8)), ("fc", (32, 8)),
+              ("fc2", (8, 32)), ("ln", (8,)), ("conv", (6, 2, 3, 3)), ("s", ()))
+GPT_MASK = (False, True, False, True, True, True, False, True, False)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_muon_direction_in_place_is_the_same_as_a_new_array(dtype):
+    """``out=u``: the fallback blocks stay as they are, the NS blocks get NS(u_blk)·√max(1, rows/cols)
+    in NS's dtype, rounded once to out's; the same bits as writing to a fresh array."""
+    rng = np.random.default_rng(11)
+    u = rng.standard_normal(layout_numel(GPT_LAYOUT)).astype(np.float32)
+    fresh = muon_direction(u, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=dtype)
+    assert fresh.dtype == (np.float64 if dtype == "float64" else np.float32)
+    into = np.empty_like(u)
+    assert muon_direction(u, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=dtype, out=into) is into
+    np.testing.assert_array_equal(into, fresh.astype(np.float32))
+    v = u.copy()
+    assert muon_direction(v, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=dtype, out=v) is v
+    assert v.tobytes() == into.tobytes()
+    off = 0
+    for (_, shape), flagged in zip(GPT_LAYOUT, GPT_MASK, strict=True):
+        size = math.prod(shape)
+        blk = slice(off, off + size)
+        if flagged:
+            mat = u[blk].reshape(shape[0], -1)
+            want = newton_schulz(mat, POLAR_EXPRESS_NS5, 5, dtype=dtype)
+            scale = math.sqrt(max(1.0, mat.shape[0] / mat.shape[1]))
+            want = want * want.dtype.type(scale)
+            assert v[blk].tobytes() == want.astype(np.float32).ravel().tobytes()
+        else:
+            assert v[blk].tobytes() == u[blk].tobytes()
+        off += size
+    for bad in (np.empty(3, np.float32), np.empty((u.size, 2), np.float32)[:, 0]):
+        with pytest.raises(ValueError, match="out"):
+            muon_direction(u, GPT_LAYOUT, lmo_mask=GPT_MASK, out=bad)
+
+
+def test_muon_direction_unbound_in_place_is_the_float64_normalization():
+    u = np.array([3.0, 4.0, 1e-3], np.float32)
+    want = (u.astype(np.float64) / float(np.linalg.norm(u))).astype(np.float32)
+    v = u.copy()
+    assert muon_direction(v, out=v).tobytes() == want.tobytes()
+    z = np.zeros(3, np.float32)
+    assert not muon_direction(z, out=z).any()
+
+
+def _muon_run(x0, grads, layout=GPT_LAYOUT, mask=GPT_MASK, **hyper):
+    from algorithms import build
+    from algorithms.base import Result, bind_layout
+    from protocol.messages import JobKind
+
+    alg = bind_layout(build("ringmaster-lmo", {"lr": 0.1, "alpha": 0.3, **hyper}), layout, mask)
+    state, _ = alg.init(x0, seed=0)
+    xs = []
+    for i, g in enumerate(grads):
+        r = Result(job_id=i, worker_id="w", created_at=state.version, kind=JobKind.GRAD,
+                   iterate_ids=(state.version,), grads=(g,))
+        state, out = alg.apply(state, [r])
+        assert out.applied == (i,)
+        xs.append(state.x.copy())
+    return xs, state
+
+
+@pytest.mark.parametrize("run_dtype", [np.float32, np.float64])
+def test_ringmaster_muon_runs_newton_schulz_in_the_runs_dtype_by_default(run_dtype):
+    """ns_dtype="auto": float32 arithmetic for a float32 run (the server), float64 for a float64 run.
+    The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of that dtype, bit for bit."""
+    rng = np.random.default_rng(5)
+    d = layout_numel(GPT_LAYOUT)
+    x0, g = rng.standard_normal(d).astype(run_dtype), rng.standard_normal(d).astype(run_dtype)
+    want_ns = "float64" if run_dtype == np.float64 else "float32"
+    (x1,), state = _muon_run(x0, [g])
+    assert x1.dtype == run_dtype and state.m.dtype == run_dtype
+    o = muon_direction(g, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=want_ns).astype(run_dtype)
+    assert x1.tobytes() == (x0 - np.asarray(0.1, run_dtype) * o).tobytes()
+    (x1_named,), _ = _muon_run(x0, [g], ns_dtype=want_ns)
+    assert x1_named.tobytes() == x1.tobytes()
+    for other in {"float32", "float64", "bfloat16"} - {want_ns}:
+        (x1_other,), _ = _muon_run(x0, [g], ns_dtype=other)
+        o = muon_direction(g, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=other, out=np.empty_like(g))  # fallback exact
+        assert x1_other.tobytes() == (x0 - np.asarray(0.1, run_dtype) * o).tobytes()
+        assert x1_other.tobytes() != x1.tobytes()
+
+
+@pytest.mark.parametrize("ns_dtype", ["auto", "float64", "bfloat16"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_ringmaster_muon_steps_are_deterministic_and_match_the_plain_formulas(ns_dtype, nesterov):
+    """Two runs from the same start and replies give the same bits (what replay relies on); each step is
+    m ← (1−α) m + α g, u = (1−α) m + α g or m, x ← x − lr·O(u), written with whole-array numpy."""
+    rng = np.random.default_rng(9)
+    d = layout_numel(GPT_LAYOUT)
+    x0 = rng.standard_normal(d).astype(np.float32)
+    grads = [rng.standard_normal(d).astype(np.float32) for _ in range(4)]
+    xs, state = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov)
+    again, _ = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov)
+    assert [x.tobytes() for x in xs] == [x.tobytes() for x in again]
+    f32 = np.float32
+    x, m = x0.copy(), np.zeros(d, f32)
+    ns = "float32" if ns_dtype == "auto" else ns_dtype
+    for k, g in enumerate(grads):
+        alpha = 1.0 if k == 0 else 0.3
+        m = m * np.asarray(1.0 - alpha, f32)
+        m = m + np.asarray(alpha, f32) * g
+        u = np.asarray(1.0 - alpha, f32) * m + np.asarray(alpha, f32) * g if nesterov else m
+        o = muon_direction(u, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=ns).astype(f32)
+        x = x - np.asarray(0.1, f32) * o
+        assert xs[k].tobytes() == x.tobytes()
+    assert state.m.tobytes() == m.tobytes()
+
+
+def test_delay_adaptive_and_rennala_muon_take_ns_dtype():
+    from algorithms import build
+
+    for name in ("delay-adaptive-muon", "rennala-muon"):
+        assert build(name, {}).ns_dtype == "auto"
+        assert build(name, {"ns_dtype": "bfloat16"}).ns_dtype == "bfloat16"
+    from algorithms.lmo import ns_dtype_for
+
+    assert ns_dtype_for("auto", np.float32) == "float32" and ns_dtype_for("auto", np.float64) == "float64"
+    assert ns_dtype_for("auto", np.float16) == "float32" and ns_dtype_for("bfloat16", np.float64) == "bfloat16"
+    with pytest.raises(ValueError, match="ns_dtype"):
+        ns_dtype_for("fp32", np.float32)

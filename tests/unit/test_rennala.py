@@ -451,7 +451,7 @@ def test_rennala_random_worker_speeds(which, B, B_init, restart, speeds, steps, 
     (RennalaMVRInexact, {"p": 0.0}), (RennalaMVRInexact, {"B_init": 1.5}), (RennalaMVRInexact, {"lr": "0.1"}),
     (RennalaMuon, {"beta": 1.0}), (RennalaMuon, {"beta": -0.1}), (RennalaMuon, {"ns": "quintic"}),
     (RennalaMuon, {"ns_steps": 0}), (RennalaMuon, {"nesterov": "yes"}), (RennalaMuon, {"B": 0}),
-    (RennalaMuon, {"lr": float("inf")}),
+    (RennalaMuon, {"lr": float("inf")}), (RennalaMuon, {"ns_dtype": "half"}),
 ])
 def test_rennala_rejects_bad_hyper_parameters(cls, kwargs):
     with pytest.raises(ValueError, match="Invalid"):
