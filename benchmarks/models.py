@@ -4,7 +4,8 @@ For each model of benchmarks/model_zoo.py (a ResNet-18 for 32x32 images, a GPT-2
 character LM with tied embedding and head, a 60-block wide MLP):
 
 1. **Gradient time**: a worker's ``TorchProblem.grad`` against a plain forward+backward on the
-   same batch in the same process, at full size (benchmarks/model_runs.py ``grad_time``).
+   same batch, in one fresh process, at full size and at the run size (benchmarks/model_runs.py
+   ``grad_time``), beside the floor of two copies of d floats.
 2. **Training runs** at the run size (``small`` by default), each for ``--seconds`` from its
    first step (or, after the plain run, until 5 times the steps the plain loop needed to reach
    the target), by these systems, on this machine's cores split evenly between processes:
@@ -22,14 +23,16 @@ character LM with tied embedding and head, a 60-block wide MLP):
    Steps/s (one step = one SGD step on a batch of ``spec.batch`` items; a DDP step is one
    step over all ranks, each computing its share of the batch), and the time to the target
    (accuracy, or validation loss for the LM) from the snapshots scored afterwards with one
-   ``TorchProblem.evaluate``, saving time left out of every system's clock.
+   ``TorchProblem.evaluate``; the seconds a system's training waited for its snapshots are left
+   out of its clock (none for a latecomer server that evaluates off its loop).
 
 Then the ratios the issue's targets are about, each printed with whether its target is met
 (reported here only, never asserted in tests): gradient <= 1.15x plain forward+backward;
 latecomer-2 steps/s >= 1.0x ddp-2's; latecomer-2-slow time to target <= 0.7x ddp-2-slow's.
 
 Writes benchmarks/RESULTS-models.md, a JSON beside it and docs/img/bench-models.png (a full
-default run; ``--quick`` and partial runs write RESULTS-models-quick.md / -partial.md).
+default run, about 11 minutes on 2 cores; ``--quick``, 5 s runs of the systems of the three targets,
+about 3.5, and partial runs write RESULTS-models-quick.md / -partial.md).
 
     python -m benchmarks.models [--quick] [--model resnet18,gpt2,mlp] [--seconds 30] [--model-size small]
 """
@@ -339,13 +342,15 @@ def markdown(data: dict, plot_path: str | None = None) -> str:
     for r in data.get("ratios", []):
         lines.append(f"| {r['model']} | {r['what']} | {_value(r)} | {r['target']} | {_verdict(r)} | "
                      f"{r['note']} |")
+    lines += ["", "## Notes", ""] + _notes(data)
     lines += ["", "## Where a latecomer worker's time goes", "",
               "Per latecomer run and worker: jobs done, the worker's mean compute per job (as it reports it: the "
               "gradient, and the injected slowdown), wall seconds per job (run time / jobs) and the rest (wall - "
               "compute: waiting for the next job, transport, the server's step); the server's CPU per update "
-              "(user + system of the serve process tree over the run / updates).", "",
-              "| model | system | worker | jobs | compute ms/job | wall ms/job | rest ms/job | server CPU ms/update |",
-              "|---|---|---|---|---|---|---|---|"]
+              "(user + system of the serve process tree over the run / updates); the ages of the applied replies "
+              "(steps between the iterate a gradient was computed at and the one it was applied to).", "",
+              "| model | system | worker | jobs | compute ms/job | wall ms/job | rest ms/job | server CPU ms/update "
+              "| mean age (max) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
         if r["system"] != "latecomer" or r["skipped"]:
             continue
@@ -355,11 +360,50 @@ def markdown(data: dict, plot_path: str | None = None) -> str:
             wall = r["train_s"] / jobs if jobs else math.nan
             comp = w.get("mean_job_s") or math.nan
             lines.append(f"| {r['model']} | {r['name']} | {w['id']} | {jobs} | {_fmt(comp, '.1f', 1e3)} | "
-                         f"{_fmt(wall, '.1f', 1e3)} | {_fmt(wall - comp, '.1f', 1e3)} | {cpu} |")
+                         f"{_fmt(wall, '.1f', 1e3)} | {_fmt(wall - comp, '.1f', 1e3)} | {cpu} | "
+                         f"{_fmt(r['profile'].get('age_mean'), '.2f')} ({r['profile'].get('age_max', '')}) |")
     if plot_path:
         rel = os.path.relpath(plot_path, os.path.join(REPO, "benchmarks"))
         lines += ["", f"![accuracy against wall time, and the ratios]({rel})"]
     return "\n".join(lines) + "\n"
+
+
+def _notes(data: dict) -> list[str]:
+    """What the tables do not say by themselves (sizes, steps against time, threads)."""
+    sizes = {g["model"]: g for g in data["grad"] if g["size"] == data["size"]}
+    full = {g["model"]: g for g in data["grad"] if g["size"] == data["grad_size"]}
+    out = []
+    if data["size"] != data["grad_size"] and sizes:
+        desc = "; ".join(f"`{m}` {g['params']:,} parameters in {g['blocks']} blocks"
+                         + (f" (full: {full[m]['params']:,} in {full[m]['blocks']})" if m in full else "")
+                         for m, g in sizes.items())
+        r = full.get("resnet18")
+        why = (f" (a full ResNet-18 step on a batch of {r['batch']} takes {r['plain_s']:.2f} s of plain "
+               f"forward+backward on {r['threads']} thread{'s' if r['threads'] > 1 else ''})") if r else ""
+        out.append(f"- The training runs use the `{data['size']}` variants ({desc}): the full models cannot train to a "
+                   f"target in tens of seconds on this machine{why}. The gradient table has both sizes; the gradient "
+                   "target is about the full ones.")
+    out += ["- Time to target is steps to target times seconds per step. An asynchronous step applies a gradient "
+            "computed at an older iterate (the age of a reply: about 1 with two workers, more from the slowed one), so "
+            "latecomer may need more steps than the synchronous systems at the same learning rate: the *at step* "
+            "column says how many each needed (one snapshot's resolution).",
+            "- A DDP step waits for its slowest rank; a latecomer step waits for nobody. With one process 3x slower, "
+            "DDP runs at about a third of its speed and latecomer at about two thirds of its own (the fast worker "
+            "alone, and a third of the slow one)."]
+    one = []
+    for r in data["runs"]:
+        if r["name"] == "latecomer-1" and not r["skipped"] and r["profile"].get("workers") and r["model"] in sizes:
+            w = r["profile"]["workers"][0]
+            one.append(f"{r['model']} {_fmt(w.get('mean_job_s'), '.1f', 1e3)} ms against "
+                       f"{sizes[r['model']]['grad_s'] * 1e3:.1f} ms")
+    if one:
+        t1 = sizes[next(iter(sizes))]["threads"]
+        out.append(f"- `latecomer-1`'s worker runs {data['cores']} thread{'s' if data['cores'] > 1 else ''} beside the "
+                   f"server process and its own I/O thread on {data['cores']} core{'s' if data['cores'] > 1 else ''}; "
+                   "its compute per job (the profile below) against `TorchProblem.grad` at the run size on "
+                   f"{t1} thread{'s' if t1 > 1 else ''} (the gradient table): " + "; ".join(one) + ". The plain loop "
+                   "and `ddp-1` have the cores to themselves.")
+    return out
 
 
 # --------------------------------------------------------------------------- plot
