@@ -33,6 +33,7 @@ import click
 import psutil
 
 from benchmarks.common import Row, skipped
+from benchmarks.models import model_options
 from ps.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -339,9 +340,23 @@ def _ints(s: str) -> list[int]:
 @click.option("--scale-serve-arg", "scale_serve_args", multiple=True,
               help="With --workers-scale: one more `latecomer serve` argument (repeatable), e.g. "
                    "--scale-serve-arg=--no-supervise.")
+@click.option("--models", "models_", is_flag=True,
+              help="Instead: real models (ResNet-18, GPT-2-like, a 60-block MLP) through latecomer against a plain "
+                   "PyTorch loop and DistributedDataParallel, homogeneous and with one worker slowed 3x "
+                   "(benchmarks/models.py); writes benchmarks/RESULTS-models.md (or --out). --quick and --seconds "
+                   "apply (per training run).")
+@model_options
 def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out, workers_scale,
-          scale_workers, scale_serve_args) -> None:
-    """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload."""
+          scale_workers, scale_serve_args, models_, model_names, model_size, grad_size, grad_reps, systems,
+          cores) -> None:
+    """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload (--models: real
+    models against plain PyTorch and DDP)."""
+    if models_:
+        from benchmarks.models import main as models_main
+
+        models_main(model_names, model_size, grad_size, seconds, grad_reps, quick, cores, systems, out, json_out,
+                    plot_out, echo=click.echo)
+        return
     if workers_scale:
         from benchmarks import scale
 
