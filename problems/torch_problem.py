@@ -57,6 +57,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import Subset, TensorDataset, default_collate
 
+from algorithms._pool import ArrayPool
 from problems.base import GradResult, Layout, Problem, layout_size
 
 _JOB_SEED: contextvars.ContextVar[int] = contextvars.ContextVar("latecomer_job_seed")
@@ -333,6 +334,9 @@ class TorchProblem(Problem):
             self._test = _Source(test, None, collate_fn)
         self.num_train, self.num_test = len(self._train), len(self._test)
         self.num_samples = self.num_train  # full_grad's positions
+        # d-sized host buffers (the copy of x, the flat gradient), reused once nobody holds them: a
+        # fresh 30-45 MB array per call costs page faults (one thread computes at a time)
+        self._buffers = ArrayPool()
 
     # ------------------------------------------------------------------ helpers
     def _build(self) -> nn.Module:
@@ -368,10 +372,13 @@ class TorchProblem(Problem):
         x = np.asarray(x)
         if x.shape != (self.dim,):
             raise ValueError(f"parameter vector of shape {x.shape}, expected ({self.dim},)")
-        cuda = self.device.type == "cuda"
-        host = torch.empty(self.dim, dtype=torch.float32, pin_memory=cuda)
-        host.numpy()[...] = x
-        return host.to(self.device, non_blocking=True) if cuda else host
+        if self.device.type == "cuda":
+            staged = torch.empty(self.dim, dtype=torch.float32, pin_memory=True)  # torch's cached pinned blocks
+            staged.numpy()[...] = x
+            return staged.to(self.device, non_blocking=True)
+        host = self._buffers.empty((self.dim,), np.float32)
+        host[...] = x
+        return torch.from_numpy(host)
 
     def _views(self, flat: torch.Tensor, prefix: str = "") -> dict[str, torch.Tensor]:
         """The blocks of ``flat`` as views, by name (``prefix`` + parameter name)."""
@@ -387,8 +394,9 @@ class TorchProblem(Problem):
                 for (_, shape), t in zip(self.layout, flat.split(self._sizes), strict=True)]
 
     def _gather(self, grads: list[torch.Tensor]) -> np.ndarray:
-        """The blocks' gradients as one new flat float32 numpy vector: one copy (on CUDA, one
-        copy on the device and one into pinned host memory)."""
+        """The blocks' gradients as one flat float32 numpy vector: one copy (on CUDA, one copy on
+        the device and one into pinned host memory). The vector is the caller's for as long as
+        it holds it (or a view of it): only then is its buffer used again."""
         flat = [g.reshape(-1) for g in grads]
         if self.device.type == "cuda":
             dev = torch.cat(flat)
@@ -396,9 +404,9 @@ class TorchProblem(Problem):
             host.copy_(dev, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
             return host.numpy()
-        out = torch.empty(self.dim, dtype=torch.float32)
-        torch.cat(flat, out=out)
-        return out.numpy()
+        out = self._buffers.empty((self.dim,), np.float32)
+        torch.cat(flat, out=torch.from_numpy(out))
+        return out
 
     def _buffer_copies(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Copies of the module's buffers: a job may update them (BatchNorm in train mode), the

@@ -197,6 +197,22 @@ def test_grad_of_many_blocks_is_the_single_leaf_gradient_bit_for_bit_and_unused_
     assert not np.shares_memory(a.grad, b.grad)  # two results, two buffers
 
 
+def test_gradient_buffers_are_reused_only_once_nobody_holds_them():
+    """The copy of x and the flat gradient live in buffers used again (a fresh d-sized array per
+    call costs page faults), never while a result is still held."""
+    p = problem(model=lambda: Deep(layers=30, width=128))
+    x = p.init_params(0)
+    held = p.grad(x, 1, 32).grad
+    kept = held.copy()
+    pair = p.grad_pair(x, x * 0.5, 2, 32)
+    assert held.tobytes() == kept.tobytes() and not np.shares_memory(held, pair[0].grad)
+    del pair
+    for s in range(20):
+        p.grad(x, s, 32)
+    assert held.tobytes() == kept.tobytes()
+    assert 2 <= p._buffers.allocated <= 5  # x's copy, the held gradient, the pair's two, one for the rest
+
+
 def _median_s(fn, reps: int = 5) -> float:
     fn()
     times = []
