@@ -127,6 +127,8 @@ def assert_same(sent: Any, got: Any) -> None:
                 assert y.tobytes() == x.tobytes()  # bit-exact, NaN payloads included
                 assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f")
                 assert y.flags.aligned
+        elif isinstance(a, float) and a != a:  # NaN (a loss): the same NaN, not an equal number
+            assert isinstance(b, float) and b != b, f.name
         else:
             assert b == a, f.name
             if isinstance(a, tuple):
