@@ -15,7 +15,9 @@ Its arithmetic is a parameter too (:data:`NS_DTYPES`, docs/ALGORITHMS.md §6.1):
 and ``"float32"`` run in numpy (OpenBLAS: ``X Xᵀ`` and ``A A`` as symmetric rank-k updates, half
 the multiplications of a general product), ``"bfloat16"`` in torch on the CPU (the arithmetic of
 ``torch.optim.Muon``: bf16 products, as Keller Jordan's code). The Muon methods' ``ns_dtype="auto"``
-is the run's dtype: float32 on the server, float64 for a float64 run (the worked examples).
+is chosen per block (:func:`ns_dtype_for`): float64 for a float64 run (the worked examples); in a
+float32 run (the server) bfloat16 for layer-sized matrices, where the cost is, and float32 for
+small ones.
 
 Which blocks get Newton–Schulz is a per-block flag (``lmo_mask``, from the problem through
 ``bind``); without one, every block with ≥ 2 dimensions does. The official NanoChat code flags
@@ -86,9 +88,20 @@ def ns_coefficients(name: str, steps: int) -> tuple[tuple[float, float, float], 
     return NS_TABLES[name][: int(steps)]
 
 
-def ns_dtype_for(name: str, run_dtype: np.dtype | type) -> str:
-    """The arithmetic ``ns_dtype=name`` runs for a run of ``run_dtype``: ``"auto"`` is float64 for a
-    float64 run and float32 for any other; the other names are themselves.
+#: ``ns_dtype="auto"`` in a float32 run iterates in bfloat16 (torch.optim.Muon's arithmetic) for a
+#: block whose matrix has at least this many elements and at least :data:`NS_BF16_MIN_SIDE` on its
+#: short side: layer-sized matrices, where Newton–Schulz is the step's cost; smaller ones in float32.
+NS_BF16_MIN_ELEMENTS = 1 << 15
+NS_BF16_MIN_SIDE = 32
+
+
+def ns_dtype_for(name: str, run_dtype: np.dtype | type, shape: tuple[int, int] | None = None) -> str:
+    """The arithmetic ``ns_dtype=name`` runs for a block of matrix ``shape`` in a run of ``run_dtype``.
+
+    ``"auto"``: float64 for a float64 run; for any other run, bfloat16 when ``shape`` is given and
+    is layer-sized (at least :data:`NS_BF16_MIN_ELEMENTS` elements and :data:`NS_BF16_MIN_SIDE` on
+    the short side), else float32. The rule depends on the shape only, never on the machine, so a
+    run, its replay and its shards choose the same arithmetic. The other names are themselves.
 
     Raises:
         ValueError: an unknown name.
@@ -97,16 +110,21 @@ def ns_dtype_for(name: str, run_dtype: np.dtype | type) -> str:
         raise ValueError(f"Invalid ns_dtype: {name!r} (choose one of {', '.join(NS_DTYPES)})")
     if name != "auto":
         return name
-    return "float64" if np.dtype(run_dtype) == np.float64 else "float32"
+    if np.dtype(run_dtype) == np.float64:
+        return "float64"
+    if shape is not None and min(shape) >= NS_BF16_MIN_SIDE and shape[0] * shape[1] >= NS_BF16_MIN_ELEMENTS:
+        return "bfloat16"
+    return "float32"
 
 
-def _check_ns_args(coefficients: Coefficients, steps: int, dtype: str) -> None:
+def _check_ns_args(coefficients: Coefficients, steps: int, dtype: str,
+                   allowed: tuple[str, ...] = NS_DTYPES[1:]) -> None:
     if steps < 0 or int(steps) != steps:
         raise ValueError(f"Invalid steps: {steps!r}")
     if len(coefficients) == 0:
         raise ValueError("newton_schulz needs at least one (a, b, c) triple")
-    if dtype not in NS_DTYPES[1:]:
-        raise ValueError(f"Invalid dtype: {dtype!r} (choose one of {', '.join(NS_DTYPES[1:])})")
+    if dtype not in allowed:
+        raise ValueError(f"Invalid dtype: {dtype!r} (choose one of {', '.join(allowed)})")
 
 
 def _ns_wide(g: np.ndarray, coefficients: Coefficients, steps: int, dtype: str) -> tuple[np.ndarray, bool]:
@@ -280,11 +298,13 @@ def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[boo
         layout: ``((name, shape), ...)`` covering ``u`` in order, or ``()``.
         lmo_mask: one bool per layout block (see :func:`check_lmo_mask`), or None.
         coefficients, steps, dtype: passed to :func:`newton_schulz` (see :func:`ns_coefficients`);
-            the scale √max(1, rows/cols) is applied in NS's result dtype, then the block is
+            ``dtype="auto"`` chooses per block by :func:`ns_dtype_for` (``u``'s dtype, the
+            block's matrix shape); the scale √max(1, rows/cols) is applied in NS's result dtype, then the block is
             rounded to ``out``'s dtype.
         out: where to write O (1-D, ``u``'s length); it may be ``u`` itself, whose fallback blocks
             are then left as they are (no copy) and whose Newton–Schulz blocks are overwritten
-            after they are read. None: a new array, float64 for ``dtype="float64"``, else float32.
+            after they are read. None: a new array, float64 for ``dtype="float64"`` (or "auto"
+            with a float64 ``u``), else float32.
 
     Returns:
         ``out`` (or the new array).
@@ -295,9 +315,10 @@ def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[boo
     u = np.asarray(u)
     if u.ndim != 1:
         raise ValueError(f"muon_direction expects a flat vector, got shape {u.shape}")
-    _check_ns_args(coefficients, steps, dtype)
+    _check_ns_args(coefficients, steps, dtype, NS_DTYPES)
     if out is None:
-        out = np.empty(u.shape, np.float64 if dtype == "float64" else np.float32)
+        wide = dtype == "float64" or (dtype == "auto" and u.dtype == np.float64)
+        out = np.empty(u.shape, np.float64 if wide else np.float32)
     elif out.shape != u.shape or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"out must be a writable contiguous array of u's shape {u.shape}")
     if not layout:
@@ -320,7 +341,7 @@ def muon_direction(u: np.ndarray, layout: Layout = (), *, lmo_mask: Sequence[boo
         if lmo and size > 0:
             rows = shape[0] if len(shape) >= 2 else 1
             mat = blk.reshape(rows, size // rows)
-            x, transposed = _ns_wide(mat, coefficients, steps, dtype)
+            x, transposed = _ns_wide(mat, coefficients, steps, ns_dtype_for(dtype, u.dtype, mat.shape))
             o = x.T if transposed else x
             target = out[off:off + size].reshape(mat.shape)
             scale = math.sqrt(max(1.0, mat.shape[0] / mat.shape[1]))

@@ -37,7 +37,6 @@ from algorithms.lmo import (
     momentum_blocks,
     muon_direction,
     ns_coefficients,
-    ns_dtype_for,
 )
 from protocol.messages import JobKind
 
@@ -493,8 +492,8 @@ class RennalaMuon(_PlainBatch, _Rennala):
             or ``"classic"`` (Keller Jordan's (3.4445, −4.7750, 2.0315) at every step).
         ns_steps: Newton–Schulz iterations (integer ≥ 1, default 5; Polar Express runs at most 5).
         restart: cancel old-round jobs after an update (default) or drop them on arrival.
-        ns_dtype: Newton–Schulz arithmetic, as ``ringmaster-lmo``'s: ``"auto"`` (default: the run's
-            dtype), ``"float32"``, ``"float64"`` or ``"bfloat16"`` (torch on the CPU).
+        ns_dtype: Newton–Schulz arithmetic, as ``ringmaster-lmo``'s: ``"auto"`` (default: per block,
+            as there), ``"float32"``, ``"float64"`` or ``"bfloat16"`` (torch on the CPU).
     """
 
     name = "rennala-muon"
@@ -555,7 +554,7 @@ class RennalaMuon(_PlainBatch, _Rennala):
         u = beta * state.m + one_minus * mean if self.nesterov else state.m.copy()
         coefficients = ns_coefficients(self.ns, self.ns_steps)
         o = muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients, steps=len(coefficients),
-                           dtype=ns_dtype_for(self.ns_dtype, dt), out=u)
+                           dtype=self.ns_dtype, out=u)
         state.x = frozen(state.x - np.asarray(self.lr, dt) * o)
         state.version += 1
         state.grad_sum[...] = 0

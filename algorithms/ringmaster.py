@@ -41,7 +41,6 @@ from algorithms.lmo import (
     momentum_blocks,
     muon_direction,
     ns_coefficients,
-    ns_dtype_for,
     pa_schedule,
 )
 
@@ -158,7 +157,7 @@ class _LMOMomentum(PerReplyAlgorithm):
         step is x − η D. ``sign``: into another pooled buffer (numpy's sign runs about 10x slower
         in place). ``l2``: u/‖u‖ with ‖u‖ from the per-block squared norms (``step_sq`` when a
         sharded server gathered them, else measured on u over the bound layout), float64, exactly
-        rounded. ``muon``: Newton–Schulz in ``ns_dtype`` ("auto": u's dtype)."""
+        rounded. ``muon``: Newton–Schulz in ``ns_dtype`` ("auto": per block, :func:`~algorithms.lmo.ns_dtype_for`)."""
         if lmo == "sign":
             return np.sign(u, out=POOL.empty(u.shape, u.dtype))
         if lmo == "l2":
@@ -169,7 +168,7 @@ class _LMOMomentum(PerReplyAlgorithm):
             return np.divide(u, norm, out=u)
         coefficients = ns_coefficients(self.ns, self.ns_steps)
         return muon_direction(u, self.layout, lmo_mask=self.lmo_mask, coefficients=coefficients,
-                              steps=len(coefficients), dtype=ns_dtype_for(self.ns_dtype, u.dtype), out=u)
+                              steps=len(coefficients), dtype=self.ns_dtype, out=u)
 
     def _u_sq(self, u: np.ndarray) -> tuple[float, ...]:
         """‖u_b‖² per block of the bound layout (one block of everything when bound to none)."""
@@ -246,8 +245,9 @@ class RingmasterLMO(_LMOMomentum):
             (Keller Jordan's (3.4445, −4.7750, 2.0315)); same names as ``rennala-muon``.
         ns_steps: Newton–Schulz iterations (integer >= 1; Polar Express runs at most its 5
             triples, as the public code; classic repeats its one triple).
-        ns_dtype: Newton–Schulz arithmetic: ``"auto"`` (default: the run's dtype, float32 on the
-            server, float64 for a float64 run), ``"float32"``, ``"float64"`` (numpy) or
+        ns_dtype: Newton–Schulz arithmetic: ``"auto"`` (default: per block, float64 for a float64
+            run; in a float32 run, the server's, bfloat16 for layer-sized matrices and float32
+            for small ones: :func:`~algorithms.lmo.ns_dtype_for`), ``"float32"``, ``"float64"`` (numpy) or
             ``"bfloat16"`` (torch on the CPU, torch.optim.Muon's arithmetic).
         nesterov: use the Nesterov direction u (default True, the public code's form); False is
             the paper's algorithm box (step on m).

@@ -57,7 +57,7 @@ from torch import nn
 
 from algorithms import build
 from algorithms.base import Result, bind_layout
-from algorithms.lmo import CLASSIC_NS5, newton_schulz
+from algorithms.lmo import CLASSIC_NS5, newton_schulz, ns_dtype_for
 from problems.torch_problem import default_lmo_rule
 from protocol.messages import JobKind
 
@@ -205,10 +205,10 @@ def ns_alone(lay: Layout, u: np.ndarray, dtype: str | None) -> Callable:
         if flagged:
             mats.append(u[off:off + size].reshape(shape[0], size // shape[0]))
         off += size
-    kw = {} if dtype is None else {"dtype": dtype}
 
     def run() -> None:
-        for m in mats:
+        for m in mats:  # "auto": each block's own arithmetic, as the step chooses it
+            kw = {} if dtype is None else {"dtype": ns_dtype_for(dtype, m.dtype, m.shape)}
             newton_schulz(m, CLASSIC_NS5, 5, **kw)
 
     return run
@@ -234,10 +234,9 @@ def run_layout(lay: Layout, dtypes: list[str], reps: int, others: bool) -> dict:
     base = {"lr": LR, "alpha": ALPHA, "ns": "classic", "ns_steps": 5, "nesterov": True}
     variants: dict[str, Callable] = {}
     new = has_ns_dtype()
-    resolved = {"auto": "float32"}
     for dt in (dtypes if new else ["float64"]):
         hyper = {**base, "lmo": "muon", **({"ns_dtype": dt} if new else {})}
-        variants[f"muon {resolved.get(dt, dt)}"] = latecomer_step("ringmaster-lmo", hyper, lay, x0, grads)
+        variants[f"muon {dt}"] = latecomer_step("ringmaster-lmo", hyper, lay, x0, grads)
     # the same step with every block on the momentum fallback: its passes over d without Newton–Schulz
     variants["no NS blocks"] = latecomer_step("ringmaster-lmo", {**base, "lmo": "muon"}, lay, x0, grads,
                                             (False,) * len(lay.layout))
@@ -247,8 +246,7 @@ def run_layout(lay: Layout, dtypes: list[str], reps: int, others: bool) -> dict:
             variants[f"lmo {lmo}"] = latecomer_step("ringmaster-lmo", {**base, "lmo": lmo}, lay, x0, grads)
         variants["asgd"] = latecomer_step("asgd", {"lr": LR}, lay, x0, grads)
     for dt in (dtypes if new else [None]):
-        label = "float64" if dt is None else resolved.get(dt, dt)
-        variants[f"NS alone {label}"] = ns_alone(lay, grads[0], None if dt is None else resolved.get(dt, dt))
+        variants[f"NS alone {'float64' if dt is None else dt}"] = ns_alone(lay, grads[0], dt)
     ms = measure(variants, reps)
     return {"d": lay.d, "blocks": len(lay.layout), "ns_blocks": sum(lay.mask), "matrices": lay.matrices(),
             "ms": ms}
@@ -294,8 +292,8 @@ def report(res: dict, before: dict | None) -> str:
         "`torch.optim.SGD(momentum=0.95, nesterov=True).step()` over the other blocks (what latecomer's step "
         "also covers). Ratio: latecomer / torch Muon (the issue's target: at most 1.5x).", "",
         "| layout | d | NS blocks / blocks | torch Muon | torch Muon+SGD | before: latecomer | before: torch Muon "
-        "| before: ratio | float32 (default) | ratio | bfloat16 | ratio | float64 | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| before: ratio | auto (default) | ratio | float32 | ratio | bfloat16 | ratio | float64 | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["layouts"].items():
         ms = r["ms"]
@@ -304,7 +302,7 @@ def report(res: dict, before: dict | None) -> str:
         b_lat, b_torch = b.get("muon float64"), b.get("torch Muon")
         row = [name, f"{r['d']:,}", f"{r['ns_blocks']} / {r['blocks']}", _fmt(torch_ms),
                _fmt(torch_ms + ms["torch SGD rest"]), _fmt(b_lat), _fmt(b_torch), _ratio(b_lat, b_torch)]
-        for dt in ("float32", "bfloat16", "float64"):
+        for dt in ("auto", "float32", "bfloat16", "float64"):
             v = ms.get(f"muon {dt}")
             row += [_fmt(v), _ratio(v, torch_ms)]
         lines.append("| " + " | ".join(row) + " |")
@@ -331,7 +329,7 @@ def report(res: dict, before: dict | None) -> str:
     for name, r in res["layouts"].items():
         ms = r["ms"]
         b = (before or {}).get("layouts", {}).get(name, {}).get("ms", {})
-        for dt in ("float32", "bfloat16", "float64"):
+        for dt in ("auto", "float32", "bfloat16", "float64"):
             step, ns = ms.get(f"muon {dt}"), ms.get(f"NS alone {dt}")
             if step is None or ns is None:
                 continue
@@ -354,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.muon", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=None, help=f"comma-separated (default {DEFAULT_LAYOUTS})")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5, 3 with --quick)")
-    ap.add_argument("--dtypes", default="auto,bfloat16", help="ns_dtype values to time (auto,float32,float64,bfloat16)")
+    ap.add_argument("--dtypes", default="auto,float32,bfloat16",
+                    help="ns_dtype values to time (auto,float32,float64,bfloat16)")
     ap.add_argument("--threads", type=int, default=1, help="torch and BLAS threads (default 1)")
     ap.add_argument("--quick", action="store_true", help=f"small layouts ({QUICK_LAYOUTS}), 3 repetitions")
     ap.add_argument("--no-others", action="store_true", help="skip the sign, l2 and asgd steps")

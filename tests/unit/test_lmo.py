@@ -385,8 +385,8 @@ def _muon_run(x0, grads, layout=GPT_LAYOUT, mask=GPT_MASK, **hyper):
 
 @pytest.mark.parametrize("run_dtype", [np.float32, np.float64])
 def test_ringmaster_muon_runs_newton_schulz_in_the_runs_dtype_by_default(run_dtype):
-    """ns_dtype="auto": float32 arithmetic for a float32 run (the server), float64 for a float64 run.
-    The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of that dtype, bit for bit."""
+    """ns_dtype="auto": float32 arithmetic for a float32 run's small blocks (GPT_LAYOUT has only small
+    ones), float64 for a float64 run. The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of that dtype, bit for bit."""
     rng = np.random.default_rng(5)
     d = layout_numel(GPT_LAYOUT)
     x0, g = rng.standard_normal(d).astype(run_dtype), rng.standard_normal(d).astype(run_dtype)
@@ -442,3 +442,31 @@ def test_delay_adaptive_and_rennala_muon_take_ns_dtype():
     assert ns_dtype_for("auto", np.float16) == "float32" and ns_dtype_for("bfloat16", np.float64) == "bfloat16"
     with pytest.raises(ValueError, match="ns_dtype"):
         ns_dtype_for("fp32", np.float32)
+
+
+def test_auto_runs_layer_sized_blocks_in_bfloat16_and_small_ones_in_float32():
+    """The "auto" rule: in a float32 run a block of at least 2**15 elements and 32 on its short side
+    iterates in bfloat16 (torch.optim.Muon's arithmetic, where the step's cost is), smaller ones
+    and thin ones (the quadratic's 1×d row) in float32; a float64 run stays float64. The rule reads
+    the shape only, so every machine and every shard chooses the same. Bit for bit per block."""
+    from algorithms.lmo import ns_dtype_for
+
+    assert ns_dtype_for("auto", np.float32, (128, 256)) == "bfloat16"
+    assert ns_dtype_for("auto", np.float32, (256, 128)) == "bfloat16"
+    assert ns_dtype_for("auto", np.float32, (127, 256)) == "float32"  # 32,512 elements
+    assert ns_dtype_for("auto", np.float32, (31, 4096)) == "float32"  # thin
+    assert ns_dtype_for("auto", np.float32, (1, 1 << 20)) == "float32"
+    assert ns_dtype_for("auto", np.float64, (512, 512)) == "float64"
+    assert ns_dtype_for("float32", np.float32, (512, 512)) == "float32"
+    layout = (("big", (256, 128)), ("small", (16, 8)), ("b", (16,)), ("conv", (64, 32, 4, 4)))
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal(layout_numel(layout)).astype(np.float32)
+    auto = muon_direction(u, layout, dtype="auto")
+    bf, f32 = muon_direction(u, layout, dtype="bfloat16"), muon_direction(u, layout, dtype="float32")
+    assert auto.dtype == np.float32
+    big, small, conv = slice(0, 32768), slice(32768, 32768 + 128), slice(32768 + 144, None)
+    assert auto[big].tobytes() == bf[big].tobytes() != f32[big].tobytes()
+    assert auto[small].tobytes() == f32[small].tobytes() != bf[small].tobytes()
+    assert auto[conv].tobytes() == bf[conv].tobytes()  # viewed as 64 x 512
+    assert muon_direction(u.astype(np.float64), layout, dtype="auto").tobytes() == \
+        muon_direction(u.astype(np.float64), layout, dtype="float64").tobytes()
