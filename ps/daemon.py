@@ -43,6 +43,7 @@ from ps.connections import (
 from ps.core import Disconnect, Send, ServerCore
 from ps.evaluator import Evaluator
 from ps.inputs import CoreInputs
+from ps.observe import TICK_S, Observers, snapshot
 from ps.persist import EventLog, Persistence
 from ps.transport import SMALL_MESSAGE, Count, ServerTransport
 from worker.compute import describe_layout
@@ -173,6 +174,8 @@ class Daemon:
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = []
         self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/evaluator.py)
+        self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe.py)
+        self.next_tick = -math.inf
         self.last_eval_version = -1  # the version of the evaluation started last
         # A sharded server (ps/shardhub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
         # coordinator's (an empty iterate), the parameters are the shards'.
@@ -248,6 +251,8 @@ class Daemon:
     def _record(self, ev: dict[str, float] | None, *, progress: bool = True) -> None:
         if ev is not None:
             self.evaluations.append(ev)
+            if self.observers:
+                self.observers.call("on_evaluation", ev)
             if progress and self.on_progress:
                 self.on_progress(self, ev)
 
@@ -292,8 +297,30 @@ class Daemon:
             self._sync_hold(now)
         self._gathered()
 
+    def add_observer(self, obs: Any) -> None:
+        """Add an observer (ps/observe.py); before :meth:`run`."""
+        self.observers.add(obs)
+        if getattr(obs, "wants_issued", False):
+            self.core.record_issued = True
+
+    def settings(self) -> dict[str, Any]:
+        """The run's settings as flat scalars (what a logger records as hyper-parameters)."""
+        cfg, alg = self.core.cfg, self.core.alg
+        out: dict[str, Any] = {"problem": cfg.problem, "algorithm": alg.name, "batch_size": cfg.batch_size,
+                               "seed": cfg.seed, "run_id": cfg.run_id, "min_workers": cfg.min_workers,
+                               "eval_every": self.eval_every, "liveness_timeout_s": cfg.liveness_timeout_s}
+        out.update({f"problem.{k}": v for k, v in cfg.problem_options.items()})
+        if dataclasses.is_dataclass(alg):
+            for f in dataclasses.fields(alg):
+                v = getattr(alg, f.name, None)
+                if isinstance(v, (bool, int, float, str)) and not f.name.startswith("_"):
+                    out[f"alg.{f.name}"] = v
+        return out
+
     def run(self) -> str:
         """Serve until the stop condition or a signal. Returns the reason for stopping."""
+        if self.observers:
+            self.observers.call("on_start", self.settings())
         self.evaluate()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -461,6 +488,9 @@ class Daemon:
         for wid in self.transport.heartbeat_some() if self.transport.hb_queue else ():
             self._unreachable(wid)
         self._progress(now)
+        if self.observers and now >= self.next_tick:
+            self.next_tick = now + TICK_S
+            self.observers.call("on_tick", snapshot(self), now)
         if self.events_dirty:  # once per pass of the loop (a batch of messages), not per message
             self.events_file.flush()
             self.events_dirty = False
@@ -537,6 +567,10 @@ class Daemon:
         self.transport.drain(bye, self.clock() + DRAIN_S)
 
     def close(self) -> None:
+        if self.observers:
+            self.observers.call("on_tick", snapshot(self), self.clock())  # the final figures
+            self.observers.call("close")
+            self.observers = Observers()
         if self.events_file:
             self.events_file.close()
             self.events_file = None
@@ -647,6 +681,8 @@ class Daemon:
             now = self.clock()
             if not self.versions or now - self.versions[-1][0] >= 0.1:
                 self.versions.append((now, self.core.version))
+        if self.observers and events:
+            self.observers.call("on_events", events, self.clock())
         if self.events_file and events:
             self.events_file.write("".join(json.dumps(ev) + "\n" for ev in events))
             self.events_dirty = True  # flushed by the loop after each batch of messages
