@@ -6,6 +6,7 @@ one-line message and exit code 2 (usage) or 1, never a traceback. Real bugs keep
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -24,6 +25,7 @@ from problems.trust import ENV_ALLOW_PROBLEM
 from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
 from ps.paths import check_output_file, output_dir, output_file, usage_check
 from ps.server import (
+    ServeBar,
     ServeOptions,
     StateOptions,
     TrainingSpec,
@@ -31,6 +33,8 @@ from ps.server import (
     make_daemon,
     serve_until_stopped,
     start_metrics,
+    waiting_for,
+    want_progress,
 )
 from ps.supervise import ServeCommand
 
@@ -289,11 +293,14 @@ def list_algorithms(names) -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--progress/--no-progress", default=None,
+              help="A progress bar (steps, rate, workers, last evaluation) on stderr; default: when stderr is a "
+                   "terminal and the log is text.")
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
           insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
-          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level) -> None:
+          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, progress) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -336,18 +343,35 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
-    daemon.on_progress = log_progress
+    bar = ServeBar(max_steps) if want_progress(progress, sys.stderr, log_format) else None
+    daemon.on_progress = bar or log_progress
     local = None
     if daemon.hub is not None:
         from ps.shardcli import start_local_shards
 
         local = start_local_shards(daemon, state_dir, local_shards, spec, allow_problem, allow_algorithm, shm)
+    _serve_to_the_end(daemon, bar, [d for d in (out, state_dir) if d], local)
+
+
+def _serve_to_the_end(daemon: Any, bar: Any, out_dirs: list[str], local: Any) -> None:
     try:
-        reason = serve_until_stopped(daemon, [d for d in (out, state_dir) if d])
+        with _bar_logging(bar):
+            reason = serve_until_stopped(daemon, out_dirs)
     finally:
+        if bar is not None:
+            bar.close()
         if local is not None:
             local.close()
     click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
+
+
+def _bar_logging(bar: Any):
+    """Log lines above the progress bar, not through it (tqdm's redirect), while there is one."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 # --------------------------------------------------------------------------- work
@@ -513,20 +537,6 @@ def _bar_progress(bar: Any, steps: int, d: Any, ev: dict | None) -> None:
             post["acc"] = f"{last['accuracy']:.3f}"
     bar.set_postfix(post, refresh=False)
     bar.refresh()
-
-
-def waiting_for(d: Any) -> str:
-    """What a run that has not made its first step waits for, in a few words."""
-    workers = d.core.workers.values()
-    joined, ready = len(workers), sum(1 for w in workers if w.ready)
-    wanted = d.core.cfg.min_workers
-    if joined == 0:
-        return "workers starting"
-    if ready < joined:
-        return f"{joined - ready} loading the problem"
-    if ready < wanted:
-        return f"{wanted - ready} more worker{'s' if wanted - ready > 1 else ''}"
-    return "first replies"
 
 
 def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], reason: str, ages: dict,

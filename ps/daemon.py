@@ -175,7 +175,6 @@ class Daemon:
         self.evaluations: list[dict[str, float]] = []
         self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/evaluator.py)
         self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe.py)
-        self.next_tick = -math.inf
         self.last_eval_version = -1  # the version of the evaluation started last
         # A sharded server (ps/shardhub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
         # coordinator's (an empty iterate), the parameters are the shards'.
@@ -488,8 +487,8 @@ class Daemon:
         for wid in self.transport.heartbeat_some() if self.transport.hb_queue else ():
             self._unreachable(wid)
         self._progress(now)
-        if self.observers and now >= self.next_tick:
-            self.next_tick = now + TICK_S
+        if self.observers and now >= self.observers.next_tick:
+            self.observers.next_tick = now + TICK_S
             self.observers.call("on_tick", snapshot(self), now)
         if self.events_dirty:  # once per pass of the loop (a batch of messages), not per message
             self.events_file.flush()

@@ -21,6 +21,7 @@ dropped; the run goes on.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 log = logging.getLogger("latecomer.server")
@@ -66,6 +67,7 @@ class Observers:
 
     def __init__(self) -> None:
         self.items: list[Observer] = []
+        self.next_tick = -math.inf  # the daemon's clock at the next on_tick
 
     def add(self, obs: Observer) -> None:
         self.items.append(obs)

@@ -316,6 +316,60 @@ def log_progress(daemon: Any, ev: dict[str, float] | None) -> None:
                  len(core.workers), core.counters.applied, core.counters.lost)
 
 
+def waiting_for(d: Any) -> str:
+    """What a run that has not made its first step waits for, in a few words."""
+    workers = d.core.workers.values()
+    joined, ready = len(workers), sum(1 for w in workers if w.ready)
+    wanted = d.core.cfg.min_workers
+    if joined == 0:
+        return "workers starting"
+    if ready < joined:
+        return f"{joined - ready} loading the problem"
+    if ready < wanted:
+        return f"{wanted - ready} more worker{'s' if wanted - ready > 1 else ''}"
+    return "first replies"
+
+
+def want_progress(flag: bool | None, stream: Any, log_format: str) -> bool:
+    """``serve --progress/--no-progress``: None (neither given) shows the bar when ``stream`` is a
+    terminal and the log is text (a JSON log is read by programs)."""
+    if flag is not None:
+        return flag
+    isatty = getattr(stream, "isatty", None)
+    return log_format == "text" and bool(isatty and isatty())
+
+
+class ServeBar:
+    """``serve``'s progress bar on a terminal: steps (of ``--max-steps`` when given), update rate,
+    workers, lost jobs and the last evaluation; before the first step, what it waits for. The
+    evaluation lines are still logged (above the bar)."""
+
+    def __init__(self, total: int | None, stream: Any = None) -> None:
+        from tqdm import tqdm
+
+        self.total = total
+        self.bar = tqdm(total=total, desc="serve", unit="step", file=stream or sys.stderr, dynamic_ncols=True,
+                        mininterval=0.2)
+
+    def __call__(self, daemon: Any, ev: dict[str, float] | None) -> None:
+        log_progress(daemon, ev)
+        core = daemon.core
+        self.bar.n = min(core.version, self.total) if self.total else core.version
+        post: dict[str, Any] = {"rate": f"{daemon.step_rate(daemon.clock()):.1f}/s", "workers": len(core.workers)}
+        if core.counters.lost:
+            post["lost"] = core.counters.lost
+        if core.version == 0:
+            post["waiting"] = waiting_for(daemon)
+        if daemon.evaluations:
+            last = daemon.evaluations[-1]
+            post.update({k: f"{v:.4g}" for k, v in last.items() if k in ("loss", "accuracy")})
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def serve_until_stopped(daemon: Any, out_dirs: list[str]) -> str:
     """Run the daemon to its end, then write summary.json and final_x.npy into each of
     ``out_dirs`` (a full disk is logged: the journal and checkpoints still hold the run) and

@@ -120,3 +120,43 @@ def test_runs_progress_bar_says_what_the_first_step_waits_for():
     assert waiting_for(daemon(False, True)) == "1 loading the problem"
     assert waiting_for(daemon(True)) == "1 more worker" and waiting_for(daemon(True, wanted=3)) == "2 more workers"
     assert waiting_for(daemon(True, True)) == "first replies"
+
+
+def test_serve_shows_a_progress_bar_on_a_terminal_only():
+    import io
+
+    from ps.server import want_progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert want_progress(None, Tty(), "text") and not want_progress(None, io.StringIO(), "text")
+    assert not want_progress(None, Tty(), "json")  # a JSON log is read by programs
+    assert want_progress(True, io.StringIO(), "json") and not want_progress(False, Tty(), "text")
+
+
+def test_serves_progress_bar_shows_steps_rate_workers_lost_and_the_last_evaluation(caplog):
+    import io
+    import logging
+    from types import SimpleNamespace as NS
+
+    from ps.server import ServeBar
+
+    out = io.StringIO()
+    bar = ServeBar(1000, out)
+    workers = {"w0": NS(ready=True), "w1": NS(ready=False)}
+    d = NS(core=NS(version=0, workers=workers, cfg=NS(min_workers=2), counters=NS(lost=0, applied=0)),
+           evaluations=[], step_rate=lambda now: 0.0, clock=lambda: 0.0)
+    bar(d, None)
+    assert "0/1000" in out.getvalue() and "waiting=1 loading the problem" in out.getvalue()
+    ev = {"version": 250, "t": 3.0, "loss": 0.123456, "accuracy": 0.9}
+    d.core.version, d.core.counters.lost, d.evaluations = 250, 2, [ev]
+    d.step_rate = lambda now: 81.25
+    with caplog.at_level(logging.INFO, "latecomer.server"):
+        bar(d, ev)
+    text = out.getvalue().rsplit("\r", 1)[-1]
+    assert "250/1000" in text and "rate=81.2/s" in text and "workers=2" in text and "lost=2" in text
+    assert "loss=0.1235" in text and "accuracy=0.9" in text and "waiting" not in text
+    assert any(r.getMessage().startswith("step 250  loss 0.1235") for r in caplog.records)  # still logged
+    bar.close()
