@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
 import click
 import numpy as np
 
-from problems.trust import BUILTINS_ONLY, Allowed, check_run
+from problems.trust import BUILTINS_ONLY, Allowed, UntrustedError, check_run
 
 FORMATS = ("torch", "safetensors", "npy")
 
@@ -179,7 +181,20 @@ def state_dict(run_dir: str, *, checkpoint: str | int | None = None, allow_probl
         ValueError: see :func:`run_state_dict`; a user callable the patterns do not allow.
     """
     allowed = Allowed.from_flags(_patterns(allow_problem), _patterns(allow_algorithm))
-    return run_state_dict(run_dir, checkpoint, allowed=allowed)[0]
+    try:
+        return run_state_dict(run_dir, checkpoint, allowed=allowed)[0]
+    except UntrustedError as e:  # say the keyword of this call, not the command line's flag
+        raise UntrustedError(python_hint(str(e))) from None
+
+
+def python_hint(message: str) -> str:
+    """A refusal's ``add --allow-problem SPEC`` (or ``--allow-algorithm``) as the keyword a Python
+    caller passes: ``pass allow_problem="SPEC"``."""
+    def keyword(m: re.Match) -> str:
+        spec = shlex.split(m.group(2))[0]
+        return f'pass allow_{m.group(1)}="{spec}" (you trust that code)'
+
+    return re.sub(r"add --allow-(problem|algorithm) ('[^']*'|\S+)", keyword, message)
 
 
 def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = None, strict: bool = True,
@@ -214,8 +229,11 @@ def load_state_dict(model: Any, run_dir: str, *, checkpoint: str | int | None = 
     return model
 
 
-def write(sd: dict[str, Any], path: str, fmt: str) -> None:
-    """Write a state dict as ``fmt`` (see the module docstring).
+def write(sd: dict[str, Any], path: str, fmt: str, model: Any = None) -> None:
+    """Write a state dict as ``fmt`` (see the module docstring). With ``model`` (a TorchProblem's
+    module) safetensors are written by ``safetensors.torch.save_model`` after loading ``sd`` into
+    it: tied tensors (GPT-2's embedding and head) once, in the form ``safetensors.torch.load_model``
+    reads. Every format gets the mode a new file gets here (0666 less the umask), as torch.save's.
 
     Raises:
         ValueError: unknown format, or safetensors without the package.
@@ -234,11 +252,22 @@ def write(sd: dict[str, Any], path: str, fmt: str) -> None:
         torch.save(tensors, path)
         return
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file, save_model
     except ImportError:
         raise ValueError("--format safetensors needs the safetensors package: pip install safetensors "
                          "(or pip install 'latecomer[export]')") from None
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    if model is not None:
+        model.load_state_dict(tensors, strict=True)
+        save_model(model, path)
+    else:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    os.chmod(path, 0o666 & ~_umask())  # the library writes 0600
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @click.command("export")
@@ -264,7 +293,7 @@ def export(run_dir, fmt, output, checkpoint, allow_problem, allow_algorithm) -> 
     try:
         sd, problem, point = run_state_dict(run_dir, checkpoint,
                                             allowed=Allowed.from_flags(allow_problem, allow_algorithm))
-        write(sd, output, fmt)
+        write(sd, output, fmt, model=getattr(problem, "model", None) if hasattr(problem, "buffer_names") else None)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     except OSError as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import sys
 import types
 
@@ -113,8 +115,11 @@ def test_export_cli_torch_state_dict_loads_into_a_fresh_module(tmp_path, user_mo
     assert acc == problem.evaluate(x)["accuracy"]
     fresh = load_state_dict(module.Net(), d)  # the module that defines the model's class is trusted
     assert all(torch.equal(fresh.state_dict()[k], sd[k]) for k in sd)
-    with pytest.raises(ValueError, match=f"add --allow-problem {user_module}:make"):
-        state_dict(d)
+    with pytest.raises(ValueError, match=f'pass allow_problem="{user_module}:make"') as e:
+        state_dict(d)  # a Python call is told the keyword, not the command line's flag
+    assert "--allow-problem" not in str(e.value)
+    with pytest.raises(ValueError, match=f'pass allow_problem="{user_module}:make"'):
+        load_state_dict(torch.nn.Linear(2, 2), d)  # a model class from a library: the same one line
     assert set(state_dict(d, allow_problem=f"{user_module}:*")) == set(sd)
 
 
@@ -185,3 +190,69 @@ def test_load_state_dict_into_the_wrong_module_is_a_one_line_error(tmp_path, use
     with pytest.raises(ValueError) as info:
         load_state_dict(torch.nn.Linear(2, 2), d, allow_problem=f"{user_module}:*")
     assert "does not fit this module" in str(info.value) and "\n" not in str(info.value)
+
+
+TIED_MODULE = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import latecomer
+
+
+class Tied(nn.Module):
+    """An embedding and an output head that share one weight (GPT-2's form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.wte(x))))
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 7, (64,), generator=g)
+    return TensorDataset(x, (x + 1) % 7)
+
+
+def make(device="cpu"):
+    return latecomer.TorchProblem(Tied, nn.functional.cross_entropy, data(), data(), device=device)
+'''
+
+
+def test_safetensors_of_a_tied_model_load_with_safetensors_load_model_and_get_the_usual_mode(tmp_path, monkeypatch):
+    """issue 25: the export is in ``safetensors.torch.save_model``'s form, so ``load_model(net, file)``
+    loads it into a fresh tied module (it failed with 'Unexpected key(s)'), and the file's mode is
+    what a new file gets here (0644 under umask 022), as the .pt's, not 0600."""
+    st = pytest.importorskip("safetensors.torch")
+    from problems import load_problem
+
+    (tmp_path / "tiedmod.py").write_text(TIED_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tiedmod", None)
+    problem = load_problem("tiedmod:make")
+    x = np.random.default_rng(0).standard_normal(problem.dim).astype(np.float32)
+    d = state_dir(tmp_path / "state", "tiedmod:make", {5: x})
+    old = os.umask(0o022)
+    try:
+        for fmt, name in (("safetensors", "m.safetensors"), ("torch", "m.pt")):
+            r = CliRunner().invoke(main, ["export", d, "--format", fmt, "-o", str(tmp_path / name),
+                                          "--allow-problem", "tiedmod:make"])
+            assert r.exit_code == 0, r.output
+            assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o644, fmt
+    finally:
+        os.umask(old)
+    module = sys.modules["tiedmod"]
+    net = module.Tied()
+    missing, unexpected = st.load_model(net, str(tmp_path / "m.safetensors"))
+    assert not missing and not unexpected
+    want = problem.state_dict(x)
+    assert all(torch.equal(net.state_dict()[k], want[k]) for k in want)
+    assert net.head.weight is net.wte.weight  # still tied
+    sys.modules.pop("tiedmod", None)
