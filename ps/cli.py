@@ -224,7 +224,8 @@ def list_algorithms(names) -> None:
               help="ZeroMQ endpoint to bind: tcp://HOST:PORT (HOST * for every interface, [::1] for IPv6; "
                    "port 0: any free port) or ipc://PATH.")
 @_training_options("digits", "ordered-momentum")
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per job (default: the problem's own batch_size, e.g. TorchProblem(batch_size=), else 32).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop after this many updates.")
 @click.option("--max-time", type=float, default=None, callback=_positive, help="Stop after this many seconds.")
 @click.option("--target-loss", type=float, default=None, callback=_finite,
@@ -465,7 +466,8 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
 @click.option("--delays", default="0,0.002,0.006,0.02", show_default=True,
               help="Comma-separated injected seconds per job, one per worker (cycled).")
 @click.option("--steps", type=click.IntRange(min=1), default=3000, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per job (default: the problem's own batch_size, e.g. TorchProblem(batch_size=), else 32).")
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True, callback=output_dir,

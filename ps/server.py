@@ -9,6 +9,7 @@ Errors a person can fix are one-line ``click`` exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -79,7 +80,7 @@ class TrainingSpec:
 class ServeOptions:
     """What a run is served with, besides its problem and algorithm (``serve``'s options)."""
 
-    batch_size: int = 1
+    batch_size: int | None = 1  # None: the problem's own batch_size, else 32 (resolve_batch_size)
     max_steps: int | None = None
     max_time: float | None = None
     target_loss: float | None = None
@@ -116,6 +117,21 @@ class StateOptions:
     repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
 
 
+def resolve_batch_size(given: int | None, problem: Any) -> int:
+    """The jobs' batch size: ``--batch-size`` when given, else the problem's own ``batch_size``
+    (a TorchProblem's), else 32. Logs which, and warns when both are given and differ."""
+    own = getattr(problem, "batch_size", None)
+    own = own if isinstance(own, int) and not isinstance(own, bool) and own >= 1 else None
+    if given is None:
+        size = own or 32
+        log.info("jobs of %d samples (%s)", size, "the problem's batch_size" if own else "the default; --batch-size")
+        return size
+    if own is not None and own != given:
+        log.warning("--batch-size %d differs from the problem's batch_size %d: jobs use %d; the problem's is for "
+                    "its BatchNorm re-estimation and full-gradient chunks", given, own, given)
+    return given
+
+
 def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: StateOptions | None = None,
                 allowed: Any = None, on_progress: Callable | None = None):
     """The daemon for ``spec`` on ``bind``: a fresh run, or with
@@ -127,6 +143,7 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
 
     persistence, boot = None, secrets.randbits(63)
     wire_dtype, events, shards = opts.wire_dtype, opts.events, None
+    before = _entries(state.state_dir) if state is not None else None
     if opts.shards and state is None:
         raise click.UsageError("a sharded server needs --state DIR: its journal feeds the shards")
     if state is not None:
@@ -145,7 +162,8 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     else:
         problem, alg = spec.build()
         cfg = CoreConfig(problem=spec.problem, problem_options=dict(problem.options or spec.problem_options),
-                         batch_size=opts.batch_size, heartbeat_interval_s=opts.heartbeat_interval,
+                         batch_size=resolve_batch_size(opts.batch_size, problem),
+                         heartbeat_interval_s=opts.heartbeat_interval,
                          liveness_timeout_s=opts.liveness_timeout, min_workers=opts.min_workers,
                          round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1)
         core = ServerCore(alg, problem.init_params(opts.seed), cfg, server_boot=boot, now=time.monotonic())
@@ -161,7 +179,36 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     except zmq.ZMQError as e:
         if persistence is not None:
             persistence.close()
+            _undo_new_run(state.state_dir, before)
         raise click.ClickException(f"cannot bind {bind}: {e}") from None
+
+
+def _entries(d: str) -> set[str] | None:
+    """What a state directory holds before this server starts (None: it does not exist)."""
+    try:
+        return set(os.listdir(d))
+    except FileNotFoundError:
+        return None
+
+
+def _undo_new_run(d: str, before: set[str] | None) -> None:
+    """A new run whose server cannot bind leaves nothing behind: the files it created go (the
+    directory too, if it made it), so the next start is a new run again, not a run with no
+    checkpoint. A resumed run's directory had run.json before: nothing of it is removed."""
+    import shutil
+
+    if before is not None and "run.json" in before:
+        return
+    if before is None:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    for name in set(os.listdir(d)) - before:
+        path = os.path.join(d, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def read_run_checked(state_dir: str) -> dict[str, Any]:
@@ -229,7 +276,8 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
     options = dict(problem.options or spec.problem_options)
     run = {"problem": spec.problem, "problem_options": options, "algorithm": spec.algorithm,
            "settings": dict(spec.settings), "format": 1, "wire_dtype": wire_dtype,
-           "core": {"problem": spec.problem, "problem_options": options, "batch_size": core_kw["batch_size"],
+           "core": {"problem": spec.problem, "problem_options": options,
+                    "batch_size": resolve_batch_size(core_kw["batch_size"], problem),
                     "heartbeat_interval_s": core_kw["heartbeat_interval"],
                     "liveness_timeout_s": core_kw["liveness_timeout"], "min_workers": core_kw["min_workers"],
                     "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],

@@ -160,3 +160,79 @@ def test_serves_progress_bar_shows_steps_rate_workers_lost_and_the_last_evaluati
     assert "loss=0.1235" in text and "accuracy=0.9" in text and "waiting" not in text
     assert any(r.getMessage().startswith("step 250  loss 0.1235") for r in caplog.records)  # still logged
     bar.close()
+
+
+def test_the_jobs_batch_size_is_the_problems_own_unless_serve_says_another(caplog):
+    """issue 25: ``TorchProblem(batch_size=128)`` served without ``--batch-size`` gives jobs of 128
+    samples (it gave the server's default 32); ``--batch-size`` wins, with a warning when it
+    differs; a problem without one gets 32."""
+    import logging
+    from types import SimpleNamespace as NS
+
+    from ps.server import resolve_batch_size
+
+    with caplog.at_level(logging.INFO, "latecomer.server"):
+        assert resolve_batch_size(None, NS(batch_size=128)) == 128
+        assert resolve_batch_size(None, NS()) == 32 and resolve_batch_size(None, NS(batch_size=True)) == 32
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert resolve_batch_size(64, NS(batch_size=64)) == 64
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert resolve_batch_size(64, NS(batch_size=128)) == 64
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["--batch-size 64 differs from the problem's batch_size 128: jobs use 64; the problem's is for "
+                      "its BatchNorm re-estimation and full-gradient chunks"]
+    assert "jobs of 128 samples (the problem's batch_size)" in caplog.text
+
+
+def test_serve_without_batch_size_records_the_problems_in_run_json(tmp_path):
+    from ps.cli import training_spec
+    from ps.persist import read_run
+    from ps.server import ServeOptions, StateOptions, make_daemon
+
+    spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
+                         default_algorithm="asgd")
+    daemon = make_daemon(spec, "tcp://127.0.0.1:0", ServeOptions(batch_size=None, max_steps=1),
+                         state=StateOptions(str(tmp_path / "state")))
+    try:
+        assert daemon.core.cfg.batch_size == 32 == read_run(str(tmp_path / "state"))["core"]["batch_size"]
+    finally:
+        daemon.persist.close()
+        daemon.close()
+
+
+def test_a_bind_on_a_busy_port_leaves_no_half_made_state_directory(tmp_path):
+    """issue 25: ``Address already in use`` left run.json and a journal behind (then ``export``
+    said the directory held a run with no checkpoint); now the new run's files go, and the next
+    start on a free port is a new run. A resumed run's directory keeps all it held."""
+    import click
+    import zmq
+
+    from ps.cli import training_spec
+    from ps.server import ServeOptions, StateOptions, make_daemon
+
+    ctx = zmq.Context()
+    busy = ctx.socket(zmq.ROUTER)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
+                         default_algorithm="asgd")
+    opts = ServeOptions(max_steps=1)
+    try:
+        fresh, empty = tmp_path / "fresh", tmp_path / "empty"
+        empty.mkdir()
+        (empty / "notes.txt").write_text("mine")
+        for d in (fresh, empty):
+            with pytest.raises(click.ClickException, match=f"cannot bind tcp://127.0.0.1:{port}"):
+                make_daemon(spec, f"tcp://127.0.0.1:{port}", opts, state=StateOptions(str(d)))
+        assert not fresh.exists()
+        assert sorted(p.name for p in empty.iterdir()) == ["notes.txt"]
+        daemon = make_daemon(spec, "tcp://127.0.0.1:0", opts, state=StateOptions(str(empty)))  # a new run
+        daemon.persist.close()
+        daemon.close()
+        held = sorted(p.name for p in empty.iterdir())
+        assert "run.json" in held
+        with pytest.raises(click.ClickException, match="cannot bind"):
+            make_daemon(spec, f"tcp://127.0.0.1:{port}", opts, state=StateOptions(str(empty)))  # resumed
+        assert set(held) <= {p.name for p in empty.iterdir()}  # nothing of the run goes (its restart is journaled)
+    finally:
+        busy.close(0)
+        ctx.term()
