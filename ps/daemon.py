@@ -84,6 +84,11 @@ FAILURE_LINES = {
                "until it says hello again",
     "unbenched": "worker {worker_id} gets jobs again ({reason})",
 }
+# Lifecycle events whose bare "KIND WORKER" line would not say what happened.
+LIFECYCLE_LINES = {
+    "late": "late {worker_id}: its reply to job {job_id} came after the job was settled ({was}): ignored, "
+            "nothing lost (a slow or frozen worker whose job was written off or cancelled, or a repeat)",
+}
 DRAIN_S = 2.0  # at shutdown, how long to wait for the workers to acknowledge the bye
 
 
@@ -673,7 +678,11 @@ class Daemon:
             elif kind in LIFECYCLE:  # one log line per lifecycle event (JSON with --log-format json)
                 if kind == "left" and ev.get("worker_id") not in self.core.workers:
                     self.conns.release(ev.get("worker_id", ""), self.clock())  # idle from now: it expires
-                self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
+                text = LIFECYCLE_LINES.get(kind)
+                if text is not None:
+                    self.lifecycle.info(text.format_map(collections.defaultdict(str, ev)), extra={"event": ev})
+                else:
+                    self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
             elif kind in FAILURE_LINES and (kind != "failed" or ev.get("worker_failed") == 1):
                 self.lifecycle.warning(FAILURE_LINES[kind].format_map(ev), extra={"event": ev})
         if events:

@@ -117,6 +117,39 @@ class StateOptions:
     repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
 
 
+def muon_blocks_text(alg: Any, problem: Any) -> str | None:
+    """One line saying which blocks a Muon run orthogonalizes (and in what arithmetic) and how
+    many take the momentum step; None for an algorithm that runs no Newton–Schulz or an unbound
+    problem."""
+    if getattr(alg, "ns_dtype", None) is None or getattr(alg, "lmo", "muon") != "muon":
+        return None
+    import math
+
+    import numpy as np
+
+    from algorithms.lmo import check_lmo_mask, default_lmo_mask, ns_dtype_for
+
+    layout = tuple(getattr(problem, "layout", ()) or ())
+    if not layout:
+        return None
+    mask = check_lmo_mask(layout, getattr(problem, "lmo_mask", None)) or default_lmo_mask(layout)
+    named = []
+    for (name, shape), on in zip(layout, mask, strict=True):
+        if on and math.prod(shape):
+            rows = shape[0] if len(shape) >= 2 else 1
+            mat = (rows, math.prod(shape) // rows)
+            named.append(f"{name} {mat[0]}x{mat[1]} {ns_dtype_for(alg.ns_dtype, np.float32, mat)}")
+    shown = ", ".join(named[:8]) + (f", ... {len(named) - 8} more" if len(named) > 8 else "")
+    return (f"Muon: Newton-Schulz on {len(named)} of {len(layout)} blocks ({shown or 'none'}); the other "
+            f"{len(layout) - len(named)} take the momentum step (the problem's lmo_mask)")
+
+
+def log_muon_blocks(alg: Any, problem: Any) -> None:
+    text = muon_blocks_text(alg, problem)
+    if text:
+        log.info("%s", text)
+
+
 def resolve_batch_size(given: int | None, problem: Any) -> int:
     """The jobs' batch size: ``--batch-size`` when given, else the problem's own ``batch_size``
     (a TorchProblem's), else 32. Logs which, and warns when both are given and differ."""
@@ -168,6 +201,7 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
                          round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1)
         core = ServerCore(alg, problem.init_params(opts.seed), cfg, server_boot=boot, now=time.monotonic())
     try:
+        log_muon_blocks(core.alg, problem)
         return Daemon(core, problem, bind, stop=StopCondition(opts.max_steps, opts.max_time, opts.target_loss),
                       eval_every=opts.eval_every, events_path=events, on_progress=on_progress,
                       persistence=persistence, keys_dir=opts.keys_dir, shm="off" if shards else opts.shm,

@@ -236,3 +236,41 @@ def test_a_bind_on_a_busy_port_leaves_no_half_made_state_directory(tmp_path):
     finally:
         busy.close(0)
         ctx.term()
+
+
+def test_a_late_reply_is_logged_with_what_it_means(caplog):
+    """issue 25: ``late w1`` alone left users guessing; the line says the reply came after its
+    job was settled, how the job was settled, and that nothing was lost."""
+    import logging
+
+    from ps.cli import training_spec
+    from ps.server import ServeOptions, make_daemon
+
+    spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
+                         default_algorithm="asgd")
+    daemon = make_daemon(spec, "tcp://127.0.0.1:0", ServeOptions(max_steps=1))
+    try:
+        daemon.core.events.append({"ev": "late", "job_id": 7, "worker_id": "w1", "was": "lost", "t": 0.0})
+        with caplog.at_level(logging.INFO, "latecomer.events"):
+            daemon._flush_events()
+    finally:
+        daemon.close()
+    assert [r.getMessage() for r in caplog.records if r.name == "latecomer.events"] == [
+        "late w1: its reply to job 7 came after the job was settled (lost): ignored, nothing lost (a slow or "
+        "frozen worker whose job was written off or cancelled, or a repeat)"]
+
+
+def test_the_server_says_which_blocks_get_muon_and_in_what_arithmetic():
+    from types import SimpleNamespace as NS
+
+    import algorithms
+    from ps.server import muon_blocks_text
+
+    layout = (("emb", (50, 64)), ("attn", (256, 128)), ("attn.b", (256,)), ("mlp", (64, 32)))
+    problem = NS(layout=layout, lmo_mask=(False, True, False, True))
+    text = muon_blocks_text(algorithms.build("ringmaster-lmo", {"lmo": "muon"}), problem)
+    assert text == ("Muon: Newton-Schulz on 2 of 4 blocks (attn 256x128 bfloat16, mlp 64x32 float32); the other 2 "
+                    "take the momentum step (the problem's lmo_mask)")
+    assert "on 3 of 4" in muon_blocks_text(algorithms.build("rennala-muon", {}), NS(layout=layout))  # rank rule
+    assert muon_blocks_text(algorithms.build("ringmaster-lmo", {"lmo": "sign"}), problem) is None
+    assert muon_blocks_text(algorithms.build("asgd", {}), problem) is None
