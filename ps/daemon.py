@@ -41,7 +41,7 @@ from ps.connections import (
     ConnectionLimits,
 )
 from ps.core import Disconnect, Send, ServerCore
-from ps.evaluator import Evaluator
+from ps.evaluator import EvalLog, Evaluator
 from ps.inputs import CoreInputs
 from ps.observe import TICK_S, Observers, snapshot
 from ps.persist import EventLog, Persistence
@@ -177,7 +177,7 @@ class Daemon:
         self.backlog_paused_until = -math.inf  # the backlog waits until then (_receive_batch)
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
-        self.evaluations: list[dict[str, float]] = []
+        self.evaluations: list[dict[str, float]] = self._prior_evaluations()  # a resumed run's, then ours
         self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/evaluator.py)
         self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe.py)
         self.last_eval_version = -1  # the version of the evaluation started last
@@ -228,10 +228,25 @@ class Daemon:
         return self.x if self.x is not None else np.zeros(0, self.core.dtype)
 
     def _run_time(self) -> float:
-        """Seconds since the first job was issued (0 before): an evaluation's ``t``."""
+        """Seconds since the first job was issued (0 before): an evaluation's ``t``; a resumed run
+        goes on from its last recorded evaluation's."""
         if self.training_started_at is None and self.core.started:
             self.training_started_at = self.clock()
-        return 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+        own = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
+        return self.t_offset + own
+
+    def _prior_evaluations(self) -> list[dict[str, float]]:
+        """With a state directory, its evaluations.jsonl (ps/evaluator.py ``EvalLog``): the
+        evaluations of the sessions before this one, of versions before the recovered one."""
+        self.eval_log, self.t_offset = None, 0.0
+        if self.persist is None:
+            return []
+        self.eval_log = EvalLog(self.persist.state_dir)
+        prior = self.eval_log.load(self.core.version)
+        if self.eval_log.skipped:
+            log.warning("%s: %d damaged lines skipped", self.eval_log.path, self.eval_log.skipped)
+        self.t_offset = float(prior[-1]["t"]) if prior else 0.0
+        return prior
 
     def evaluate(self) -> None:
         """Start an evaluation of the current iterate, off the loop (ps/evaluator.py): the
@@ -255,6 +270,8 @@ class Daemon:
     def _record(self, ev: dict[str, float] | None, *, progress: bool = True) -> None:
         if ev is not None:
             self.evaluations.append(ev)
+            if self.eval_log is not None:
+                self.eval_log.append(ev)
             if self.observers:
                 self.observers.call("on_evaluation", ev)
             if progress and self.on_progress:
@@ -541,6 +558,7 @@ class Daemon:
         if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
             self.evaluate()
         self._record(self.evaluator.wait(), progress=False)
+        self.stopped_at = self.clock()  # summary's elapsed_s: the same figure however late it is asked
         log.info("stopping: %s", self.stopping)
 
     def _final_gather(self, timeout_s: float = 120.0) -> None:
@@ -571,6 +589,8 @@ class Daemon:
         self.transport.drain(bye, self.clock() + DRAIN_S)
 
     def close(self) -> None:
+        if self.eval_log is not None:
+            self.eval_log.close()
         if self.observers:
             self.observers.call("on_tick", snapshot(self), self.clock())  # the final figures
             self.observers.call("close")
@@ -782,8 +802,9 @@ class Daemon:
     def summary(self) -> dict[str, Any]:
         """Counters, evaluations and age statistics of the run (JSON-able)."""
         c = self.core.counters.as_dict()
+        end = getattr(self, "stopped_at", None) or self.clock()
         return {"endpoint": self.endpoint, "version": self.core.version, "stopped": self.stopping,
-                "elapsed_s": self.clock() - self.started_at, "counters": c, "outstanding": self.core.outstanding,
+                "elapsed_s": end - self.started_at, "counters": c, "outstanding": self.core.outstanding,
                 "accounted": self.core.accounted(), "evaluations": self.evaluations,
                 "invalid_messages": self.transport.invalid_messages, "send_failures": self.transport.send_failures,
                 "connections": {k[len("conn."):]: v for k, v in self.conns.figures().items()},

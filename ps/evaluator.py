@@ -101,3 +101,62 @@ class Evaluator:
         if self._thread is not None:
             self._thread.join(timeout)
         return self.take()
+
+
+class EvalLog:
+    """``evaluations.jsonl`` in a state directory: every evaluation of every session of the run,
+    one JSON line each, appended and flushed as it is recorded (not fsynced: nothing replays from
+    it). A resumed run starts from the lines of the versions before its own (a crash's torn last
+    line is skipped), so its summary.json and ``latecomer report`` hold the whole run, and its
+    ``t`` goes on from the last one recorded (training time, not counting the time the server
+    was down)."""
+
+    NAME = "evaluations.jsonl"
+
+    def __init__(self, state_dir: str) -> None:
+        import os
+
+        self.path = os.path.join(state_dir, self.NAME)
+        self.f: Any = None
+        self.skipped = 0
+
+    def load(self, before_version: int) -> list[dict[str, float]]:
+        """The recorded evaluations of versions before ``before_version``, in order."""
+        import json
+        import math
+
+        out: list[dict[str, float]] = []
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return out
+        for line in lines:
+            try:
+                ev = json.loads(line)
+                ok = isinstance(ev, dict) and "version" in ev and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in ev.values())
+            except ValueError:
+                ok = False
+            if not ok or not float(ev["version"]).is_integer() or not math.isfinite(float(ev.get("t", 0.0))):
+                self.skipped += 1
+                continue
+            if ev["version"] < before_version:
+                out.append(ev)
+        return out
+
+    def append(self, ev: dict[str, float]) -> None:
+        import json
+
+        try:
+            if self.f is None:
+                self.f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the run
+            self.f.write(json.dumps(ev) + "\n")
+            self.f.flush()
+        except (OSError, ValueError):  # a full disk: the summary still has it; the journal holds the run
+            pass
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
