@@ -223,7 +223,7 @@ def test_state_dict_round_trip_is_exact_and_loads_are_checked():
 
 def test_adamw_with_max_age_meets_the_contract():
     """The registry's runs are enrolled in tests/sim/test_contract.py; here the max_age option
-    (the contract's 6 workers make ages up to about 10: a bound of 4 really drops)."""
+    (with the contract's 6 heterogeneous workers a bound of 4 really drops replies: asserted)."""
     trace = check_algorithm(lambda: build("adamw", {"lr": 0.02, "max_age": 4}))
     assert trace.counters.get("dropped", 0) > 0
 
