@@ -4,6 +4,7 @@
 contract tests.
 """
 
+from algorithms.adam import Adam, AdamW
 from algorithms.base import Algorithm, JobSpec, Outcome, Result
 from algorithms.baselines import DelayAdaptiveASGD, DelayFilteredASGD, NaiveMomentumASGD, VanillaASGD
 from algorithms.ordered import OrderedMomentum, OrderedMu2SGD
@@ -29,6 +30,8 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     RennalaMuon.name: RennalaMuon,
     DelayedStormVR.name: DelayedStormVR,
     SnapshotVR.name: SnapshotVR,
+    AdamW.name: AdamW,
+    Adam.name: Adam,
 }
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from experiments import async_vs_sync, delayed_vr, ordered_momentum, rennala_mvr, ringmaster_lmo, wire_dtype
+from experiments import (
+    adamw_charlm,
+    async_vs_sync,
+    delayed_vr,
+    ordered_momentum,
+    rennala_mvr,
+    ringmaster_lmo,
+    wire_dtype,
+)
 
 EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "rennala-mvr": rennala_mvr.run,
@@ -18,6 +26,7 @@ EXPERIMENTS: dict[str, Callable[..., dict]] = {
     "ordered-momentum": ordered_momentum.run,
     "ringmaster-lmo": ringmaster_lmo.run,
     "wire-dtype": wire_dtype.run,
+    "adamw-charlm": adamw_charlm.run,
 }
 
 

@@ -30,7 +30,7 @@ from ps.paths import output_dir
 def experiment(name: str, quick: bool, seed: int, out_dir: str | None, no_progress: bool, real: bool,
                part: str | None) -> None:
     """Run reference experiment NAME (rennala-mvr, delayed-vr, async-vs-sync,
-    ordered-momentum, ringmaster-lmo, wire-dtype): a CSV of every
+    ordered-momentum, ringmaster-lmo, wire-dtype, adamw-charlm): a CSV of every
     curve, PNG plots and a markdown table of the headline numbers go into the output folder."""
     table = EXPERIMENTS
     if real:

@@ -1,6 +1,7 @@
 """Exact replay of real runs from their journal: a per-reply method, a round method (Rennala)
 and A11 with lost replies (a worker killed mid-run), recomputing gradients from the recorded
-seeds; and the digits MLP with payloads logged. Also `latecomer stop` and delay-trace replay."""
+seeds; AdamW (its moments through checkpoints, a worker killed); and the digits MLP with payloads
+logged. Also `latecomer stop` and delay-trace replay."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ CASES = {
     "storm-vr": (["--problem", "quadratic", "--problem-opt", "d=32", "--set", "lr=0.2", "--set", "a=0.2",
                   "--set", "B_init=4", "--set", "tau_lost=1000"], True, False),
     "digits-payloads": (["--problem", "digits", "--set", "lr=0.3", "--set", "beta=0.3"], True, True),
+    "adamw": (["--problem", "quadratic", "--problem-opt", "d=32", "--set", "lr=0.05", "--set", "weight_decay=0.01"],
+              True, False),
 }
 
 

@@ -244,6 +244,16 @@ def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_b
     replay_identical(state)
 
 
+def test_adamw_on_two_shards_corrects_by_one_count_and_replays_bit_for_bit(tmp_path):
+    """``adamw`` on 2 shards of 3 blocks (the middle one cut between them): each shard keeps its
+    slices of m and v and corrects by 1 − β^t with the run's one update count; ``latecomer
+    replay`` through one unsharded core gives the shards' final iterate bit for bit."""
+    state, s = synthetic_to_end(tmp_path / "adamw", 30001, 3, "adamw", 60, "lr=0.01", "weight_decay=0.1")
+    assert s["version"] == 60 and s["counters"]["applied"] == 60 and s["blocks_timed_out"] == 0, s["counters"]
+    assert len(s["shards"]) == 2
+    replay_identical(state)
+
+
 def test_lmo_l2_on_two_shards_divides_by_the_whole_momentums_norm_through_a_kill9_of_a_shard(tmp_path):
     """``ringmaster-lmo`` with ``lmo=l2`` steps by u/‖u‖, the norm of the whole momentum: for each
     reply the coordinator asks every shard for its blocks' ‖u_b‖² (``reduce?``) once the records

@@ -41,6 +41,8 @@ SETTINGS: dict[str, tuple[tuple[str, dict], dict]] = {
     "delay-adaptive-muon": (QUAD, {"lr": 0.05, "n_workers": N_WORKERS}),
     "storm-vr": (QUAD, {"lr": 0.3, "a": 0.1, "B_init": 4}),
     "snapshot-vr": (LOGREG, {"lr": 0.5, "m": 30, "D": 20, "num_samples": 400, "shards": 4, "batch": 10}),
+    "adamw": (QUAD, {"lr": 0.02}),
+    "adam": (QUAD, {"lr": 0.02}),
 }
 
 

@@ -24,6 +24,7 @@ EXPECTED_METHODS = {
     "ordered-momentum": {"ordered-momentum", "ordered-momentum-catch-up", "ordered-mu2", "ordered-mu2-theory",
                          "asgd", "naive-momentum", "delay-adaptive", "delay-filtered"},
     "wire-dtype": {"ordered-momentum", "asgd"},
+    "adamw-charlm": {"asgd", "ordered-momentum", "adamw"},
 }
 NUMERIC = {"t", "version", "grad_norm_sq", "loss", "applied", "lost", "dropped", "accuracy", "missing_mass",
            "f1", "recall_slow", "train_loss", "lr"}
@@ -101,7 +102,8 @@ def quick_run(tmp_path_factory):
 
 
 # one quick run, on a quiet 2-core machine: about 14 s (rennala-mvr), 8 s (delayed-vr), 36 s
-# (async-vs-sync, marked slow), 27 s (ordered-momentum), 11 s (ringmaster-lmo), 9 s (wire-dtype);
+# (async-vs-sync, marked slow), 27 s (ordered-momentum), 11 s (ringmaster-lmo), 9 s (wire-dtype),
+# 4 s (adamw-charlm);
 # copy "b" runs in another process while copy "a" runs here
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "async-vs-sync" else n
                                   for n in sorted(experiments.EXPERIMENTS)])
@@ -240,3 +242,21 @@ def test_quick_wire_dtype_quantization_matters_only_without_gradient_noise(quick
         applied = {w: [r["applied"] for r in rows if r["group"] == group and r["method"] == "asgd" and r["wire"] == w]
                    for w in ("f32", "bf16")}
         assert applied["f32"] == applied["bf16"]
+
+
+def test_quick_adamw_charlm_tables_the_csvs_final_losses(quick_run):
+    """The table's per-seed figures and the headline are the CSV's last points of the best runs."""
+    res = quick_run("adamw-charlm", 3)
+    with open(res["csv"][0], newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for method in EXPECTED_METHODS["adamw-charlm"]:
+        best = [r for r in rows if r["method"] == method and r["best"] == "1"]
+        assert {r["setting"] for r in best} == {res["settings"][method]}
+        finals = {g: float([r for r in best if r["group"] == g][-1]["loss"]) for g in {r["group"] for r in best}}
+        assert finals == {k: v for k, v in res["headline"][method].items() if k != "mean"}
+        assert res["headline"][method]["mean"] == pytest.approx(sum(finals.values()) / len(finals))
+    diff = res["headline"]["asgd"]["mean"] - res["headline"]["adamw"]["mean"]
+    assert res["headline"]["adamw_lower_than_asgd"]["mean_difference"] == pytest.approx(diff)
+    with open(res["markdown"], encoding="utf-8") as f:
+        text = f.read()
+    assert f"mean difference ASGD − AdamW = {diff:.4g} nats" in text

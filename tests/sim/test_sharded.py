@@ -71,6 +71,11 @@ def cases(n_samples: int) -> dict[str, tuple[str, dict, int]]:
         "rennala-mvr-inexact": ("rennala-mvr-inexact", {"lr": 0.1, "B": 3, "B_init": 6}, 50),
         "rennala-muon": ("rennala-muon", {"lr": 0.05, "B": 3}, 50),
         "delay-adaptive-muon": ("delay-adaptive-muon", {"lr": 0.02, "n_workers": N_WORKERS}, 100),
+        # the wrapped case first: the blocks test below reads the later (plain) case of a name
+        "adamw+wrappers": ("adamw", {"lr": 0.01, "lr_schedule": "cosine", "decay_steps": UPDATES, "warmup": 10},
+                           UPDATES),
+        "adamw": ("adamw", {"lr": 0.01, "weight_decay": 0.05}, UPDATES),
+        "adam": ("adam", {"lr": 0.01, "weight_decay": 1e-3}, 100),
     }
 
 
