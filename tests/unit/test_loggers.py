@@ -49,9 +49,9 @@ def test_a_bad_spec_is_one_line_naming_the_forms(spec):
 def test_a_missing_package_says_which_extra_to_install(kind, monkeypatch):
     spec = {"tensorboard": "tensorboard:tb", "wandb": "wandb", "mlflow": "mlflow:/tmp/mlruns"}[kind]
     module = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[kind]
+    for name in [m for m in sys.modules if m == kind or m.startswith(f"{kind}.") or m.startswith(f"{module}.")]:
+        monkeypatch.delitem(sys.modules, name)  # an earlier test may have imported it
     monkeypatch.setitem(sys.modules, kind, None)  # import raises ImportError, as when not installed
-    if kind == "tensorboard":
-        monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     monkeypatch.setitem(sys.modules, module, None)
     for call in (check_spec, make_logger):
         with pytest.raises(ValueError, match=rf"^--log-to {kind} needs its package: pip install latecomer\[{kind}\]$"):
