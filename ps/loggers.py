@@ -144,7 +144,8 @@ def tick_scalars(snapshot: dict[str, Any], ages: list[int], prev_jobs: dict[str,
                  now: float) -> dict[str, float]:
     """The scalars of one tick: server figures, the ages applied since the previous tick, the
     totals of lost and failed jobs, each worker's jobs per second since its previous row in
-    ``prev_jobs`` (updated: worker -> (time, jobs done)), the algorithm's figures."""
+    ``prev_jobs`` (updated: worker -> (time, jobs done)), the algorithm's figures (the
+    snapshot's ``alg``, else the ``alg.*`` entries of ``info``)."""
     info = snapshot.get("info", {})
     out: dict[str, float] = {}
     for key, name in (("step_rate", "server/step_rate"), ("workers", "server/workers"),
@@ -166,9 +167,12 @@ def tick_scalars(snapshot: dict[str, Any], ages: list[int], prev_jobs: dict[str,
             prev_jobs[wid] = (now, jobs)
             if before is not None and now > before[0]:
                 out[f"worker/{NAME_CHARS.sub('_', wid)}/jobs_per_s"] = (jobs - before[1]) / (now - before[0])
-    for key, v in info.items():
-        if key.startswith("alg.") and _number(v) is not None:
-            out[f"alg/{NAME_CHARS.sub('_', key[4:])}"] = float(v)
+    alg = snapshot.get("alg")  # all of them; info's alg.* entries may be cut by its cap
+    if alg is None:
+        alg = {k[4:]: v for k, v in info.items() if k.startswith("alg.")}
+    for key, v in alg.items():
+        if _number(v) is not None:
+            out[f"alg/{NAME_CHARS.sub('_', key)}"] = float(v)
     if "alg/lr" in out:
         out["lr"] = out["alg/lr"]
     return out

@@ -49,14 +49,14 @@ def start(procs, env, *args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNUL
     return p
 
 
-def serve_run(tmp_path, procs, *log_to: str, env=None) -> tuple[dict, list[dict], str]:
-    """A 300-step asgd run on quadratic, two workers of different speeds, ``--log-to`` each spec.
+def serve_run(tmp_path, procs, *log_to: str, env=None, algorithm="asgd") -> tuple[dict, list[dict], str]:
+    """A 300-step run on quadratic, two workers of different speeds, ``--log-to`` each spec.
     Returns summary.json, the event log and the server's stderr."""
     env = env or clean_env(tmp_path)
     out, events, err_path = tmp_path / "out", tmp_path / "events.jsonl", tmp_path / "serve.err"
     with open(err_path, "wb") as err:
         server = start(procs, env, "serve", "--bind", "tcp://127.0.0.1:0", "-p", "quadratic", "--problem-opt", "d=20",
-                       "-a", "asgd", "--set", f"lr={LR}", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
+                       "-a", algorithm, "--set", f"lr={LR}", "--batch-size", str(BATCH), "--max-steps", str(STEPS),
                        "--eval-every", str(EVAL_EVERY), "--min-workers", "2", "--out", str(out),
                        "--events", str(events), *[a for s in log_to for a in ("--log-to", s)],
                        stdout=subprocess.PIPE, stderr=err)
@@ -223,13 +223,18 @@ def test_mlflow_file_store_holds_the_loss_curve_and_params(tmp_path, procs, monk
     _need("mlflow", "mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     store = tmp_path / "mlruns"
-    summary, events, stderr = serve_run(tmp_path, procs, f"mlflow:{store}")
+    summary, events, stderr = serve_run(tmp_path, procs, f"mlflow:{store}", algorithm="delay-adaptive")
     assert f"at {store.as_uri()}" in stderr
     series, params = read_mlflow(store.as_uri())
     want = expected_losses(summary)
     assert sorted(series["eval/loss"]) == want
-    assert params["algorithm"] == "asgd" and float(params["alg.lr"]) == LR and params["batch_size"] == str(BATCH)
+    assert params["algorithm"] == "delay-adaptive" and float(params["alg.lr"]) == LR
+    assert params["batch_size"] == str(BATCH) and params["alg.n_workers"] == "1"
     check_ticks({k: sorted(v) for k, v in series.items()}, summary, events)
+    # delay-adaptive reports the step size of its latest reply, lr * min(1, n/age) with n = 1: lr logged as it
+    lrs = [v for _, v in series["lr"]]
+    assert lrs and series["lr"] == series["alg/lr"] and all(0 < v <= LR for v in lrs)
+    assert all(LR / v == pytest.approx(round(LR / v)) for v in lrs)  # lr / age for an integer age >= 1
 
 
 def test_latecomer_run_logs_too(tmp_path, procs, monkeypatch):

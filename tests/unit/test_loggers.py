@@ -183,6 +183,9 @@ def test_tick_scalars_ages_workers_counts_and_algorithm_figures():
     assert second["worker/w1/jobs_per_s"] == pytest.approx(10.0)
     assert second["worker/w_2/jobs_per_s"] == pytest.approx(0.5)
     assert not any(k.startswith("age/") for k in second)  # nothing applied since the last tick
+    snap["alg"] = {"lr": 0.5, "m_k": 3}  # the snapshot's own (uncapped) figures win over info's alg.*
+    third = tick_scalars(snap, [], prev, now=103.0)
+    assert third["alg/lr"] == third["lr"] == 0.5 and third["alg/m_k"] == 3.0 and "alg/bad" not in third
 
 
 def test_the_observer_keys_evaluations_by_their_version_and_ticks_by_the_current_one():
