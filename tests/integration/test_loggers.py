@@ -255,6 +255,63 @@ def test_latecomer_run_logs_too(tmp_path, procs, monkeypatch):
     assert params["algorithm"] == "asgd" and float(params["alg.lr"]) == LR
 
 
+def mlflow_server_python() -> str:
+    """A Python with the full mlflow package (``mlflow server`` needs it; mlflow-skinny, the
+    extra's package, has the client only): LATECOMER_TEST_MLFLOW_PYTHON, else this one."""
+    py = os.environ.get("LATECOMER_TEST_MLFLOW_PYTHON") or sys.executable
+    try:
+        ok = subprocess.run([py, "-c", "import mlflow.server.handlers, sqlalchemy"], capture_output=True,
+                            timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("needs a tracking server: the full mlflow package (pip install mlflow, about 1 GB, not in the "
+                    "test extra) here or in LATECOMER_TEST_MLFLOW_PYTHON")
+    return py
+
+
+def test_mlflow_tracking_server(tmp_path, procs):
+    """``mlflow:http://...``: a real ``mlflow server`` on loopback; read back over HTTP."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    _need("mlflow", "mlflow")
+    py = mlflow_server_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(tmp_path / "mlflow-server.log", "wb") as log:
+        server = subprocess.Popen([py, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                                   "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+                                   "--default-artifact-root", str(tmp_path / "artifacts")],
+                                  cwd=tmp_path, env=clean_env(tmp_path), stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=log, start_new_session=True)
+    procs.children.append(server)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "mlflow-server.log").read_text()
+            time.sleep(0.2)  # polling interval of a bounded wait
+        summary, events, stderr = serve_run(tmp_path, procs, f"mlflow:{uri}")
+        assert f"at {uri}" in stderr
+        series, params = read_mlflow(uri)
+        assert sorted(series["eval/loss"]) == expected_losses(summary)
+        assert params["algorithm"] == "asgd" and float(params["alg.lr"]) == LR
+        check_ticks({k: sorted(v) for k, v in series.items()}, summary, events)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)  # the server and its uvicorn worker
+            server.wait(timeout=30)
+
+
 # --------------------------------------------------------------------------- a logger that fails
 
 def test_a_logger_that_cannot_write_does_not_stop_the_run(tmp_path, procs, monkeypatch):
