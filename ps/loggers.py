@@ -68,7 +68,8 @@ class Writer:
             if self.closing:
                 return
             if len(self.queue) >= self.size:
-                self.queue.popleft()
+                opening = self.queue[0][0] == "open" and len(self.queue) > 1
+                del self.queue[1 if opening else 0]  # the oldest write; the backend's opening is kept
                 self.dropped += 1
                 if self.dropped == 1:
                     log.warning("%s logger: its queue is full (%d records), dropping the oldest (counted; "

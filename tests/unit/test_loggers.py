@@ -128,6 +128,23 @@ def test_a_full_queue_drops_the_oldest_counts_and_warns_once_then_close_writes_t
     assert [s for s, _ in b.writes][-1] == 20
 
 
+def test_a_full_queue_keeps_the_backends_opening():
+    b = Recording()
+    b.gate.clear()
+    w = Writer(b, "test", size=3)
+    w.put(("write", 0, {"x": 0.0}))  # taken by the thread, which waits in write
+    deadline = time.monotonic() + 5
+    while w.queue and time.monotonic() < deadline:
+        time.sleep(0.005)
+    w.put(("open", {"a": 1}))  # (the observer sends it first; here it waits behind a stalled write)
+    for i in range(1, 6):
+        w.put(("write", i, {"x": 1.0}))
+    assert [item[0] for item in w.queue] == ["open", "write", "write"] and w.dropped == 3
+    b.gate.set()
+    assert w.close(timeout=10)
+    assert b.opened == {"a": 1} and [s for s, _ in b.writes] == [0, 4, 5]
+
+
 def test_a_backend_that_cannot_open_is_logged_once_and_writes_nothing(caplog):
     b = Recording(fail_open=True)
     w = Writer(b, "test")
