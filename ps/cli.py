@@ -161,7 +161,7 @@ def _log_to_specs(ctx, param, value):
     try:
         return tuple(check_spec(v) for v in value or ())
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--log-to") from None
+        raise click.BadParameter(str(e).removeprefix("--log-to "), param_hint="--log-to") from None
 
 
 log_to_option = click.option(
@@ -179,7 +179,7 @@ def add_loggers(daemon: Any, specs: tuple[str, ...]) -> None:
         try:
             daemon.add_observer(make_logger(spec))
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--log-to") from None
+            raise click.BadParameter(str(e).removeprefix("--log-to "), param_hint="--log-to") from None
 
 
 # --------------------------------------------------------------------------- the group
