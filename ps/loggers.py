@@ -296,7 +296,7 @@ class WandbBackend:
         self.run.define_metric("version")
         self.run.define_metric("*", step_metric="version")
         where = getattr(getattr(self.run, "settings", None), "sync_dir", None) or self.run.dir
-        if self.mode == "offline":
+        if self.mode in ("offline", "dryrun"):
             log.info("wandb: offline run in %s (upload it with: wandb sync %s)", where, where)
         else:
             log.info("wandb: run %s (%s mode), local files in %s", getattr(self.run, "url", None) or self.run.id,
@@ -354,7 +354,7 @@ class MlflowBackend:
         run = client.create_run(exp_id, run_name=str(settings.get("run_id") or "") or None,
                                 tags={"latecomer.started": str(time.time())})
         self.run_id = run.info.run_id
-        params = [Param(k, str(_hparam(v))[:6000]) for k, v in settings.items()]
+        params = [Param(re.sub(r"[^A-Za-z0-9_.\-/ ]", "_", k), str(_hparam(v))[:6000]) for k, v in settings.items()]
         for i in range(0, len(params), 100):  # MLflow's cap per batch
             client.log_batch(self.run_id, params=params[i:i + 100])
         log.info("mlflow: run %s in experiment %r at %s", self.run_id, name, self.uri)
