@@ -220,11 +220,16 @@ def test_the_observer_keys_evaluations_by_their_version_and_ticks_by_the_current
     assert b.closed
 
 
-def test_make_logger_builds_each_kind(tmp_path):
-    pytest.importorskip("torch.utils.tensorboard", reason="pip install latecomer[tensorboard]")
-    obs = make_logger(f"tensorboard:{tmp_path}/tb")
-    assert isinstance(obs, ScalarLogger) and isinstance(obs.backend, loggers.TensorBoardBackend)
-    obs.close()
+@pytest.mark.parametrize("kind,backend", [("tensorboard", "TensorBoardBackend"), ("wandb", "WandbBackend"),
+                                          ("mlflow", "MlflowBackend")])
+def test_make_logger_builds_each_kind_without_touching_its_target(kind, backend, tmp_path):
+    pytest.importorskip({"tensorboard": "torch.utils.tensorboard"}.get(kind, kind),
+                        reason=f"pip install latecomer[{kind}]")
+    spec = {"tensorboard": f"tensorboard:{tmp_path}/tb", "wandb": "wandb:p", "mlflow": f"mlflow:{tmp_path}/ml"}[kind]
+    obs = make_logger(spec)
+    assert isinstance(obs, ScalarLogger) and isinstance(obs.backend, getattr(loggers, backend))
+    assert obs.writer.close(timeout=10)  # never opened: nothing written, nothing made
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_loggers_say_where_they_write_under_run_s_warning_level(tmp_path, monkeypatch):
