@@ -164,7 +164,9 @@ def read_wandb(run_dir: str) -> tuple[dict[str, list[tuple[int, float]]], dict, 
     project = ""
     for r in wandb_records(path):
         kind = r.WhichOneof("record_type")
-        if kind == "run":
+        if kind == "metric" and r.metric.glob_name == "*":
+            config["_x_axis"] = r.metric.step_metric
+        elif kind == "run":
             project = r.run.project
             config.update({i.key: json.loads(i.value_json) for i in r.run.config.update})
         elif kind == "config":
@@ -188,6 +190,7 @@ def test_wandb_goes_offline_without_a_key_and_its_run_file_holds_the_loss_curve(
     assert project == "latecomer-test"
     assert series["eval/loss"] == expected_losses(summary)  # JSON floats: bit for bit
     assert config["algorithm"] == "asgd" and config["alg.lr"] == LR and config["batch_size"] == BATCH
+    assert config["_x_axis"] == "version"  # every chart against the server's step, not W&B's own
     check_ticks(series, summary, events)
 
 
