@@ -158,6 +158,34 @@ def _finite(ctx, param, value):
     return value
 
 
+def _log_to_specs(ctx, param, value):
+    """click callback: each ``--log-to`` spec checked (ps/loggers.py), one line for a bad one."""
+    from ps.loggers import check_spec
+
+    try:
+        return tuple(check_spec(v) for v in value or ())
+    except ValueError as e:
+        raise click.BadParameter(str(e).removeprefix("--log-to "), param_hint="--log-to") from None
+
+
+log_to_option = click.option(
+    "--log-to", "log_to", multiple=True, metavar="SPEC", callback=_log_to_specs,
+    help="Log the run's figures and settings (repeatable): tensorboard:DIR, wandb, wandb:PROJECT, mlflow:URI.")
+
+
+def add_loggers(daemon: Any, specs: tuple[str, ...]) -> None:
+    """One logger (ps/loggers.py) per ``--log-to`` spec, observing ``daemon``."""
+    from ps.loggers import log, make_logger
+
+    if specs and not log.isEnabledFor(logging.INFO):
+        log.setLevel(logging.INFO)  # where each logger writes is said even under `run`'s warning level
+    for spec in specs:
+        try:
+            daemon.add_observer(make_logger(spec))
+        except ValueError as e:
+            raise click.BadParameter(str(e).removeprefix("--log-to "), param_hint="--log-to") from None
+
+
 # --------------------------------------------------------------------------- the group
 
 class _LazyGroup(click.Group):
@@ -297,11 +325,12 @@ def list_algorithms(names) -> None:
 @click.option("--progress/--no-progress", default=None,
               help="A progress bar (steps, rate, workers, last evaluation) on stderr; default: when stderr is a "
                    "terminal and the log is text.")
+@log_to_option
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
           insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
-          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, progress) -> None:
+          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, progress, log_to) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -340,6 +369,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=_allowed(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
+    add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
@@ -473,8 +503,9 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
 @click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True, callback=output_dir,
               help="Where the summary, the events and the plots go.")
 @click.option("--progress/--no-progress", default=True)
+@log_to_option
 def run(problem, problem_opt, algorithm, settings, config, workers, delays, steps, batch_size, eval_every, seed, out,
-        progress) -> None:
+        progress, log_to) -> None:
     """The embedded default: a server plus local workers of different speeds on loopback."""
     _setup_logging("warning")
     try:
@@ -494,6 +525,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     daemon = make_daemon(spec, "tcp://127.0.0.1:0", ServeOptions(
         batch_size=batch_size, max_steps=steps, eval_every=eval_every, min_workers=workers, seed=seed,
         events=events_path))
+    add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     from tqdm import tqdm
 

@@ -56,10 +56,12 @@ def snapshot(daemon: Any) -> dict[str, Any]:
     """The figures an observer's tick gets: ``info`` (what ``latecomer status`` shows: version,
     step rate, counters, ages, the last evaluation, the algorithm's figures ``alg.*``),
     ``columns`` and ``rows`` (the worker table), ``age_counts`` (age -> applied replies, all run
-    long) and ``shards`` (a sharded server's per-shard summary, else ())."""
+    long), ``shards`` (a sharded server's per-shard summary, else ()) and ``alg`` (the
+    algorithm's latest figures, all of them: ``info`` is capped at 64 entries)."""
     columns, rows = daemon.worker_rows()
     return {"info": daemon.status_info(), "columns": columns, "rows": rows, "age_counts": dict(daemon.age_counts),
-            "shards": daemon.hub.summary() if daemon.hub is not None else ()}
+            "shards": daemon.hub.summary() if daemon.hub is not None else (),
+            "alg": dict(daemon.core.last_metrics)}
 
 
 class Observers:
