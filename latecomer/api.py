@@ -319,6 +319,10 @@ def _child_setup(log_path: str, close: tuple[int, ...]) -> None:
     os.dup2(null, 1)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
+    # plain files on those descriptors: a notebook kernel's streams would hand output to a thread
+    # of the parent, which the fork did not copy
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
 
@@ -345,7 +349,6 @@ def _forked_serve(argv: list[str], stdout_fd: int, log_path: str, close: tuple[i
     _child_setup(log_path, close)
     os.dup2(stdout_fd, 1)
     os.close(stdout_fd)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
     from ps.cli import main
 
     main(args=argv, prog_name="latecomer")
