@@ -511,8 +511,15 @@ class _ThreadServer:
         return _status_dict(s["info"], s["columns"], s["rows"], self.running())
 
     def summary(self) -> dict[str, Any]:
+        """summary.json as written (with ``out``/``state``), else the same dict taken at the close."""
         if self.error is not None:
             raise RuntimeError(f"the server failed: {type(self.error).__name__}: {self.error}") from self.error
+        for d in self.dirs:
+            try:
+                with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                continue
         return self.watch.summary
 
     def final(self) -> tuple[np.ndarray, Any]:

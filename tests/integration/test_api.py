@@ -160,6 +160,24 @@ def test_leaving_the_block_mid_run_stops_it_and_reaps_everything_and_connect_rea
         run.model()
 
 
+def test_a_module_of_your_own_by_its_spec_and_the_outputs_of_out(tmp_path, monkeypatch):
+    """A spec string of the user's module: the workers are `latecomer work` processes allowed to
+    load exactly it; ``out`` gets what ``serve --out`` writes, and wait() returns its summary.json."""
+    (tmp_path / "apimod.py").write_text("from problems.quadratic import make_quadratic\n\n"
+                                        "def make(d=12, device='cpu'):\n    return make_quadratic(d=d)\n")
+    monkeypatch.chdir(tmp_path)
+    run = latecomer.train("apimod:make", problem_options={"d": 12}, algorithm="asgd", settings={"lr": 0.05},
+                          workers=2, steps=150, eval_every=50, out=str(tmp_path / "out"))
+    summary = run.wait()
+    assert summary == json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["version"] == 150 and run.params().shape == (12,)
+    import numpy as np
+
+    assert np.array_equal(run.params(), np.load(tmp_path / "out" / "final_x.npy"))
+    assert sorted(run.state_dict()) == ["x"] and gone(run.workers)
+    assert "--allow-problem" not in (tmp_path / "out" / "w1.log").read_text()  # the worker loaded it: no refusal
+
+
 @pytest.mark.parametrize("server", ["thread", "process"])
 def test_log_to_reaches_a_logger(tmp_path, server):
     loggers = pytest.importorskip("ps.loggers")
