@@ -200,9 +200,12 @@ def _log_specs(log_to: Any) -> tuple[str, ...]:
         raise ValueError(f"log_to: expected logger specs such as 'tensorboard:DIR', 'wandb', got {log_to!r}")
     if specs:
         try:
-            import ps.loggers  # noqa: F401 - checked before anything starts
+            import ps.loggers
         except ImportError:
             raise ValueError("log_to: this latecomer has no loggers (ps.loggers is missing)") from None
+        check = getattr(ps.loggers, "check_spec", None)  # a bad spec, a missing package: before anything starts
+        for spec in specs if check is not None else ():
+            check(spec)
     return specs
 
 
