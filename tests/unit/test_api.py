@@ -142,3 +142,12 @@ def test_train_needs_a_stop_condition_and_connect_a_well_formed_endpoint(tmp_pat
 def test_the_api_is_exported_lazily():
     assert {"start", "train", "connect", "Run", "Client"} <= set(latecomer.__all__)
     assert latecomer.start.__module__ == "latecomer.api"
+
+
+def test_a_bad_logger_spec_is_one_line_before_anything_starts():
+    pytest.importorskip("ps.loggers")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError) as e:
+        latecomer.start(make_small, steps=10, workers=2, log_to=["nosuch:x"])
+    assert "nosuch:x" in str(e.value) and "\n" not in str(e.value)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
