@@ -19,6 +19,10 @@ and may change without notice.
   :class:`JobKind`, :func:`check_hyper`: the interface of server algorithms (load your own
   with ``--algorithm mymodule:MyAlgorithm``; check it with ``latecomer.testing.check_algorithm``).
 
+- :func:`start`, :func:`train`, :class:`Run`, :func:`connect`, :class:`Client`: start a server
+  and local workers from a script or a notebook, watch the run (status, live evaluations), get
+  the trained model back, read a running server's status (latecomer/api.py).
+
 Imports are lazy: ``import latecomer`` does not import torch; the first use of a torch-backed
 name (``TorchProblem``, ``job_seed``) does.
 """
@@ -45,12 +49,18 @@ _EXPORTS: dict[str, str] = {
     "publish": "algorithms.base:publish",
     "check_hyper": "algorithms.base:check_hyper",
     "JobKind": "protocol.messages:JobKind",
+    "start": "latecomer.api:start",
+    "train": "latecomer.api:train",
+    "connect": "latecomer.api:connect",
+    "Run": "latecomer.api:Run",
+    "Client": "latecomer.api:Client",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from algorithms.base import Algorithm, JobSpec, Outcome, Result, check_hyper, publish  # noqa: F401
+    from latecomer.api import Client, Run, connect, start, train  # noqa: F401
     from problems.base import GradResult, Problem  # noqa: F401
     from problems.loader import load_problem, worker_local  # noqa: F401
     from problems.torch_problem import TorchProblem, job_seed  # noqa: F401

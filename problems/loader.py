@@ -32,9 +32,42 @@ _SCALARS = (bool, int, float, str)
 WORKER_LOCAL_ATTR = "__latecomer_worker_local__"  # set by @worker_local on a factory
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Factories of this process's own (a function of a script or a notebook, the Python API's
+# ``latecomer.start(make)``), by their local name ``<local>:NAME#N``. Only this process and the
+# workers it forks (which inherit this table) can resolve such a name; no other process, and so
+# no peer on the network, can make one load anything.
+LOCAL_MODULE = "<local>"
+_LOCAL: dict[str, Callable[..., Any]] = {}
+
+
+def is_local(spec: Any) -> bool:
+    """Whether ``spec`` is a local name (:func:`register_local`), registered here or not."""
+    return isinstance(spec, str) and spec.startswith(LOCAL_MODULE + ":")
+
+
+def register_local(factory: Callable[..., Any]) -> str:
+    """Register ``factory`` (a callable returning a problem) in this process; returns its local
+    name ``<local>:NAME#N``, which :func:`load_problem` resolves in this process and in the
+    processes it forks afterwards. The same callable registered again keeps its name.
+
+    Raises:
+        ValueError: ``factory`` is not callable.
+    """
+    if not callable(factory):
+        raise ValueError(f"problem: expected a spec string or a callable returning a problem, got a "
+                         f"{type(factory).__name__}")
+    for name, f in _LOCAL.items():
+        if f is factory:
+            return name
+    base = "".join(c if c.isalnum() or c == "_" else "_" for c in getattr(factory, "__name__", "") or "")
+    name = f"{LOCAL_MODULE}:{base or 'factory'}#{len(_LOCAL) + 1}"
+    _LOCAL[name] = factory
+    return name
+
 
 def resolve_factory(spec: str) -> Callable[..., Any]:
-    """The callable behind ``spec``: a ``BUILTIN_PROBLEMS`` entry or ``module:attr[.attr…]``.
+    """The callable behind ``spec``: a ``BUILTIN_PROBLEMS`` entry, ``module:attr[.attr…]`` or a
+    local name registered in this process (:func:`register_local`).
 
     A user's module is looked up on ``sys.path`` and then in the current working directory.
 
@@ -42,6 +75,12 @@ def resolve_factory(spec: str) -> Callable[..., Any]:
         ValueError: unknown name, malformed spec, module not importable (with what to do about
             it), attribute missing or not callable.
     """
+    if is_local(spec):
+        factory = _LOCAL.get(spec)
+        if factory is None:
+            raise ValueError(f"problem {spec!r}: a function of another process's own (a script's or a notebook's "
+                             "factory); only that process and the workers it started can load it")
+        return factory
     builtin = spec in BUILTIN_PROBLEMS
     module_name, sep, attr = BUILTIN_PROBLEMS.get(spec, spec).partition(":")
     if not sep or not module_name or not attr or module_name.startswith("."):

@@ -21,6 +21,10 @@ Patterns are fnmatch-style (``*``, ``?``, ``[seq]``; case-sensitive) over ``modu
 ``mypkg.*:make``           ``make`` of any submodule of ``mypkg``
 ========================  ==========================================================
 
+A local name ``<local>:NAME#N`` (a function of a script or a notebook registered by the Python
+API, problems/loader.py ``register_local``) is trusted only where named exactly: by the
+process that registered it and by the workers it forked, never by a pattern.
+
 A pattern must begin with a module name's first character (a letter or ``_``): ``*`` alone
 would trust whatever a server names, ``os:system`` included, and is refused.
 
@@ -34,7 +38,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from problems.loader import BUILTIN_PROBLEMS
+from problems.loader import BUILTIN_PROBLEMS, is_local
 
 ENV_ALLOW_PROBLEM = "LATECOMER_ALLOW_PROBLEM"  # `latecomer work`: patterns separated by white space
 _PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.*?\[\]!]*(:[A-Za-z0-9_.*?\[\]!]+)?$")
@@ -122,7 +126,10 @@ class Allowed:
                        self.named_algorithms | ({algorithm} if algorithm else set()))
 
     def problem_ok(self, spec: str) -> bool:
-        """Whether problem ``spec`` may be loaded."""
+        """Whether problem ``spec`` may be loaded. A local name (``<local>:NAME#N``, a factory of
+        the Python API's caller) only when named exactly: no pattern ever matches one."""
+        if is_local(spec):
+            return spec in self.named_problems
         return (not is_user_problem(spec) or spec in self.named_problems
                 or any(matches(p, spec) for p in self.problems))
 
@@ -140,6 +147,9 @@ def worker_refusal(spec: str, allowed: Allowed) -> str | None:
     loader's messages do), or None if it may load it."""
     if allowed.problem_ok(spec):
         return None
+    if is_local(spec):
+        return (f"problem {spec!r}: not allowed here (a function of another process's own, which only the workers "
+                "that process started may load)")
     return (f"problem {spec!r}: not allowed here (a worker loads the built-in problems and what its --allow-problem "
             f"patterns match, never other code a server names): add --allow-problem {shlex.quote(spec)} to "
             "`latecomer work` if you trust that code")

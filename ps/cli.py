@@ -483,10 +483,9 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
 # --------------------------------------------------------------------------- run (embedded default)
 
 def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> subprocess.Popen:
-    from ps.children import spawn
+    from latecomer.api import spawn_worker  # the Python API's local workers are started the same way
 
-    return spawn("work", "--server", endpoint, "--worker-id", wid, "--delay", f"{delay:g}", "--give-up", "10", *extra,
-                 stderr=subprocess.PIPE)
+    return spawn_worker(endpoint, wid, delay, extra, stderr=subprocess.PIPE, give_up_s=10.0)
 
 
 @main.command()

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from algorithms._pool import POOL
+from problems.loader import is_local
 from problems.trust import Allowed, worker_refusal
 from protocol.chunks import Reassembler, split
 from protocol.codec import decode, encode, error_text
@@ -82,6 +83,9 @@ class WorkerConfig:
         allow_problems: patterns of the user problems (``module:callable``) this worker loads
             when a server names them (``--allow-problem``; problems/trust.py); the built-ins
             need none. Any other problem a welcome names is refused before anything is imported.
+        local_problems: local names (``<local>:NAME#N``, problems/loader.py ``register_local``)
+            this worker loads: set only by the Python API for the workers it forks (they
+            inherit the table of local factories); a name not registered here never loads.
     """
 
     server: str
@@ -100,6 +104,7 @@ class WorkerConfig:
     shm: str = "auto"  # same-host path: "auto" (use it when the server offers it) or "off"
     problem_overrides: tuple[tuple[str, str], ...] = ()  # worker-local problem options (problems.loader)
     allow_problems: tuple[str, ...] = ()  # user problems this worker trusts (problems.trust patterns)
+    local_problems: tuple[str, ...] = ()  # local names (<local>:NAME#N) of the forking process it trusts exactly
 
 
 class Worker:
@@ -124,6 +129,10 @@ class Worker:
             load_problem = _lp
         self._load_problem = load_problem
         self.allowed = Allowed.from_flags(config.allow_problems)  # ValueError: a bad pattern
+        for name in config.local_problems:
+            if not is_local(name):
+                raise ValueError(f"local_problems: {name!r} is not a local name (<local>:NAME#N)")
+            self.allowed = self.allowed.naming(problem=name)
         self.problem_key: tuple | None = None
         self.loaded = False  # the compute thread has loaded the current problem
         self.compute: ComputeThread | None = None
