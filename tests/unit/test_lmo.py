@@ -386,7 +386,8 @@ def _muon_run(x0, grads, layout=GPT_LAYOUT, mask=GPT_MASK, **hyper):
 @pytest.mark.parametrize("run_dtype", [np.float32, np.float64])
 def test_ringmaster_muon_runs_newton_schulz_in_the_runs_dtype_by_default(run_dtype):
     """ns_dtype="auto": float32 arithmetic for a float32 run's small blocks (GPT_LAYOUT has only small
-    ones), float64 for a float64 run. The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of that dtype, bit for bit."""
+    ones), float64 for a float64 run. The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of
+    that dtype, bit for bit."""
     rng = np.random.default_rng(5)
     d = layout_numel(GPT_LAYOUT)
     x0, g = rng.standard_normal(d).astype(run_dtype), rng.standard_normal(d).astype(run_dtype)
