@@ -31,14 +31,19 @@ pytestmark = pytest.mark.slow
 
 STEPS = 2000  # the README script's
 CHECK = '''
-import json, psutil
+import glob, json, psutil
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+tb = EventAccumulator(glob.glob("runs/**/*tfevents*", recursive=True)[0])
+tb.Reload()
 x, y = digits()[1].tensors
 with torch.no_grad():
     acc = float((net(x).argmax(1) == y).double().mean())
 print("RESULT " + json.dumps({"accuracy": acc, "last": summary["evaluations"][-1], "workers": run.workers,
                               "children": [p.pid for p in psutil.Process().children(recursive=True)],
                               "stopped": summary["stopped"], "running": run.running,
-                              "versions": [e["version"] for e in summary["evaluations"]]}))
+                              "versions": [e["version"] for e in summary["evaluations"]],
+                              "losses": [e["loss"] for e in summary["evaluations"]],
+                              "tb": [(s.step, s.value) for s in tb.Scalars("eval/loss")]}))
 '''
 
 
@@ -71,6 +76,9 @@ def check_result(out: str) -> dict:
     assert result["children"] == [], "every worker (and a server process) reaped"
     assert gone(result["workers"])
     assert f"step {STEPS}: loss" in out  # the live loop printed the last evaluation
+    # TensorBoard's event file holds the loss curve, step for step (float32, as TensorBoard keeps it)
+    assert [step for step, _ in result["tb"]] == [int(v) for v in result["versions"]]
+    assert [v for _, v in result["tb"]] == pytest.approx(result["losses"], rel=1e-6)
     return result
 
 
