@@ -192,6 +192,59 @@ def main() -> None:
     """latecomer: an asynchronous parameter server for heterogeneous machines."""
 
 
+# --------------------------------------------------------------------------- dashboard (issue 25)
+
+def _dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from ps.dashboard import check_addr
+
+    try:
+        check_addr(value)
+    except ValueError:
+        raise click.BadParameter(f"expected an IP address or localhost, got {value!r}") from None
+    return value
+
+
+def _dashboard_options(f):
+    """``--dashboard-port`` and ``--dashboard-addr`` of serve and run (ps/dashboard.py)."""
+    f = click.option("--dashboard-addr", default="127.0.0.1", show_default=True, callback=_dashboard_addr,
+                     help="Address of the dashboard (another than loopback shows the run, read-only, to anyone "
+                          "who can reach it).")(f)
+    return click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
+                        help="Serve a live dashboard (a web page) on this port (0: any free port; the address "
+                             "is logged).")(f)
+
+
+def _start_dashboard(daemon: Any, port: int | None, addr: str) -> Any:
+    if port is None:
+        return None
+    from ps.dashboard import attach
+
+    try:
+        return attach(daemon, port, addr)
+    except OSError as e:
+        daemon.close()
+        raise click.ClickException(f"cannot serve the dashboard on {addr}:{port}: {e}") from None
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--port", type=click.IntRange(0, 65535), default=8265, show_default=True,
+              help="The page's port (0: any free port).")
+@click.option("--addr", default="127.0.0.1", show_default=True, callback=_dashboard_addr,
+              help="The page's address.")
+def dashboard(run_dir, port, addr) -> None:
+    """Serve the dashboard of a finished run (a serve --state or an --out directory) until Ctrl-C."""
+    from ps.dashboard import serve_recorded
+
+    _setup_logging("warning")
+    try:
+        serve_recorded(run_dir, port, addr, lambda line: click.echo(line))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot serve the dashboard on {addr}:{port}: {e}") from None
+
+
 @main.command("algorithms")
 @click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")
 def list_algorithms(names) -> None:
@@ -289,11 +342,13 @@ def list_algorithms(names) -> None:
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
+@_dashboard_options
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
           insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
-          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level) -> None:
+          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, dashboard_port,
+          dashboard_addr) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -335,6 +390,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     daemon.install_signal_handlers()
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
+    _start_dashboard(daemon, dashboard_port, dashboard_addr)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
     daemon.on_progress = log_progress
     local = None
@@ -447,8 +503,9 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
 @click.option("--out", type=click.Path(file_okay=False), default="runs/latest", show_default=True, callback=output_dir,
               help="Where the summary, the events and the plots go.")
 @click.option("--progress/--no-progress", default=True)
+@_dashboard_options
 def run(problem, problem_opt, algorithm, settings, config, workers, delays, steps, batch_size, eval_every, seed, out,
-        progress) -> None:
+        progress, dashboard_port, dashboard_addr) -> None:
     """The embedded default: a server plus local workers of different speeds on loopback."""
     _setup_logging("warning")
     try:
@@ -469,6 +526,9 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         batch_size=batch_size, max_steps=steps, eval_every=eval_every, min_workers=workers, seed=seed,
         events=events_path))
     daemon.install_signal_handlers()
+    dash = _start_dashboard(daemon, dashboard_port, dashboard_addr)
+    if dash is not None:
+        click.echo(f"dashboard on {dash.http.url}", err=True)
     from tqdm import tqdm
 
     from problems.trust import is_user_problem
