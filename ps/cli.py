@@ -204,17 +204,29 @@ def _dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> s
     return value
 
 
+def _dashboard_meta(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name == "dashboard_addr":
+        value = _dashboard_addr(ctx, param, value)
+    ctx.meta[param.name] = value  # read by _start_dashboard: the commands' signatures stay as they are
+    return value
+
+
 def _dashboard_options(f):
     """``--dashboard-port`` and ``--dashboard-addr`` of serve and run (ps/dashboard.py)."""
-    f = click.option("--dashboard-addr", default="127.0.0.1", show_default=True, callback=_dashboard_addr,
+    f = click.option("--dashboard-addr", default="127.0.0.1", show_default=True, callback=_dashboard_meta,
+                     expose_value=False,
                      help="Address of the dashboard (another than loopback shows the run, read-only, to anyone "
                           "who can reach it).")(f)
-    return click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None,
+    return click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None, callback=_dashboard_meta,
+                        expose_value=False,
                         help="Serve a live dashboard (a web page) on this port (0: any free port; the address "
                              "is logged).")(f)
 
 
-def _start_dashboard(daemon: Any, port: int | None, addr: str) -> Any:
+def _start_dashboard(daemon: Any) -> Any:
+    """The dashboard of ``daemon`` when --dashboard-port was given (else None)."""
+    meta = click.get_current_context().meta
+    port, addr = meta.get("dashboard_port"), meta.get("dashboard_addr", "127.0.0.1")
     if port is None:
         return None
     from ps.dashboard import attach
@@ -347,8 +359,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
           insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
-          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, dashboard_port,
-          dashboard_addr) -> None:
+          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level) -> None:
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -390,7 +401,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     daemon.install_signal_handlers()
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
-    _start_dashboard(daemon, dashboard_port, dashboard_addr)
+    _start_dashboard(daemon)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
     daemon.on_progress = log_progress
     local = None
@@ -505,7 +516,7 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
 @click.option("--progress/--no-progress", default=True)
 @_dashboard_options
 def run(problem, problem_opt, algorithm, settings, config, workers, delays, steps, batch_size, eval_every, seed, out,
-        progress, dashboard_port, dashboard_addr) -> None:
+        progress) -> None:
     """The embedded default: a server plus local workers of different speeds on loopback."""
     _setup_logging("warning")
     try:
@@ -526,7 +537,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         batch_size=batch_size, max_steps=steps, eval_every=eval_every, min_workers=workers, seed=seed,
         events=events_path))
     daemon.install_signal_handlers()
-    dash = _start_dashboard(daemon, dashboard_port, dashboard_addr)
+    dash = _start_dashboard(daemon)
     if dash is not None:
         click.echo(f"dashboard on {dash.http.url}", err=True)
     from tqdm import tqdm

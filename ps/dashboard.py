@@ -147,6 +147,8 @@ class Dashboard(Observer):
         self.settings = {k: num(v) for k, v in list(settings.items())[:256]}
 
     def on_events(self, events: list[dict[str, Any]], now: float) -> None:
+        if self.t0 is None:  # the clock starts at the first event (a batch comes after its events)
+            self.t0 = min([now, *(e["t"] for e in events if isinstance(e.get("t"), (int, float)))])
         self._t(now)
         for e in events:
             kind = e.get("ev")
@@ -302,6 +304,8 @@ class DashboardServer(http.server.ThreadingHTTPServer):
         super().__init__((addr, port), _Handler)
         self.dash = dash
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.active = 0  # requests being served now (tests read it)
+        self._lock = threading.Lock()
         self._cache: tuple[Any, bytes] = (None, b"")
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
                                        name="latecomer-dashboard", daemon=True)
@@ -325,11 +329,13 @@ class DashboardServer(http.server.ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
+            self.shutdown_request(request)  # every slot taken: closed unanswered
             return
+        self._count(1)
         try:
             super().process_request(request, client_address)
         except Exception:
+            self._count(-1)
             self.slots.release()
             raise
 
@@ -337,7 +343,12 @@ class DashboardServer(http.server.ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._count(-1)
             self.slots.release()
+
+    def _count(self, d: int) -> None:
+        with self._lock:
+            self.active += d
 
     def close(self) -> None:
         self.shutdown()
@@ -516,6 +527,7 @@ def load_recorded(run_dir: str) -> Dashboard:
         dash.on_evaluation(ev)
     if summary is not None:
         feed.version = max(feed.version, int(summary.get("version", 0)))
+    feed.flush(feed.t)  # the last events first: the table reads who left
     feed.flush(feed.t, columns=RECORDED_COLUMNS, rows=_recorded_rows(events, dash.gone),
                shards=(summary or {}).get("shards") or ())
     dash.now = max(dash.now, float((summary or {}).get("elapsed_s", 0.0)) if dash.t0 is None else dash.now)
