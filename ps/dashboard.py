@@ -10,8 +10,11 @@ Memory is bounded whatever the run's length:
 - every time series (evaluations, step rate, each algorithm figure) keeps at most
   :data:`MAX_POINTS` + 1 points: when full, every other point is dropped and from then on only
   every other new one is kept (the stride doubles), the latest point always shown;
-- the job timeline keeps the last :data:`MAX_JOBS` settled jobs and at most
-  :data:`MAX_OPEN_JOBS` jobs in flight;
+- the job timeline keeps, per worker, the last :data:`MAX_BARS` bars (a bar is a settled job, or
+  several consecutive jobs of one outcome, each following the one before within
+  :data:`MERGE_GAP_S`, together at most :data:`MERGE_MAX_S` long: one pixel of the page's
+  :data:`WINDOW_S` seconds), for at most :data:`MAX_LANES` workers (the one idle the longest
+  goes), and at most :data:`MAX_OPEN_JOBS` jobs in flight;
 - at most :data:`MAX_SERIES` algorithm figures, :data:`MAX_GONE` departed workers;
 - the ages histogram has :data:`EXACT_AGES` one-age bars, then one bar per power of two.
 
@@ -38,7 +41,11 @@ log = logging.getLogger("latecomer.server")
 
 PUBLISH_S = 0.5  # the snapshot the page reads is at most this old
 MAX_POINTS = 1000  # points per time series (decimated beyond)
-MAX_JOBS = 3000  # settled jobs kept for the timeline
+MAX_BARS = 500  # bars kept per worker's lane of the timeline
+MAX_LANES = 32  # lanes (workers) of the timeline
+MERGE_GAP_S = 0.005  # consecutive jobs closer than this ...
+MERGE_MAX_S = 0.04  # ... are one bar, up to this long
+WINDOW_S = 60.0  # the timeline shows the last this many seconds
 MAX_OPEN_JOBS = 10_000  # jobs in flight tracked (issued, not yet settled)
 MAX_SERIES = 32  # algorithm figures kept as series
 MAX_GONE = 256  # departed workers remembered in the table
@@ -127,7 +134,7 @@ class Dashboard(Observer):
         self.evaluations = Series()
         self.rate = Series()  # [t, step, steps/s]
         self.figures: dict[str, Series] = {}  # alg.* -> [t, step, value]
-        self.jobs: deque[list] = deque(maxlen=MAX_JOBS)  # [worker, t issued, t settled, outcome code]
+        self.lanes: dict[str, deque[list]] = {}  # worker -> bars [t issued, t settled, outcome code, jobs]
         self.open: dict[Any, tuple[str, float]] = {}  # job id -> (worker, t issued)
         self.gone: dict[str, dict[str, Any]] = {}  # worker -> {"state", "reason", "t"}
         self.last: dict[str, Any] = {}  # the latest tick's snapshot
@@ -160,11 +167,24 @@ class Dashboard(Observer):
             elif kind in SETTLED:
                 start = self.open.pop(e.get("job_id"), None)
                 if start is not None:
-                    self.jobs.append([start[0], round(start[1], 4), round(t, 4), SETTLED[kind]])
+                    self._settle(start[0], round(start[1], 4), round(t, 4), SETTLED[kind])
             elif kind == "joined":
                 self.gone.pop(str(e.get("worker_id", "")), None)
             elif kind == "left":
                 self._left(str(e.get("worker_id", "")), str(e.get("reason", "")), t)
+
+    def _settle(self, wid: str, a: float, b: float, code: str) -> None:
+        lane = self.lanes.get(wid)
+        if lane is None:
+            if len(self.lanes) >= MAX_LANES:
+                del self.lanes[min(self.lanes, key=lambda w: self.lanes[w][-1][1] if self.lanes[w] else -math.inf)]
+            lane = self.lanes[wid] = deque(maxlen=MAX_BARS)
+        last = lane[-1] if lane else None
+        if last is not None and last[2] == code and 0 <= a - last[1] <= MERGE_GAP_S and b - last[0] <= MERGE_MAX_S:
+            last[1] = max(last[1], b)
+            last[3] += 1
+        else:
+            lane.append([a, b, code, 1])
 
     def _left(self, wid: str, reason: str, t: float) -> None:
         self.gone.pop(wid, None)
@@ -212,18 +232,20 @@ class Dashboard(Observer):
                 "ages": age_bins(snap.get("age_counts") or {}), "timeline": self._timeline(),
                 "workers": self._workers(snap), "shards": [{k: num(v) for k, v in dict(s).items()}
                                                            for s in snap.get("shards") or ()],
-                "bounds": {"points": MAX_POINTS, "jobs": MAX_JOBS, "figures": MAX_SERIES}}
+                "bounds": {"points": MAX_POINTS, "bars": MAX_BARS, "lanes": MAX_LANES, "window_s": WINDOW_S,
+                           "figures": MAX_SERIES}}
 
     def _timeline(self) -> dict[str, Any]:
-        lanes: dict[str, list] = {}
-        for wid, a, b, how in self.jobs:
-            lanes.setdefault(wid, []).append([a, b, how])
-        t_min = self.jobs[0][1] if self.jobs else 0.0
+        """The last :data:`WINDOW_S` seconds of every lane (copies: the published state is never
+        touched again), and the jobs in flight there (at most 64 a worker)."""
+        since = self.now - WINDOW_S
+        lanes = {w: [list(bar) for bar in lane if bar[1] >= since] for w, lane in self.lanes.items()}
         in_flight: dict[str, list] = {}
         for wid, a in self.open.values():
-            if a >= t_min:
-                in_flight.setdefault(wid, []).append(round(a, 4))
-        return {"now": round(self.now, 3), "lanes": lanes, "in_flight": in_flight}
+            if a >= since and len(in_flight.setdefault(wid, [])) < 64:
+                in_flight[wid].append(round(a, 4))
+        return {"now": round(self.now, 3), "window_s": WINDOW_S, "lanes": {w: v for w, v in lanes.items() if v},
+                "in_flight": in_flight}
 
     def _workers(self, snap: dict[str, Any]) -> dict[str, Any]:
         columns = list(snap.get("columns") or ())

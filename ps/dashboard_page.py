@@ -78,7 +78,7 @@ tr.left td { color:var(--dim); } td.state.ok { color:var(--ok); } td.state.faili
 </main>
 <script>
 "use strict";
-const D = window.latecomerDash = {state: null, updates: 0, errors: 0, xaxis: "step"};
+const D = window.latecomerDash = {state: null, updates: 0, drawn: 0, errors: 0, xaxis: "step"};
 const PALETTE = ["#5ab0ff", "#3ecf8e", "#ffab40", "#c792ea", "#ff5d5d", "#4dd0e1", "#f06292", "#aed581"];
 const css = n => getComputedStyle(document.documentElement).getPropertyValue(n).trim();
 const $ = id => document.getElementById(id);
@@ -129,7 +129,7 @@ function frame(g, w, h, xr, yr, xlabel, pad, ylab, nox) {
   }
   g.textAlign = "center"; g.textBaseline = "top";
   for (const v of nox ? [] : ticks(xr[0], xr[1], Math.max(2, Math.floor((w - P.l) / 90)))) {
-    if (v < xr[0] || v > xr[1]) continue;
+    if (v < xr[0] || v > xr[1] || (xlabel && X(v) > w - P.r - 44)) continue;
     g.fillText(fmt(v, 3), X(v), h - P.b + 6);
   }
   if (xlabel) { g.textAlign = "right"; g.fillText(xlabel, w - P.r, h - P.b + 6 + 0 * 12); }
@@ -200,7 +200,7 @@ function timeline(cv, tl, gone) {
   const lane = 22, P = {l: 90, r: 10, t: 6, b: 24};
   const {g, w, h} = setup(cv, Math.max(80, P.t + P.b + lane * Math.max(1, names.length)));
   if (!names.length) { g.fillStyle = css("--dim"); g.textAlign = "center"; g.fillText("no jobs yet", w / 2, h / 2); return; }
-  let t0 = tl.now;
+  let t0 = tl.now;  // the oldest bar shown (at most window_s ago)
   for (const n of names) { for (const j of tl.lanes[n] || []) t0 = Math.min(t0, j[0]); for (const a of tl.in_flight[n] || []) t0 = Math.min(t0, a); }
   const xr = [t0, Math.max(tl.now, t0 + 1e-3)];
   const X = v => P.l + (v - xr[0]) / (xr[1] - xr[0]) * (w - P.l - P.r);
@@ -269,15 +269,18 @@ function draw(s) {
   if (s.shards.length) { const cols = Object.keys(s.shards[0]); table($("shards-table"), cols, s.shards.map(r => cols.map(c => r[c]))); }
 }
 async function poll() {
+  let s = null;
   try {
     const r = await fetch("/api/state", {cache: "no-store"});
     if (!r.ok) throw new Error("HTTP " + r.status);
-    const s = await r.json();
-    D.state = s; D.updates += 1;
-    draw(s);
+    s = await r.json();
   } catch (e) {
     D.errors += 1;
     const live = $("live"); live.textContent = "disconnected"; live.className = "down";
+  }
+  if (s) {
+    D.state = s; D.updates += 1;
+    try { draw(s); D.drawn = D.updates; } catch (e) { console.error("dashboard: drawing failed: " + e); }
   }
   setTimeout(poll, 1000);
 }

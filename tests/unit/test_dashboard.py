@@ -30,13 +30,15 @@ def snap(version: int, rate: float = 1.0, workers=("w1",), **info) -> dict:
             "shards": ()}
 
 
-def jobs(dash: Dashboard, n: int, wid: str = "w1", t0: float = 100.0, start_id: int = 0, how: str = "applied"):
+def jobs(dash: Dashboard, n: int, wid: str = "w1", t0: float = 100.0, start_id: int = 0, how: str = "applied",
+         every: float = 0.1, took: float = 0.05):
+    """``n`` jobs of ``wid``, one issued every ``every`` seconds from ``t0``, each settled ``took`` later."""
     evs = []
     for i in range(start_id, start_id + n):
-        t = t0 + 0.01 * i
+        t = t0 + every * (i - start_id)
         evs += [{"ev": "issued", "job_id": i, "worker_id": wid, "t": t},
-                {"ev": how, "job_id": i, "worker_id": wid, "age": 0, "t": t + 0.005}]
-    dash.on_events(evs, t0 + 0.01 * (start_id + n))
+                {"ev": how, "job_id": i, "worker_id": wid, "age": 0, "t": t + took}]
+    dash.on_events(evs, t0 + every * n)
 
 
 # --------------------------------------------------------------------------- bounded histories
@@ -74,17 +76,37 @@ def test_age_bins_are_exact_below_32_then_powers_of_two_and_bounded_whatever_the
     assert age_bins({}) == []
 
 
-def test_the_timeline_keeps_the_last_jobs_and_a_bounded_number_in_flight():
+def test_the_timeline_keeps_the_last_bars_of_each_worker_and_a_bounded_number_in_flight():
     dash = Dashboard()
-    jobs(dash, dmod.MAX_JOBS + 500)
-    lane = dash.build()["timeline"]["lanes"]["w1"]
-    assert len(lane) == dmod.MAX_JOBS
-    first_kept = 500  # the oldest 500 went
-    assert lane[0][0] == pytest.approx(0.01 * first_kept, abs=1e-3) and all(j[2] == "a" for j in lane)
-    dash.on_events([{"ev": "issued", "job_id": 10**6 + i, "worker_id": "w2", "t": 200.0} for i in range(
-        dmod.MAX_OPEN_JOBS + 10)], 200.0)
+    jobs(dash, dmod.MAX_BARS + 50, "slow", t0=0.0)  # 0.1 s apart: a bar each
+    lane = dash.build()["timeline"]["lanes"]["slow"]
+    assert len(lane) == dmod.MAX_BARS and all(j[2] == "a" and j[3] == 1 for j in lane)
+    assert lane[0][0] == pytest.approx(5.0) and lane[-1][1] == pytest.approx(0.1 * (dmod.MAX_BARS + 49) + 0.05)
+    dash.on_events([{"ev": "issued", "job_id": 10**6 + i, "worker_id": "w2", "t": 50.0} for i in range(
+        dmod.MAX_OPEN_JOBS + 10)], 55.0)
     assert len(dash.open) == dmod.MAX_OPEN_JOBS
-    assert len(dash.build()["timeline"]["in_flight"]["w2"]) == dmod.MAX_OPEN_JOBS
+    assert len(dash.build()["timeline"]["in_flight"]["w2"]) == 64
+
+
+def test_fast_jobs_are_merged_into_bars_no_shorter_than_a_pixel_and_every_job_is_counted():
+    dash = Dashboard()
+    jobs(dash, 5000, "fast", t0=0.0, every=0.001, took=0.0008)  # 1,000 jobs/s
+    jobs(dash, 3, "fast", t0=5.5, start_id=10_000, how="lost", every=0.001, took=0.0008)
+    lane = dash.build()["timeline"]["lanes"]["fast"]
+    applied = [j for j in lane if j[2] == "a"]
+    assert sum(j[3] for j in applied) == 5000 and len(applied) <= 5.0 / dmod.MERGE_MAX_S + 2
+    assert all(j[1] - j[0] <= dmod.MERGE_MAX_S + 1e-9 for j in lane)
+    assert [j[2] for j in lane[-1:]] == ["l"] and lane[-1][3] == 3  # another outcome: a bar of its own
+
+
+def test_lanes_are_bounded_and_the_page_gets_the_last_window_only():
+    dash = Dashboard()
+    for i in range(dmod.MAX_LANES + 8):
+        jobs(dash, 1, f"w{i:02d}", t0=float(i), start_id=i)
+    lanes = dash.build()["timeline"]["lanes"]
+    assert len(lanes) == dmod.MAX_LANES and set(lanes) == {f"w{i:02d}" for i in range(8, dmod.MAX_LANES + 8)}
+    jobs(dash, 1, "late", t0=200.0, start_id=999)
+    assert set(dash.build()["timeline"]["lanes"]) == {"late"}  # the others ended over WINDOW_S ago
 
 
 def test_settled_jobs_are_coloured_by_outcome_and_a_worker_that_timed_out_is_marked_lost():
