@@ -12,7 +12,7 @@ Memory is bounded whatever the run's length:
   every other new one is kept (the stride doubles), the latest point always shown;
 - the job timeline keeps, per worker, the last :data:`MAX_BARS` bars (a bar is a settled job, or
   several consecutive jobs of one outcome, each following the one before within
-  :data:`MERGE_GAP_S`, together at most :data:`MERGE_MAX_S` long: one pixel of the page's
+  :data:`MERGE_GAP_S`, together at most :data:`MERGE_MAX_S` long: a pixel or two of the page's
   :data:`WINDOW_S` seconds), for at most :data:`MAX_LANES` workers (the one idle the longest
   goes), and at most :data:`MAX_OPEN_JOBS` jobs in flight;
 - at most :data:`MAX_SERIES` algorithm figures, :data:`MAX_GONE` departed workers;
@@ -41,10 +41,10 @@ log = logging.getLogger("latecomer.server")
 
 PUBLISH_S = 0.5  # the snapshot the page reads is at most this old
 MAX_POINTS = 1000  # points per time series (decimated beyond)
-MAX_BARS = 500  # bars kept per worker's lane of the timeline
+MAX_BARS = 600  # bars kept per worker's lane of the timeline
 MAX_LANES = 32  # lanes (workers) of the timeline
 MERGE_GAP_S = 0.005  # consecutive jobs closer than this ...
-MERGE_MAX_S = 0.04  # ... are one bar, up to this long
+MERGE_MAX_S = 0.1  # ... are one bar, up to this long
 WINDOW_S = 60.0  # the timeline shows the last this many seconds
 MAX_OPEN_JOBS = 10_000  # jobs in flight tracked (issued, not yet settled)
 MAX_SERIES = 32  # algorithm figures kept as series
@@ -237,14 +237,17 @@ class Dashboard(Observer):
 
     def _timeline(self) -> dict[str, Any]:
         """The last :data:`WINDOW_S` seconds of every lane (copies: the published state is never
-        touched again), and the jobs in flight there (at most 64 a worker)."""
-        since = self.now - WINDOW_S
-        lanes = {w: [list(bar) for bar in lane if bar[1] >= since] for w, lane in self.lanes.items()}
+        touched again), and the jobs in flight (at most 64 a worker)."""
+        # from where every lane is complete: a full lane (a fast worker's) has lost its oldest bars
+        full = [lane[0][0] for lane in self.lanes.values() if len(lane) == MAX_BARS]
+        since = max([self.now - WINDOW_S, *full])
+        lanes = {w: [list(bar) for bar in lane if bar[0] >= since] for w, lane in self.lanes.items()}
         in_flight: dict[str, list] = {}
         for wid, a in self.open.values():
-            if a >= since and len(in_flight.setdefault(wid, [])) < 64:
+            if len(in_flight.setdefault(wid, [])) < 64:  # one issued before `since` is drawn from there
                 in_flight[wid].append(round(a, 4))
-        return {"now": round(self.now, 3), "window_s": WINDOW_S, "lanes": {w: v for w, v in lanes.items() if v},
+        return {"now": round(self.now, 3), "since": round(since, 4), "window_s": WINDOW_S,
+                "lanes": {w: v for w, v in lanes.items() if v},
                 "in_flight": in_flight}
 
     def _workers(self, snap: dict[str, Any]) -> dict[str, Any]:

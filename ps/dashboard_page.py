@@ -89,7 +89,10 @@ function fmt(v, d) {
   if (Number.isInteger(v) && Math.abs(v) < 1e9) return String(v);
   const a = Math.abs(v);
   if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(d === undefined ? 2 : d);
-  return v.toPrecision(d === undefined ? 4 : d).replace(/\.?0+$/, "");
+  const p = d === undefined ? 4 : d, digits = a === 0 ? 1 : Math.floor(Math.log10(a)) + 1;
+  if (digits >= p) return String(Math.round(v));
+  const t = v.toFixed(Math.min(20, p - digits));
+  return t.includes(".") ? t.replace(/\.?0+$/, "") : t;
 }
 function dur(s) {
   s = Math.max(0, Math.round(s || 0));
@@ -200,8 +203,10 @@ function timeline(cv, tl, gone) {
   const lane = 22, P = {l: 90, r: 10, t: 6, b: 24};
   const {g, w, h} = setup(cv, Math.max(80, P.t + P.b + lane * Math.max(1, names.length)));
   if (!names.length) { g.fillStyle = css("--dim"); g.textAlign = "center"; g.fillText("no jobs yet", w / 2, h / 2); return; }
-  let t0 = tl.now;  // the oldest bar shown (at most window_s ago)
-  for (const n of names) { for (const j of tl.lanes[n] || []) t0 = Math.min(t0, j[0]); for (const a of tl.in_flight[n] || []) t0 = Math.min(t0, a); }
+  let t0 = tl.now;  // the oldest bar shown: every lane is complete from there (at most window_s ago)
+  for (const n of names) for (const j of tl.lanes[n] || []) t0 = Math.min(t0, j[0]);
+  for (const n of names) for (const a of tl.in_flight[n] || []) t0 = Math.min(t0, a);
+  t0 = Math.max(t0, tl.since);
   const xr = [t0, Math.max(tl.now, t0 + 1e-3)];
   const X = v => P.l + (v - xr[0]) / (xr[1] - xr[0]) * (w - P.l - P.r);
   g.fillStyle = css("--dim"); g.textAlign = "center"; g.textBaseline = "top";
@@ -217,7 +222,7 @@ function timeline(cv, tl, gone) {
       g.fillRect(x0, y + 3, Math.max(1.5, x1 - x0 - 0.6), lane - 8);
     }
     g.strokeStyle = css("--flight"); g.lineWidth = 1.2;
-    for (const a of tl.in_flight[n] || []) g.strokeRect(X(a) + .5, y + 3.5, Math.max(2, X(tl.now) - X(a) - 1), lane - 9);
+    for (let a of tl.in_flight[n] || []) a = Math.max(a, t0), g.strokeRect(X(a) + .5, y + 3.5, Math.max(2, X(tl.now) - X(a) - 1), lane - 9);
   });
 }
 function table(el, columns, rows, rowClass) {

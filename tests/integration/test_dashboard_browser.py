@@ -213,6 +213,9 @@ def test_the_dashboard_of_a_finished_run_shows_its_recorded_evaluations(procs, t
     assert sum(n for _, _, n in shown["ages"]) == applied
     assert re.fullmatch(r"\d+", browser.find_element("id", "step").text) and browser.find_element("id", "step").text \
         == "200"
+    # the page's number format: no digit of an integer part dropped, no exponent below a million
+    assert browser.execute_script("return [fmt(480.2, 3), fmt(0.012345), fmt(2.5), fmt(1234.5, 3), fmt(100.0), "
+                                  "fmt(0.5), fmt(null)]") == ["480", "0.01235", "2.5", "1235", "100", "0.5", "\u2013"]
     errors = console_errors(browser)
     assert not errors, errors
     dash.send_signal(signal.SIGINT)

@@ -78,14 +78,18 @@ def test_age_bins_are_exact_below_32_then_powers_of_two_and_bounded_whatever_the
 
 def test_the_timeline_keeps_the_last_bars_of_each_worker_and_a_bounded_number_in_flight():
     dash = Dashboard()
-    jobs(dash, dmod.MAX_BARS + 50, "slow", t0=0.0)  # 0.1 s apart: a bar each
-    lane = dash.build()["timeline"]["lanes"]["slow"]
+    jobs(dash, dmod.MAX_BARS + 50, "slow", t0=0.0, every=0.08)  # 80 ms apart: a bar each
+    jobs(dash, 3, "other", t0=1.0, start_id=10**5, every=1.0)
+    timeline = dash.build()["timeline"]
+    lane = timeline["lanes"]["slow"]
     assert len(lane) == dmod.MAX_BARS and all(j[2] == "a" and j[3] == 1 for j in lane)
-    assert lane[0][0] == pytest.approx(5.0) and lane[-1][1] == pytest.approx(0.1 * (dmod.MAX_BARS + 49) + 0.05)
+    assert lane[0][0] == pytest.approx(4.0) and lane[-1][1] == pytest.approx(0.08 * (dmod.MAX_BARS + 49) + 0.05)
+    # shown from where every lane is complete: the full lane lost its bars before 4 s, so the others' go too
+    assert timeline["since"] == pytest.approx(4.0) and "other" not in timeline["lanes"]
     dash.on_events([{"ev": "issued", "job_id": 10**6 + i, "worker_id": "w2", "t": 50.0} for i in range(
         dmod.MAX_OPEN_JOBS + 10)], 55.0)
     assert len(dash.open) == dmod.MAX_OPEN_JOBS
-    assert len(dash.build()["timeline"]["in_flight"]["w2"]) == 64
+    assert len(dash.build()["timeline"]["in_flight"]["w2"]) == 64  # a worker's jobs in flight shown
 
 
 def test_fast_jobs_are_merged_into_bars_no_shorter_than_a_pixel_and_every_job_is_counted():
