@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast setup clean
+.PHONY: run test test-fast test-browser setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests/unit tests/sim
 	$(BIN)/python -m pytest -q -m "not slow" tests/integration
+
+# The dashboard in a real headless Chromium (also part of `make test`; skipped without chromium).
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -q -m browser tests/integration
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -224,6 +224,71 @@ def main() -> None:
     """latecomer: an asynchronous parameter server for heterogeneous machines."""
 
 
+# --------------------------------------------------------------------------- dashboard (issue 25)
+
+def _dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from ps.dashboard import check_addr
+
+    try:
+        check_addr(value)
+    except ValueError:
+        raise click.BadParameter(f"expected an IP address or localhost, got {value!r}") from None
+    return value
+
+
+def _dashboard_meta(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name == "dashboard_addr":
+        value = _dashboard_addr(ctx, param, value)
+    ctx.meta[param.name] = value  # read by _start_dashboard: the commands' signatures stay as they are
+    return value
+
+
+def _dashboard_options(f):
+    """``--dashboard-port`` and ``--dashboard-addr`` of serve and run (ps/dashboard.py)."""
+    f = click.option("--dashboard-addr", default="127.0.0.1", show_default=True, callback=_dashboard_meta,
+                     expose_value=False,
+                     help="Address of the dashboard (another than loopback shows the run, read-only, to anyone "
+                          "who can reach it).")(f)
+    return click.option("--dashboard-port", type=click.IntRange(0, 65535), default=None, callback=_dashboard_meta,
+                        expose_value=False,
+                        help="Serve a live dashboard (a web page) on this port (0: any free port; the address "
+                             "is logged).")(f)
+
+
+def _start_dashboard(daemon: Any) -> Any:
+    """The dashboard of ``daemon`` when --dashboard-port was given (else None)."""
+    meta = click.get_current_context().meta
+    port, addr = meta.get("dashboard_port"), meta.get("dashboard_addr", "127.0.0.1")
+    if port is None:
+        return None
+    from ps.dashboard import attach
+
+    try:
+        return attach(daemon, port, addr)
+    except OSError as e:
+        daemon.close()
+        raise click.ClickException(f"cannot serve the dashboard on {addr}:{port}: {e}") from None
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--port", type=click.IntRange(0, 65535), default=8265, show_default=True,
+              help="The page's port (0: any free port).")
+@click.option("--addr", default="127.0.0.1", show_default=True, callback=_dashboard_addr,
+              help="The page's address.")
+def dashboard(run_dir, port, addr) -> None:
+    """Serve the dashboard of a finished run (a serve --state or an --out directory) until Ctrl-C."""
+    from ps.dashboard import serve_recorded
+
+    _setup_logging("warning")
+    try:
+        serve_recorded(run_dir, port, addr, lambda line: click.echo(line))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot serve the dashboard on {addr}:{port}: {e}") from None
+
+
 @main.command("algorithms")
 @click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")
 def list_algorithms(names) -> None:
@@ -326,6 +391,7 @@ def list_algorithms(names) -> None:
               help="A progress bar (steps, rate, workers, last evaluation) on stderr; default: when stderr is a "
                    "terminal and the log is text.")
 @log_to_option
+@_dashboard_options
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
           eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
           state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
@@ -373,6 +439,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     daemon.install_signal_handlers()
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
+    _start_dashboard(daemon)
     supervise.announce(daemon)  # "listening on ..." (or, supervised, ready to the supervisor)
     bar = ServeBar(max_steps) if want_progress(progress, sys.stderr, log_format) else None
     daemon.on_progress = bar or log_progress
@@ -503,6 +570,7 @@ def _spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str]) -> su
               help="Where the summary, the events and the plots go.")
 @click.option("--progress/--no-progress", default=True)
 @log_to_option
+@_dashboard_options
 def run(problem, problem_opt, algorithm, settings, config, workers, delays, steps, batch_size, eval_every, seed, out,
         progress, log_to) -> None:
     """The embedded default: a server plus local workers of different speeds on loopback."""
@@ -526,6 +594,9 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
         events=events_path))
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
+    dash = _start_dashboard(daemon)
+    if dash is not None:
+        click.echo(f"dashboard on {dash.http.url}", err=True)
     from tqdm import tqdm
 
     from problems.trust import is_user_problem
