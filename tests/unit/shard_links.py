@@ -11,7 +11,7 @@ from protocol.messages import Job
 from ps.shard import Shard
 from worker.shards import ShardLinks
 
-WAIT_S = 5.0  # the longest a helper waits for the shard or the links
+WAIT_S = 30.0  # the longest a helper waits for the shard or the links (a bound, not a pace: a loaded CI machine)
 
 
 def pump(shard: Shard, socks: list, done, what: str) -> None:
