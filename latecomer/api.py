@@ -270,15 +270,10 @@ class _Child:
         return self.popen.poll() if self.popen is not None else self.process.exitcode
 
     def signal(self, sig: int) -> None:
-        if self.poll() is not None:
-            return
-        try:
-            if os.getpgid(self.pid) == self.pid:
-                os.killpg(self.pid, sig)
-            else:
-                os.kill(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.poll() is None:
+            from ps.children import signal_group
+
+            signal_group(self.pid, sig)
 
     def wait(self, timeout: float | None) -> bool:
         """Whether it exited (and was reaped) within ``timeout`` seconds (None: no bound)."""

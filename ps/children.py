@@ -25,13 +25,18 @@ def spawn(*args: str, stdout: Any = subprocess.DEVNULL, stderr: Any = subprocess
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
     """``sig`` to ``p``'s process group if ``p`` leads one, else to ``p``; nothing once it is reaped."""
-    if p.poll() is not None:
-        return
+    if p.poll() is None:
+        signal_group(p.pid, sig)
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """``sig`` to the process group ``pid`` leads, or to ``pid`` alone if it leads none; a process
+    that is gone (or not ours) is left alone. The caller checks first that ``pid`` is not reaped."""
     try:
-        if os.getpgid(p.pid) == p.pid:
-            os.killpg(p.pid, sig)
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
         else:
-            p.send_signal(sig)
+            os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -26,6 +26,7 @@ import pytest
 import latecomer
 from problems.quadratic import make_quadratic
 from tests.conftest import REPO
+from tests.integration.util import readme_block
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +50,7 @@ print("RESULT " + json.dumps({"accuracy": acc, "last": summary["evaluations"][-1
 
 def readme_script() -> str:
     """The Python block of the README's "Python API" section."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    section = text[text.index("\n## Python API"):]
-    section = section[:section.index("\n## ", 1)]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return readme_block("Python API", "python")
 
 
 def in_mode(script: str, server: str) -> str:

@@ -33,7 +33,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
-from tests.integration.util import wait_events, wait_exit, wait_line
+from tests.integration.util import readme_block, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -168,11 +168,7 @@ def free_port() -> int:
 
 def readme_commands() -> str:
     """The shell block of the README's "Your own model" section."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    section = text[text.index("\n## Your own model"):]
-    section = section[:section.index("\n## ", 1)]
-    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return readme_block("Your own model", "bash")
 
 
 def test_readme_own_model_commands_run_as_written(tmp_path):

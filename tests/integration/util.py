@@ -86,3 +86,14 @@ def tree_rss(pid: int) -> int:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def readme_block(heading: str, lang: str) -> str:
+    """The first ``lang`` code block of the README's section ``## heading``."""
+    from tests.conftest import REPO
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index(f"\n## {heading}"):]
+    section = section[:section.index("\n## ", 1)]
+    return re.search(rf"```{lang}\n(.*?)```", section, re.S).group(1)
