@@ -237,11 +237,12 @@ class ComputeThread:
                 self.current = None
                 dropped = job.job_id in self.cancelled
                 self.cancelled.discard(job.job_id)
-            if not dropped:
-                self.outbox.append((job.job_id, reply, error))
-                os.write(self.wake_w, b"x")
-            with self.lock:  # after the outbox: pending == 0 tells the link that nothing more can come
+            with self.lock:  # the result in the outbox, then pending == 0 (nothing more can come), together:
+                if not dropped:  # the link, woken below, sees both, so its next job can take the inline path
+                    self.outbox.append((job.job_id, reply, error))
                 self.pending -= 1
+            if not dropped:
+                os.write(self.wake_w, b"x")
 
     def _execute(self, job: Job, points: tuple[np.ndarray, ...],
                  holds: tuple[int, ...] = ()) -> tuple[Reply | None, str | None]:
