@@ -22,13 +22,16 @@ synchronous evaluation raised it.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Evaluator"]
+__all__ = ["EvalLog", "Evaluator"]
 
 
 class Evaluator:
@@ -114,17 +117,12 @@ class EvalLog:
     NAME = "evaluations.jsonl"
 
     def __init__(self, state_dir: str) -> None:
-        import os
-
         self.path = os.path.join(state_dir, self.NAME)
         self.f: Any = None
         self.skipped = 0
 
     def load(self, before_version: int) -> list[dict[str, float]]:
         """The recorded evaluations of versions before ``before_version``, in order."""
-        import json
-        import math
-
         out: list[dict[str, float]] = []
         try:
             with open(self.path, encoding="utf-8") as f:
@@ -146,8 +144,6 @@ class EvalLog:
         return out
 
     def append(self, ev: dict[str, float]) -> None:
-        import json
-
         try:
             if self.f is None:
                 self.f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open for the run
