@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-browser setup clean
+.PHONY: run test test-fast test-browser test-deploy setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,13 @@ test-fast: $(STAMP)
 # The dashboard in a real headless Chromium (also part of `make test`; skipped without chromium).
 test-browser: $(STAMP)
 	$(BIN)/python -m pytest -q -m browser tests/integration
+
+# The deployment recipes run for real (deploy/README.md): SLURM (two slurmd on this host), the
+# container image under podman/compose, the Kubernetes manifests rendered and validated. Needs root;
+# tests/deploy/install_*.sh install what each part needs from Debian's packages and PyPI.
+test-deploy: $(STAMP)
+	for s in tests/deploy/install_*.sh; do PY=$(abspath $(BIN))/python bash $$s || exit 1; done
+	$(BIN)/python -m pytest -q -p no:randomly --durations=0 tests/deploy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
