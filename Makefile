@@ -38,7 +38,7 @@ test-browser: $(STAMP)
 # tests/deploy/install_*.sh install what each part needs from Debian's packages and PyPI.
 test-deploy: $(STAMP)
 	for s in tests/deploy/install_*.sh; do PY=$(abspath $(BIN))/python bash $$s || exit 1; done
-	$(BIN)/python -m pytest -q -p no:randomly --durations=0 tests/deploy
+	$(BIN)/python -m pytest -q --durations=0 tests/deploy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
