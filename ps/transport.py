@@ -39,6 +39,7 @@ from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
     CHUNK_THRESHOLD,
+    ID_IN_USE,
     MAX_HEADER_BYTES,
     MAX_PARTS,
     Bye,
@@ -72,6 +73,7 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK) 
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
+MAX_SUPERSEDED = 4096  # replaced (worker id, boot) pairs remembered (ps/transport.py _hello_refusal)
 MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 SMALL_MESSAGE = 512  # a message of one frame at most this long may be a heartbeat repeat
 
@@ -184,6 +186,9 @@ class ServerTransport:
         self.max_workers, self.max_workers_per_key = max_workers, max_workers_per_key
         self.banned_keys: set[str] = set()  # keys of quarantined or revoked workers
         self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
+        # (worker id, boot) of incarnations a newer boot replaced: if one speaks again, two live
+        # processes share the id (PROTOCOL.md 8.1). Oldest dropped past MAX_SUPERSEDED.
+        self.superseded: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_dtype = wire_dtype
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
@@ -304,9 +309,18 @@ class ServerTransport:
             return "", "routing id already bound to another worker"
         if key and key in self.banned_keys:
             return "", "this key is quarantined"
+        if (wid, hello.boot) in self.superseded:  # a replaced incarnation speaks again: not a restart
+            return "id_in_use", (f"{ID_IN_USE}: {wid[:64]} belongs to another live process (a newer boot took it); "
+                                 "give each worker its own --worker-id")
         w = self.core.workers.get(wid)
         if w is not None:
-            return ("", "worker id in use with another key") if w.key != key else None
+            if w.key != key:
+                return "", "worker id in use with another key"
+            if w.boot != hello.boot:  # a new incarnation replaces w: a restart, unless w speaks again
+                self.superseded[(wid, w.boot)] = None
+                while len(self.superseded) > MAX_SUPERSEDED:
+                    self.superseded.popitem(last=False)
+            return None
         # A new join: the caps.
         if len(self.core.workers) >= self.max_workers:
             return "max_workers", f"too many workers ({self.max_workers}; serve --max-workers)"
