@@ -147,6 +147,14 @@ def _open_arena(dim: int, boot: int) -> tuple[Any, str]:
         return None, ""
 
 
+def _remember(table: collections.OrderedDict, key: Any) -> None:
+    """``key`` as the newest entry of a bounded table (the oldest dropped past MAX_SUPERSEDED)."""
+    table[key] = None
+    table.move_to_end(key)
+    while len(table) > MAX_SUPERSEDED:
+        table.popitem(last=False)
+
+
 class ServerTransport:
     """The ROUTER socket and the per-connection state (see the module docstring).
 
@@ -189,6 +197,9 @@ class ServerTransport:
         # (worker id, boot) of incarnations a newer boot replaced: if one speaks again, two live
         # processes share the id (PROTOCOL.md 8.1). Oldest dropped past MAX_SUPERSEDED.
         self.superseded: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # Ids proven shared that way: a new boot of one is refused while its holder is live (a twin
+        # that restarts, e.g. under Restart=always, cannot take the id back and forth).
+        self.contested: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_dtype = wire_dtype
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
@@ -283,7 +294,7 @@ class ServerTransport:
         """The worker a message is from: a hello binds its connection (or is refused), anything
         else must come over a bound connection with the same key."""
         if isinstance(msg, Hello):
-            refused = self._hello_refusal(conn, msg, key)
+            refused = self._hello_refusal(conn, msg, key, now)
             if refused:
                 return self._refuse(conn, msg.worker_id, refused[1], now, kind=refused[0])
             self.conns.bind(conn, msg.worker_id, key)  # a record bound to wid before loses it
@@ -302,24 +313,25 @@ class ServerTransport:
             return Count("invalid")
         return conn.wid
 
-    def _hello_refusal(self, conn: Conn, hello: Hello, key: str) -> tuple[str, str] | None:
+    def _hello_refusal(self, conn: Conn, hello: Hello, key: str, now: float) -> tuple[str, str] | None:
         """Why the transport refuses this hello, as (kind for the log or "", text), or None."""
         wid = hello.worker_id
         if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
             return "", "routing id already bound to another worker"
         if key and key in self.banned_keys:
             return "", "this key is quarantined"
-        if (wid, hello.boot) in self.superseded:  # a replaced incarnation speaks again: not a restart
+        w = self.core.workers.get(wid)
+        if (wid, hello.boot) in self.superseded or (  # a replaced incarnation speaks again: not a restart
+                wid in self.contested and w is not None and w.boot != hello.boot
+                and now - w.last_seen < self.core.cfg.liveness_timeout_s):  # a proven twin's next boot
+            _remember(self.contested, wid)
             return "id_in_use", (f"{ID_IN_USE}: {wid[:64]} belongs to another live process (a newer boot took it); "
                                  "give each worker its own --worker-id")
-        w = self.core.workers.get(wid)
         if w is not None:
             if w.key != key:
                 return "", "worker id in use with another key"
             if w.boot != hello.boot:  # a new incarnation replaces w: a restart, unless w speaks again
-                self.superseded[(wid, w.boot)] = None
-                while len(self.superseded) > MAX_SUPERSEDED:
-                    self.superseded.popitem(last=False)
+                _remember(self.superseded, (wid, w.boot))
             return None
         # A new join: the caps.
         if len(self.core.workers) >= self.max_workers:

@@ -85,7 +85,8 @@ def test_two_processes_claiming_one_default_id_settle_on_two_ids(procs, tmp_path
 
 def test_two_workers_given_one_id_the_replaced_one_stops_with_one_line(procs, tmp_path):
     """With ``--worker-id`` given by the user, the replaced process does not rename itself: it
-    stops with one line naming the flag, and the other trains on."""
+    stops with one line naming the flag (status 2), and the other trains on. The id is then
+    contested: a new boot of it is refused while its holder is live."""
     events = str(tmp_path / "events.jsonl")
     server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--algorithm", "asgd",
                          "--set", "lr=0.1", "--events", events, "--max-time", "120")
@@ -93,12 +94,16 @@ def test_two_workers_given_one_id_the_replaced_one_stops_with_one_line(procs, tm
     first = procs.start("work", "--server", endpoint, "--delay", "0.01", "--worker-id", "twin")
     wait_events(events, lambda ev: any(e["ev"] == "joined" for e in ev), timeout=60)
     procs.start("work", "--server", endpoint, "--delay", "0.01", "--worker-id", "twin")
-    wait_exit(first, timeout=60)
+    assert wait_exit(first, timeout=60) == 2
     err = first.stderr.read().decode()
     assert "worker id in use" in err and "--worker-id" in err, err
+    # Restarted (as Restart=always would), the twin cannot take the id back while its holder lives.
+    again = procs.start("work", "--server", endpoint, "--delay", "0.01", "--worker-id", "twin")
+    assert wait_exit(again, timeout=60) == 2
     n = len(read_events(events))
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev[n:]) >= 50, timeout=60)
-    assert [e["ev"] for e in read_events(events)].count("joined") == 2
+    ev = read_events(events)
+    assert [e["ev"] for e in ev].count("joined") == 2 and [e["ev"] for e in ev].count("left") == 1
 
 
 def _ipv6_loopback() -> bool:
