@@ -22,7 +22,9 @@ shard's final checkpoint counts them, and each shard's link carried at least the
 blocks), and every process exits 0 by itself at the end (the shards included: the coordinator
 tells them the run is over). Then the same commands again with a higher ``--max-steps``: the
 coordinator resumes from its state at the step it stopped at, the shards from their checkpoints,
-and the run goes on to the new end.
+and the run goes on to the new end. Then a third time with the README's own ``--max-steps``,
+the coordinator stopped by SIGTERM (as ``systemctl stop`` does): every process exits 0 too. A
+test without namespaces checks that the shard and server units run the section's flags.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ps.persist import verified_checkpoints
 from tests.deploy.conftest import REPO, VENV_BIN
 from tests.integration.test_netns import Lab, netns_unusable, run_ok
 from tests.integration.util import read_events, readme_block, wait_events
-from tests.unit.test_deploy import exec_start
+from tests.unit.test_deploy import exec_start, read_unit
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -247,7 +249,11 @@ def start_recipe(lab: HostsLab, r: dict, steps: int | None, run: str, until=None
         procs[f"shard{n}"] = lab.run(f"shard{n}", f"{run}-shard{n}", substituted(argv, lab, f"shard{n}", addrs))
     joined = {}
     for n in r["shards"]:
-        m = wait_log(lab, f"{run}-coordinator", rf"shard {n} joined from (\S+) \(([^)]*)\)", START_S, coordinator)
+        try:
+            m = wait_log(lab, f"{run}-coordinator", rf"shard {n} joined from (\S+) \(([^)]*)\)", START_S, coordinator)
+        except AssertionError as e:
+            raise AssertionError(f"shard {n} did not join (a shard without the coordinator's key pair fails the CURVE "
+                                 f"handshake silently on both sides: are its keys the server's?): {e}") from None
         want = f"tcp://{lab.hosts[f'shard{n}'][2]}:"
         assert m.group(1).startswith(want), \
             f"shard {n} joined advertising {m.group(1)}, not an endpoint on its own host ({want}...): the workers " \
@@ -274,13 +280,42 @@ def shard_checkpoint(state: str) -> tuple[int, dict]:
 
 # --------------------------------------------------------------------------- tests
 
-def test_the_shard_unit_takes_the_readmes_shard_flags():
-    """deploy/systemd/latecomer-shard@.service runs the README's shard command: the same flags."""
-    unit = exec_start(os.path.join(REPO, "deploy", "systemd", "latecomer-shard@.service"),
-                      LATECOMER_COORDINATOR="tcp://c:5556", LATECOMER_SHARD_BIND="tcp://0.0.0.0:7000",
-                      LATECOMER_SHARD_ADVERTISE="tcp://h:7000")
-    for argv in recipe()["shards"].values():
-        assert [a for a in argv if a.startswith("--")] == [a for a in unit if a.startswith("--")], (argv, unit)
+def _options(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs of an argv (every option of these commands takes a value)."""
+    return {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--")}
+
+
+def _port(endpoint: str) -> str:
+    return endpoint.rsplit(":", 1)[1]
+
+
+def test_the_units_run_the_readmes_commands():
+    """The services the section names run its commands: the shard unit (instance N, the defaults of
+    its environment) the same flags and values as slot N's command, but for the host names and
+    /etc/latecomer/keys; the server unit with the section's LATECOMER_SERVE_ARGS the coordinator's,
+    but for the problem (in server.toml)."""
+    r = recipe()
+    units = os.path.join(REPO, "deploy", "systemd")
+    shard_unit = os.path.join(units, "latecomer-shard@.service")
+    env = dict(v.split("=", 1) for s, k, v in read_unit(shard_unit) if (s, k) == ("Service", "Environment"))
+    for n, argv in r["shards"].items():
+        readme = _options(argv)
+        unit = _options(exec_start(shard_unit, instance=str(n), host="shardhost", **env))
+        assert list(unit) == list(readme), (unit, readme)
+        assert {k: v for k, v in unit.items() if k not in ("--coordinator", "--advertise", "--keys")} == \
+            {k: v for k, v in readme.items() if k not in ("--coordinator", "--advertise", "--keys")}, (unit, readme)
+        for flag in ("--coordinator", "--advertise"):
+            assert _port(unit[flag]) == _port(readme[flag]), (flag, unit, readme)
+        assert unit["--keys"] == "/etc/latecomer/keys"
+    with open(os.path.join(REPO, README), encoding="utf-8") as f:
+        section = f.read().split(f"## {SECTION}", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"`LATECOMER_SERVE_ARGS=([^`]*)`", section)
+    assert m, "the section no longer gives the server unit's LATECOMER_SERVE_ARGS"
+    server = exec_start(os.path.join(units, "latecomer-server.service"))
+    unit, readme = _options([*server, *m.group(1).split()]), _options(r["coordinator"])
+    assert set(unit) - {"--config"} == set(readme) - {"--problem"}, (unit, readme)
+    assert {k: v for k, v in unit.items() if k in readme and k != "--keys"} == \
+        {k: v for k, v in readme.items() if k in unit and k != "--keys"}, (unit, readme)
 
 
 def test_the_readmes_sharded_recipe_on_four_hosts_trains_stops_and_resumes(lab, tmp_path):
