@@ -17,8 +17,9 @@ from tests.deploy import containers as C
 from tests.deploy.conftest import VENV_BIN, require
 
 SCRIPT = "install_containers.sh"
-MAX_STEPS = 1000  # LATECOMER_MAX_STEPS for the compose run (the compose file's default is 20000)
-OWN_STEPS = 60  # the problem of your own: a few steps are enough to show it trains in the image
+MAX_STEPS = 2000  # the README's LATECOMER_MAX_STEPS for the compose run (the compose file's default is 20000)
+COMPOSE_ENV = f"printf 'LATECOMER_MAX_STEPS={MAX_STEPS}\\nLATECOMER_WORKERS=2\\n' > .env"  # the README's settings
+OWN_STEPS = 2000  # the README's --max-steps for the problem of your own
 REPORT: dict = {}
 # The first test waits for the base and the image (about 10 minutes from nothing on 2 cores).
 pytestmark = pytest.mark.timeout(2400)
@@ -39,11 +40,12 @@ def base():
         pytest.fail("the container tests need root (rootful podman): run `make test-deploy` as root", pytrace=False)
     try:
         with C.timed("base: total"):
-            yield C.base_image()
+            ref = C.base_image()
     except C.Failed as e:
-        pytest.fail(str(e), pytrace=False)
-    finally:
         _report()
+        pytest.fail(str(e), pytrace=False)
+    yield ref
+    _report()
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +97,7 @@ def test_the_image_holds_the_whole_package(image):
     r = C.podman("run", "--rm", image, "--help", timeout=120, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "serve" in r.stdout and "work" in r.stdout
+    C.podman("run", "--rm", "--entrypoint", "python", image, "-c", "import latecomer", timeout=120)
     r = C.podman("run", "--rm", "--entrypoint", "python", image, "-c",
                  "import os, sys, latecomer, benchmarks, experiments; latecomer.TorchProblem; "
                  "print(os.getuid(), sys.prefix)", timeout=120, check=False)
@@ -145,9 +148,11 @@ def test_a_problem_of_your_own_trains_in_the_image(image, tmp_path, scope):
              "-v", f"{d}/keys/server.key:/server.key:ro", "-v", model, "-e", "LATECOMER_ALLOW_PROBLEM=mymodel:make",
              image, "work", "--server", f"tcp://{server}:5555", "--key", "/keys/worker.key_secret",
              "--server-key", "/server.key")
-    with C.timed("own problem: serve to the end"):
-        rc = C.wait_exit(server, timeout=300)
+    with C.timed("own problem: logs -f server (training)"):
+        server_log = C.podman("logs", "-f", server, timeout=600).stdout
+    rc = C.wait_exit(server, timeout=60)
     assert rc == 0, f"server exited {rc}:\n{C.logs(server)[-3000:]}"
+    assert f"stopped (reached {OWN_STEPS} steps)" in server_log
     wrc = C.wait_exit(worker, timeout=60)
     assert wrc == 0, f"worker exited {wrc}:\n{C.logs(worker)[-3000:]}"
     summary, events, run = state_files(state)
@@ -156,23 +161,26 @@ def test_a_problem_of_your_own_trains_in_the_image(image, tmp_path, scope):
     first, last = summary["evaluations"][0], summary["evaluations"][-1]
     assert last["loss"] < first["loss"], (first, last)
     REPORT["own_problem"] = {"steps": summary["version"], "loss": [first["loss"], last["loss"]],
+                             "accuracy": last.get("accuracy"), "lost": summary["counters"]["lost"],
                              "exit": {"server": rc, "worker": wrc}}
 
 
 def test_compose_trains_with_keys_and_two_workers(image, tmp_path, scope):
     """deploy/README.md, "Docker Compose", under podman-compose: the compose file unchanged, keys made
-    and chowned beside it, LATECOMER_MAX_STEPS set, --scale worker=2; the server trains to the end,
-    2 workers with distinct ids took part, nothing lost, every container exits 0."""
+    and chowned beside it, the README's .env (LATECOMER_MAX_STEPS, LATECOMER_WORKERS=2); the server
+    trains to the end, 2 workers with distinct ids took part, nothing lost, every container exits 0,
+    and `down -v` removes the containers, the pod, the network and the state volume."""
     d = C.copy_compose(str(tmp_path / "compose"))
     make_keys(d)
+    C.run(["bash", "-c", COMPOSE_ENV], timeout=30, cwd=d)
     project = scope.project("compose")
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "LATECOMER_MAX_STEPS": str(MAX_STEPS)}
-    env.pop("LATECOMER_ALLOW_PROBLEM", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LATECOMER_")}
+    env["COMPOSE_PROJECT_NAME"] = project  # unique names on a shared host; the compose file is unchanged
     compose = [os.path.join(VENV_BIN, "podman-compose")]
     with C.timed("compose: up -d"):
-        C.run(compose + ["up", "-d", "--scale", "worker=2"], timeout=300, cwd=d, env=env)
+        C.run(compose + ["up", "-d"], timeout=300, cwd=d, env=env)
     with C.timed("compose: logs -f server (training)"):
-        server_log = C.run(compose + ["logs", "-f", "server"], timeout=600, cwd=d, env=env).stdout
+        server_log = C.run(compose + ["logs", "-f", "server"], timeout=300, cwd=d, env=env).stdout
     ps = json.loads(C.podman("ps", "-a", "--format", "json", "--filter",
                              f"label=io.podman.compose.project={project}", timeout=60).stdout)
     by_service: dict[str, list[str]] = {}
@@ -182,10 +190,11 @@ def test_compose_trains_with_keys_and_two_workers(image, tmp_path, scope):
     exits = {name: C.wait_exit(name, timeout=120) for names in by_service.values() for name in names}
     assert set(exits.values()) == {0}, f"exit codes {exits}\n{server_log[-3000:]}"
     summary, events, _ = state_files(f"{project}_state")
-    C.run(compose + ["down", "-v"], timeout=300, cwd=d, env=env)
+    down = C.run(compose + ["down", "-v"], timeout=300, cwd=d, env=env)
     left = C.podman("ps", "-a", "-q", "--filter", f"label=io.podman.compose.project={project}", timeout=60).stdout
     assert not left.split(), f"`down -v` left containers: {left}"
-    assert C.podman("volume", "exists", f"{project}_state", timeout=60, check=False).returncode != 0
+    assert C.podman("volume", "exists", f"{project}_state", timeout=60, check=False).returncode != 0, \
+        f"`down -v` left the state volume:\n{down.stdout[-2000:]}\n{down.stderr[-2000:]}"
     joined = [e["worker_id"] for e in events if e["ev"] == "joined"]
     applied = {}
     for e in events:

@@ -271,6 +271,33 @@ def test_dockerignore_keeps_the_checkout_out_of_the_build_context():
         assert pkg not in rules and f"/{pkg}" not in rules, pkg
 
 
+def readme_commands(section: str) -> list[list[str]]:
+    """The commands of a deploy/README.md section's code blocks (continuation lines joined, comments dropped)."""
+    text = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", body, flags=re.S)
+    return [shlex.split(ln, comments=True) for b in blocks for ln in b.replace("\\\n", " ").splitlines() if ln.strip()]
+
+
+def test_readme_container_commands_parse(tmp_path):
+    """deploy/README.md's Docker and Docker Compose commands: each `latecomer` command in them, on the
+    host or in a container (`podman run ... latecomer:cpu SUBCOMMAND ...`), goes through the real parser."""
+    seen = set()
+    for section in ("Docker", "Docker Compose"):
+        for argv in readme_commands(section):
+            for cmd in " ".join(argv).split(" && "):
+                words = cmd.split()
+                if words[:1] == ["latecomer"]:
+                    seen.add(words[1])
+                    assert words[1] == "keys", words
+                if words[:2] == ["podman", "run"] and words[-1:] != ["."]:
+                    image = next(i for i, w in enumerate(words) if w.startswith("latecomer:"))
+                    if words[image + 1] in ("serve", "work"):
+                        seen.add(words[image + 1])
+                        parse(words[image + 1:], tmp_path)
+    assert {"keys", "serve", "work"} <= seen
+
+
 # --------------------------------------------------------------------------- slurm
 
 @pytest.fixture
