@@ -187,7 +187,11 @@ def test_compose_trains_with_keys_and_two_workers(image, tmp_path, scope):
     for c in ps:
         by_service.setdefault(c["Labels"].get("com.docker.compose.service", "?"), []).append(c["Names"][0])
     assert len(by_service.get("server", [])) == 1 and len(by_service.get("worker", [])) == 2, by_service
-    exits = {name: C.wait_exit(name, timeout=120) for names in by_service.values() for name in names}
+    try:
+        exits = {name: C.wait_exit(name, timeout=120) for names in by_service.values() for name in names}
+    except C.Failed as e:
+        tails = {n: C.logs(n)[-1500:] for names in by_service.values() for n in names}
+        pytest.fail(f"{e}\n" + "\n".join(f"--- {n}:\n{t}" for n, t in tails.items()), pytrace=False)
     assert set(exits.values()) == {0}, f"exit codes {exits}\n{server_log[-3000:]}"
     summary, events, _ = state_files(f"{project}_state")
     down = C.run(compose + ["down", "-v"], timeout=300, cwd=d, env=env)
