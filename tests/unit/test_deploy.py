@@ -87,11 +87,18 @@ def load_yaml(*parts: str) -> list[dict]:
 
 # --------------------------------------------------------------------------- compose
 
+def compose_defaults(argv: list[str]) -> list[str]:
+    """A compose command with its ``${VAR:-default}`` interpolations at their defaults."""
+    return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in argv]
+
+
 def test_compose_server_and_scalable_workers(tmp_path):
     (doc,) = load_yaml("compose", "docker-compose.yml")
     services = doc["services"]
     server, worker = services["server"], services["worker"]
-    _, sp = parse(server["command"], tmp_path)
+    _, sp = parse(compose_defaults(server["command"]), tmp_path)
+    assert sp["max_steps"] == 20000, "LATECOMER_MAX_STEPS overrides it; 20000 by default"
+    assert "${LATECOMER_MAX_STEPS:-20000}" in server["command"]
     assert sp["bind"] == "tcp://0.0.0.0:5555"
     assert sp["state_dir"] == "/state"
     assert "state:/state" in server["volumes"] and "state" in doc["volumes"]
@@ -114,6 +121,11 @@ def test_compose_server_and_scalable_workers(tmp_path):
     for svc in (server, worker):
         assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile"
         assert os.path.exists(os.path.join(DEPLOY, "compose", svc["build"]["context"], svc["build"]["dockerfile"]))
+    for name, svc in services.items():
+        # podman without systemd never runs healthchecks (their status stays "starting"): no start may wait on one
+        deps = svc.get("depends_on", [])
+        conditions = [d.get("condition") for d in deps.values()] if isinstance(deps, dict) else []
+        assert "service_healthy" not in conditions, name
 
 
 # --------------------------------------------------------------------------- kubernetes
@@ -221,16 +233,31 @@ def test_k8s_gpu_overlay(tmp_path):
 
 # --------------------------------------------------------------------------- docker
 
+def packages() -> set[str]:
+    """The top-level packages pyproject.toml installs (its packages.find include list)."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {p.rstrip("*") for p in include}
+
+
 @pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
 def test_dockerfiles_copy_what_the_package_needs(name, tmp_path):
     with open(os.path.join(DEPLOY, "docker", name), encoding="utf-8") as f:
         text = f.read()
-    copied = set(re.findall(r"^COPY (\S+)", text, flags=re.M))
-    for pkg in ("ps", "worker", "protocol", "algorithms", "problems", "pyproject.toml"):
+    copied = {src for line in re.findall(r"^COPY (.+)$", text, flags=re.M) for src in line.split()[:-1]}
+    assert packages() >= {"latecomer", "ps", "worker", "benchmarks"}
+    for pkg in packages() | {"pyproject.toml", "README.md"}:  # all of them: `latecomer --help` imports benchmarks
         assert pkg in copied, pkg
         assert os.path.exists(os.path.join(REPO, pkg))
     assert 'ENTRYPOINT ["tini", "--", "latecomer"]' in text
     assert "torch==${TORCH_VERSION}" in text and "procps" in text
+    # the image's own venv, never the base's pip (Debian's refuses: externally-managed-environment)
+    assert "python3 -m venv /opt/venv" in text and "PATH=/opt/venv/bin:$PATH" in text
+    assert re.search(r"^FROM \$\{(BASE_IMAGE|CUDA_IMAGE)\}$", text, flags=re.M), "the base is a build argument"
+    assert "ARG WHEEL_DIR=" in text and "ARG TORCH_INDEX_URL=" in text
+    assert "useradd --create-home --uid 10001" in text and "chown -R 10001:10001 keys" in text
     header = "\n".join(ln[1:].strip() for ln in text.splitlines() if ln.startswith("#"))
     runs = [shlex.split(c) for c in header.replace("\\\n", " ").splitlines() if c.startswith("docker run ")]
     assert {argv[argv.index(next(a for a in argv if a.startswith("latecomer:"))) + 1] for argv in runs} >= \
@@ -238,6 +265,41 @@ def test_dockerfiles_copy_what_the_package_needs(name, tmp_path):
     for argv in runs:
         image = next(i for i, a in enumerate(argv) if a.startswith("latecomer:"))
         parse(argv[image + 1:], tmp_path)
+
+
+def test_dockerignore_keeps_the_checkout_out_of_the_build_context():
+    with open(os.path.join(REPO, ".dockerignore"), encoding="utf-8") as f:
+        rules = {ln.strip() for ln in f if ln.strip() and not ln.startswith("#")}
+    assert {".venv", ".git", "runs", "**/*.key_secret", "deploy/*/keys", "**/__pycache__"} <= rules
+    for pkg in packages() | {"pyproject.toml", "README.md"}:
+        assert pkg not in rules and f"/{pkg}" not in rules, pkg
+
+
+def readme_commands(section: str) -> list[list[str]]:
+    """The commands of a deploy/README.md section's code blocks (continuation lines joined, comments dropped)."""
+    text = open(os.path.join(DEPLOY, "README.md"), encoding="utf-8").read()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", body, flags=re.S)
+    return [shlex.split(ln, comments=True) for b in blocks for ln in b.replace("\\\n", " ").splitlines() if ln.strip()]
+
+
+def test_readme_container_commands_parse(tmp_path):
+    """deploy/README.md's Docker and Docker Compose commands: each `latecomer` command in them, on the
+    host or in a container (`podman run ... latecomer:cpu SUBCOMMAND ...`), goes through the real parser."""
+    seen = set()
+    for section in ("Docker", "Docker Compose"):
+        for argv in readme_commands(section):
+            for cmd in " ".join(argv).split(" && "):
+                words = cmd.split()
+                if words[:1] == ["latecomer"]:
+                    seen.add(words[1])
+                    assert words[1] == "keys", words
+                if words[:2] == ["podman", "run"] and words[-1:] != ["."]:
+                    image = next(i for i, w in enumerate(words) if w.startswith("latecomer:"))
+                    if words[image + 1] in ("serve", "work"):
+                        seen.add(words[image + 1])
+                        parse(words[image + 1:], tmp_path)
+    assert {"keys", "serve", "work"} <= seen
 
 
 # --------------------------------------------------------------------------- slurm
