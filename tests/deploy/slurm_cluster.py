@@ -209,8 +209,17 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         return self.run("squeue", "-h", "-s", "-j", str(jobid), "-o", "%i", check=False).stdout.split()
 
     def wait_job(self, jobid: int, timeout: float, states=FINISHED) -> dict[str, str]:
-        return self.wait_for(lambda: (lambda j: j if j.get("JobState") in states else None)(self.job(jobid)),
-                             timeout, f"job {jobid} in {sorted(states)}", poll_s=0.5)
+        last: dict[str, str] = {}
+
+        def done():
+            last.update(self.job(jobid))
+            return dict(last) if last.get("JobState") in states else None
+
+        try:
+            return self.wait_for(done, timeout, f"job {jobid} in {sorted(states)}", poll_s=0.5)
+        except ClusterError as e:
+            seen = {k: last.get(k) for k in ("JobState", "Reason", "ExitCode", "NodeList")}
+            raise ClusterError(f"job {jobid} is {seen} after {timeout} s; {str(e)[:1500]}") from None
 
     # ------------------------------------------------------------------ teardown
     def ns_pids(self) -> list[int]:

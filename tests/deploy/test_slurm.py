@@ -166,7 +166,7 @@ def test_scancel_ends_with_the_servers_own_status(cluster, tmp_path):
                 lambda ev: sum(e["ev"] == "applied" for e in ev) >= 200, JOB_S, poll_s=0.2)
     cluster.run(*shlex.split(CANCEL.replace("JOBID", str(jobid))))
     job, out = finished(cluster, jobid, tmp_path)
-    assert job["JobState"] == "CANCELLED" and job["ExitCode"] == "0:0", (job, out)
+    assert (job["JobState"], job["ExitCode"]) == ("CANCELLED", "0:0"), out
     assert "server exited with status 0" in out and "143" not in out, out
     s = summary(tmp_path)
     assert s["stopped"] and s["version"] >= 200
