@@ -304,30 +304,48 @@ def test_readme_container_commands_parse(tmp_path):
 
 # --------------------------------------------------------------------------- slurm
 
-@pytest.fixture
-def slurm_shims(tmp_path):
+SBATCH = os.path.join(DEPLOY, "slurm", "latecomer.sbatch")
+SLURM_COMMANDS = ("srun", "scontrol", "sbatch", "salloc", "squeue", "sinfo", "scancel", "sacct")
+
+
+def make_shims(tmp_path, real_latecomer: bool):
+    """Every SLURM command on PATH records its call (a dry run must call none); the latecomer the
+    script runs records its environment and arguments, then runs the real one (``real_latecomer``;
+    else it stops there: the printed commands are parsed here with the real parser anyway)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\n'
-                                      'tr "," "\\n" <<< "$3"\n')
-    (bin_dir / "srun").write_text('#!/bin/bash\necho "$*" >> "$SHIM_LOG.srun"\n'
-                                  'while [[ $# -gt 0 && "$1" == -* ]]; do shift; done\n'
-                                  'SLURM_LOCALID=0 SLURM_PROCID=0 exec "$@"\n')
-    # the latecomer the script runs: records its environment and arguments, then runs the real one
+    for tool in SLURM_COMMANDS:
+        (bin_dir / tool).write_text(f'#!/bin/bash\necho "$*" >> "$SHIM_LOG.{tool}"\nexit 1\n')
+    run = f"exec {shlex.quote(sys.executable)} -m ps \"$@\"" if real_latecomer else "exit 0"
     (bin_dir / "latecomer").write_text(f'#!/bin/bash\necho "CUDA_VISIBLE_DEVICES=${{CUDA_VISIBLE_DEVICES:-}} $*" '
-                                       f'>> "$SHIM_LOG.latecomer"\nexec {shlex.quote(sys.executable)} -m ps "$@"\n')
+                                       f'>> "$SHIM_LOG.latecomer"\n{run}\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return bin_dir
 
 
+@pytest.fixture
+def slurm_shims(tmp_path):
+    return make_shims(tmp_path, real_latecomer=False)
+
+
+@pytest.fixture
+def slurm_shims_real(tmp_path):
+    return make_shims(tmp_path, real_latecomer=True)
+
+
 def run_sbatch(bin_dir, tmp_path, **env):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_", "LATECOMER"))}
     e.update({"PATH": f"{bin_dir}:{e['PATH']}", "LATECOMER_DRY_RUN": "1", "SHIM_LOG": str(tmp_path / "log"),
-              "SLURM_JOB_NODELIST": "n1,n2,n3", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_JOB_ID": "42",
+              "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NTASKS_PER_NODE": "2(x3)", "SLURM_JOB_ID": "42",
               "PYTHONPATH": REPO, **env})
-    return subprocess.run(["bash", os.path.join(DEPLOY, "slurm", "latecomer.sbatch")], cwd=tmp_path, env=e,
-                          capture_output=True, text=True, timeout=60)
+    e = {k: v for k, v in e.items() if v is not None}
+    for f in tmp_path.glob("log.*"):
+        f.unlink()
+    r = subprocess.run(["bash", SBATCH], cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
+    called = {t: (tmp_path / f"log.{t}").read_text() for t in SLURM_COMMANDS if (tmp_path / f"log.{t}").exists()}
+    assert not called, f"the dry run called SLURM commands: {called}"
+    return r
 
 
 def dry_run_commands(stdout: str) -> list[list[str]]:
@@ -340,59 +358,123 @@ def dry_run_commands(stdout: str) -> list[list[str]]:
     return out
 
 
-@pytest.mark.slow
-def test_sbatch_dry_run_with_shims(slurm_shims, tmp_path):
-    r = run_sbatch(slurm_shims, tmp_path)
+def dry_run(slurm_shims, tmp_path, **env) -> tuple[dict, list[str], dict, str]:
+    """(serve's parameters, the srun line up to `latecomer`, work's parameters, stdout) of a dry run."""
+    r = run_sbatch(slurm_shims, tmp_path, **env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[dry-run] ok" in r.stdout
     serve_line, work_line = dry_run_commands(r.stdout)
     _, sp = parse(serve_line[serve_line.index("latecomer") + 1:], tmp_path)
+    i = work_line.index("latecomer")
+    _, wp = parse(work_line[i + 1:], tmp_path)
+    assert work_line[0] == "srun"
+    return sp, work_line[:i], wp, r.stdout
+
+
+def test_sbatch_header_asks_for_no_cpus_gpus_or_size():
+    """Issues 2 and the CPU clusters: the job's size, CPUs and GPUs come from the sbatch command
+    line; a fixed --cpus-per-task in the header left jobs pending (Reason=PartitionConfig) on
+    smaller nodes, a --gpus-per-task one made CPU clusters refuse them."""
+    header = [ln for ln in open(SBATCH, encoding="utf-8") if ln.startswith("#SBATCH")]
+    assert header, "no #SBATCH lines"
+    for ln in header:
+        assert not re.search(r"--(cpus|gpus|gres|mem|ntasks|nodes)", ln), ln
+
+
+@pytest.mark.slow
+def test_sbatch_dry_run_spreads_workers_over_every_node(slurm_shims_real, tmp_path):
+    """Issue 5: workers on every node, the server's (first) one included; no --exclude. Issue 3:
+    no SLURM command is called (run_sbatch checks), the node list n[1-3] is expanded here; the
+    latecomer commands run with --help."""
+    sp, srun, wp, out = dry_run(slurm_shims_real, tmp_path)
     assert sp["bind"] == "tcp://0.0.0.0:5555" and sp["insecure"] and sp["state_dir"].endswith("latecomer-state-42")
-    assert work_line[0] == "srun" and "--gpus-per-task=1" in work_line and "--exclude=n1" in work_line
-    assert "--ntasks=4" in work_line, "2 worker nodes x 2 tasks"
-    _, wp = parse(work_line[work_line.index("latecomer") + 1:], tmp_path)
-    assert wp["server"] == "tcp://n1:5555" and wp["device"] == "cuda"
-    srun_calls = [ln for ln in (tmp_path / "log.srun").read_text().splitlines() if ln.startswith("--nodes=")]
-    assert len(srun_calls) == 1 and "--gpus-per-task=1" in srun_calls[0]
+    assert "--nodes=3" in srun and "--ntasks=6" in srun and "--ntasks-per-node=2" in srun
+    assert not any(a.startswith("--exclude") for a in srun)
+    assert "--kill-on-bad-exit=0" in srun
+    assert wp["server"] == "tcp://n1:5555" and wp["device"] == "cpu" and wp["threads"] == 1
+    assert "6 workers (2 2 2 per node) on n1 n2 n3" in out
+    assert not any(a.startswith("--gpu") for a in srun), "no GPU option without GPUs in the job"
     runs = (tmp_path / "log.latecomer").read_text().splitlines()
     helps = [ln for ln in runs if ln.endswith("--help") or " --help " in ln]
     assert any(" serve " in ln for ln in helps) and any(" work " in ln for ln in helps)
     (worker_run,) = [ln for ln in runs if " work " in ln]
+    assert worker_run.startswith("CUDA_VISIBLE_DEVICES= ")
+    assert re.search(r"--worker-id n1-0 --device cpu$", worker_run), "NODE-LOCALID: SLURM's node name"
+
+
+def test_sbatch_dry_run_one_node(slurm_shims, tmp_path):
+    """Issue 1: a one-node allocation runs the server and the workers on that node."""
+    sp, srun, wp, out = dry_run(slurm_shims, tmp_path, SLURM_JOB_NODELIST="gpu7", SLURM_NTASKS_PER_NODE="8",
+                                SLURM_GPUS_PER_TASK="1")
+    assert "--nodes=1" in srun and "--ntasks=8" in srun
+    assert "--gpus-per-task=1" in srun, "one GPU per worker task"
+    assert wp["server"] == "tcp://gpu7:5555" and wp["device"] == "cuda"
+    (worker_run,) = [ln for ln in (tmp_path / "log.latecomer").read_text().splitlines() if " work " in ln]
     assert worker_run.startswith("CUDA_VISIBLE_DEVICES=0 "), "bound to the task's GPU when SLURM does not"
-    assert re.search(r"--worker-id \S+-0 --device cuda$", worker_run)
+    assert re.search(r"--worker-id gpu7-0 --device cuda$", worker_run)
 
 
-@pytest.mark.slow
-def test_sbatch_cpu_keys_and_too_few_nodes(slurm_shims, tmp_path):
-    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="cpu", LATECOMER_KEYS="/shared/keys",
-                   LATECOMER_WORK_ARGS="--credit 2")
-    assert r.returncode == 0, r.stdout + r.stderr
-    serve_line, work_line = dry_run_commands(r.stdout)
-    _, sp = parse(serve_line[serve_line.index("latecomer") + 1:], tmp_path)
+@pytest.mark.parametrize("env,cpus,gpu", [
+    ({}, 1, False),                                                             # nothing known: 1 CPU
+    ({"SLURM_JOB_CPUS_PER_NODE": "8(x3)"}, 4, False),                           # 8 CPUs / 2 tasks
+    ({"SLURM_CPUS_ON_NODE": "6"}, 3, False),
+    ({"SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_JOB_CPUS_PER_NODE": "8,4,2"}, 2, False),  # the smallest share
+    ({"SLURM_JOB_CPUS_PER_NODE": "8(x3)", "SLURM_CPUS_PER_TASK": "3"}, 3, False),  # sbatch --cpus-per-task
+    ({"SLURM_GPUS_ON_NODE": "2"}, 1, True),                                     # auto: the job has GPUs
+    ({"SLURM_GPUS_PER_TASK": "1", "LATECOMER_DEVICE": "cpu"}, 1, False),        # forced off
+    ({"LATECOMER_DEVICE": "cuda"}, 1, True),                                    # forced on
+])
+def test_sbatch_cpus_and_gpus_per_worker_come_from_the_allocation(slurm_shims, tmp_path, env, cpus, gpu):
+    """Issue 2: CPUs per worker from the allocation (srun --cpus-per-task and torch threads); GPU
+    options only when the workers run on CUDA."""
+    sp, srun, wp, out = dry_run(slurm_shims, tmp_path, **env)
+    assert f"--cpus-per-task={cpus}" in srun and wp["threads"] == cpus
+    assert ("--gpus-per-task=1" in srun) == gpu and any(a.startswith("--gpu") for a in srun) == gpu
+    assert wp["device"] == ("cuda" if gpu else "cpu")
+    if "SLURM_TASKS_PER_NODE" in env:
+        assert "--ntasks=5" in srun and not any(a.startswith("--ntasks-per-node") for a in srun)
+
+
+def test_sbatch_bind_and_server_address_are_variables(slurm_shims, tmp_path):
+    """Issue 6: the bind address was fixed at tcp://0.0.0.0."""
+    sp, _, wp, _ = dry_run(slurm_shims, tmp_path, LATECOMER_BIND="tcp://10.1.2.3:6000")
+    assert sp["bind"] == "tcp://10.1.2.3:6000" and wp["server"] == "tcp://n1:6000"
+    sp, _, wp, _ = dry_run(slurm_shims, tmp_path, LATECOMER_PORT="7000", LATECOMER_SERVER="tcp://n1-ib:7000")
+    assert sp["bind"] == "tcp://0.0.0.0:7000" and wp["server"] == "tcp://n1-ib:7000"
+
+
+def test_sbatch_keys_work_args_and_bad_input(slurm_shims, tmp_path):
+    sp, srun, wp, _ = dry_run(slurm_shims, tmp_path, LATECOMER_KEYS="/shared/keys", LATECOMER_WORK_ARGS="--credit 2")
     assert sp["_paths"]["keys_dir"] == "/shared/keys" and not sp["insecure"]
-    _, wp = parse(work_line[work_line.index("latecomer") + 1:], tmp_path)
     assert wp["_paths"] == {"key_secret": "/shared/keys/workers/worker.key_secret",
                             "server_key": "/shared/keys/server.key"}
-    assert wp["credit"] == 2 and wp["device"] == "cpu"
-    assert not any(a.startswith("--gpu") for a in work_line)
-    (worker_run,) = [ln for ln in (tmp_path / "log.latecomer").read_text().splitlines() if " work " in ln]
-    assert worker_run.startswith("CUDA_VISIBLE_DEVICES= ")
-    r = run_sbatch(slurm_shims, tmp_path, SLURM_JOB_NODELIST="n1")
-    assert r.returncode == 2 and "at least 2 nodes" in r.stderr
+    assert wp["credit"] == 2
+    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="tpu")
+    assert r.returncode == 2 and "LATECOMER_DEVICE must be auto, cuda or cpu" in r.stderr
+    r = run_sbatch(slurm_shims, tmp_path, SLURM_JOB_NODELIST="n[1-3")
+    assert r.returncode == 2 and "cannot read the node list" in r.stderr
+    r = run_sbatch(slurm_shims, tmp_path, SLURM_JOB_NODELIST=None)
+    assert r.returncode != 0 and "not inside a SLURM allocation" in r.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("nodelist,nodes", [
+    ("n1", "n1"), ("n[1-3]", "n1 n2 n3"), ("n[01-03,7],gpu5,a[2]b", "n01 n02 n03 n7 gpu5 a2b"),
+    ("rack1-[9-10]", "rack1-9 rack1-10"),
+])
+def test_sbatch_dry_run_expands_node_lists_itself(slurm_shims, tmp_path, nodelist, nodes):
+    n = len(nodes.split())
+    _, srun, wp, out = dry_run(slurm_shims, tmp_path, SLURM_JOB_NODELIST=nodelist, SLURM_NTASKS_PER_NODE="1")
+    assert f"on {nodes}, device" in out and f"--nodes={n}" in srun
+    assert wp["server"] == f"tcp://{nodes.split()[0]}:5555"
+
+
 def test_sbatch_passes_a_problem_of_your_own_to_the_workers(slurm_shims, tmp_path):
-    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="cpu",
-                   LATECOMER_SERVE_ARGS="--problem mymodel:make --algorithm asgd --max-steps 10")
-    assert r.returncode == 0, r.stdout + r.stderr
-    serve_line, work_line = dry_run_commands(r.stdout)
-    assert parse(serve_line[serve_line.index("latecomer") + 1:], tmp_path)[1]["problem"] == "mymodel:make"
-    _, wp = parse(work_line[work_line.index("latecomer") + 1:], tmp_path)
+    sp, _, wp, _ = dry_run(slurm_shims, tmp_path, LATECOMER_SERVE_ARGS="--problem mymodel:make --algorithm asgd "
+                                                                       "--max-steps 10")
+    assert sp["problem"] == "mymodel:make"
     assert wp["allow_problem"] == ("mymodel:make",), "a worker loads no code the server names unless allowed"
-    r = run_sbatch(slurm_shims, tmp_path, LATECOMER_DEVICE="cpu", LATECOMER_SERVE_ARGS="--problem=digits")
-    _, work_line = dry_run_commands(r.stdout)
-    assert parse(work_line[work_line.index("latecomer") + 1:], tmp_path)[1]["allow_problem"] == ()
+    _, _, wp, _ = dry_run(slurm_shims, tmp_path, LATECOMER_SERVE_ARGS="--problem=digits")
+    assert wp["allow_problem"] == ()
 
 
 def test_compose_and_k8s_workers_take_the_allow_list_from_the_environment():
