@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-browser test-deploy setup clean
+.PHONY: run test test-fast test-browser test-deploy gpu-check setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-browser: $(STAMP)
 test-deploy: $(STAMP)
 	for s in tests/deploy/install_*.sh; do PY=$(abspath $(BIN))/python bash $$s || exit 1; done
 	$(BIN)/python -m pytest -q --durations=0 tests/deploy
+
+# On a machine with a CUDA device (under 5 minutes): CUDA workers beside CPU workers on a user's
+# TorchProblem, exact replay with --log-payloads, same-host and TCP rows; writes benchmarks/RESULTS-gpu.md.
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -81,6 +81,11 @@ class ErrorCode(IntEnum):
     PROBLEM_UNAVAILABLE = 10  # the worker cannot load the welcome's problem; it is leaving (worker -> server)
 
 
+# How an ``err REFUSED`` answering a hello starts when that hello's (worker_id, boot) was replaced by
+# a newer boot and spoke again: two live processes share the id (PROTOCOL.md 8.1). A worker whose id
+# was chosen by default takes another one; one given its id by the user stops.
+ID_IN_USE = "worker id in use"
+
 # Error texts a peer composes from exceptions are made printable and cut to this many characters.
 MAX_ERROR_TEXT = 1000
 

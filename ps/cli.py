@@ -22,6 +22,7 @@ import numpy as np
 
 from problems.loader import BUILTIN_PROBLEMS
 from problems.trust import ENV_ALLOW_PROBLEM
+from protocol.messages import ID_IN_USE
 from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
 from ps.paths import check_output_file, output_dir, output_file, usage_check
 from ps.server import (
@@ -545,6 +546,8 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
     except ValueError as e:  # unusable keys
         raise click.BadParameter(str(e), param_hint="--key/--server-key") from None
     click.echo(f"latecomer worker: stopped ({reason})", err=True)
+    if reason.startswith(f"server refused: {ID_IN_USE}"):  # a --worker-id another live worker has
+        raise SystemExit(2)
 
 
 # --------------------------------------------------------------------------- run (embedded default)

@@ -39,6 +39,7 @@ from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
     CHUNK_THRESHOLD,
+    ID_IN_USE,
     MAX_HEADER_BYTES,
     MAX_PARTS,
     Bye,
@@ -72,6 +73,7 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK) 
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
+MAX_SUPERSEDED = 4096  # replaced (worker id, boot) pairs remembered (ps/transport.py _hello_refusal)
 MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 SMALL_MESSAGE = 512  # a message of one frame at most this long may be a heartbeat repeat
 
@@ -145,6 +147,14 @@ def _open_arena(dim: int, boot: int) -> tuple[Any, str]:
         return None, ""
 
 
+def _remember(table: collections.OrderedDict, key: Any) -> None:
+    """``key`` as the newest entry of a bounded table (the oldest dropped past MAX_SUPERSEDED)."""
+    table[key] = None
+    table.move_to_end(key)
+    while len(table) > MAX_SUPERSEDED:
+        table.popitem(last=False)
+
+
 class ServerTransport:
     """The ROUTER socket and the per-connection state (see the module docstring).
 
@@ -184,6 +194,12 @@ class ServerTransport:
         self.max_workers, self.max_workers_per_key = max_workers, max_workers_per_key
         self.banned_keys: set[str] = set()  # keys of quarantined or revoked workers
         self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
+        # (worker id, boot) of incarnations a newer boot replaced: if one speaks again, two live
+        # processes share the id (PROTOCOL.md 8.1). Oldest dropped past MAX_SUPERSEDED.
+        self.superseded: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # Ids proven shared that way: a new boot of one is refused while its holder is live (a twin
+        # that restarts, e.g. under Restart=always, cannot take the id back and forth).
+        self.contested: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_dtype = wire_dtype
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
@@ -278,7 +294,7 @@ class ServerTransport:
         """The worker a message is from: a hello binds its connection (or is refused), anything
         else must come over a bound connection with the same key."""
         if isinstance(msg, Hello):
-            refused = self._hello_refusal(conn, msg, key)
+            refused = self._hello_refusal(conn, msg, key, now)
             if refused:
                 return self._refuse(conn, msg.worker_id, refused[1], now, kind=refused[0])
             self.conns.bind(conn, msg.worker_id, key)  # a record bound to wid before loses it
@@ -297,7 +313,7 @@ class ServerTransport:
             return Count("invalid")
         return conn.wid
 
-    def _hello_refusal(self, conn: Conn, hello: Hello, key: str) -> tuple[str, str] | None:
+    def _hello_refusal(self, conn: Conn, hello: Hello, key: str, now: float) -> tuple[str, str] | None:
         """Why the transport refuses this hello, as (kind for the log or "", text), or None."""
         wid = hello.worker_id
         if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
@@ -305,8 +321,18 @@ class ServerTransport:
         if key and key in self.banned_keys:
             return "", "this key is quarantined"
         w = self.core.workers.get(wid)
+        if (wid, hello.boot) in self.superseded or (  # a replaced incarnation speaks again: not a restart
+                wid in self.contested and w is not None and w.boot != hello.boot
+                and now - w.last_seen < self.core.cfg.liveness_timeout_s):  # a proven twin's next boot
+            _remember(self.contested, wid)
+            return "id_in_use", (f"{ID_IN_USE}: {wid[:64]} belongs to another live process (a newer boot took it); "
+                                 "give each worker its own --worker-id")
         if w is not None:
-            return ("", "worker id in use with another key") if w.key != key else None
+            if w.key != key:
+                return "", "worker id in use with another key"
+            if w.boot != hello.boot:  # a new incarnation replaces w: a restart, unless w speaks again
+                _remember(self.superseded, (wid, w.boot))
+            return None
         # A new join: the caps.
         if len(self.core.workers) >= self.max_workers:
             return "max_workers", f"too many workers ({self.max_workers}; serve --max-workers)"

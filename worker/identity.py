@@ -19,9 +19,13 @@ says hello in turn, the new one is written off: two workers under one id knock e
   the process dies, so a restarted worker gets its old id back when it is free.
 - If the lock folder cannot be used (read-only /tmp), ``ID-PID``: unique on this host, as before.
 
-Limits: two hosts with the same host name sharing a key, or two containers on one host with
-the same host name and separate /tmp, still collide; give those ``--worker-id`` (or
-``LATECOMER_WORKER_ID``) or a key each.
+Two hosts with the same host name sharing a key, or two containers on one host with the same
+host name (host networking) and separate /tmp, claim the same id without seeing each other. The
+server settles it (PROTOCOL.md 8.10): the second hello replaces the first incarnation, the first
+speaks again with its old boot and is refused ``worker id in use``, and a worker whose id is a
+default then takes ``ID-XXXXXX`` (the low 24 bits of its boot) and joins under it. That costs the
+first one's jobs in flight once; ``--worker-id`` (or ``LATECOMER_WORKER_ID``) or a key each
+avoids even that.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from protocol.messages import (
     HEARTBEAT_INTERVAL_S,
     HELLO_BACKOFF_MAX_S,
     HELLO_BACKOFF_S,
+    ID_IN_USE,
     LIVENESS_TIMEOUT_S,
     RECONNECT_IVL_MAX_S,
     RECONNECT_IVL_S,
@@ -50,7 +51,7 @@ from protocol.messages import (
 )
 from protocol.shm import ShmReader, host_id, shm_dir_usable
 from protocol.wire import from_wire, to_wire
-from worker.identity import claim_default_id
+from worker.identity import BASE_MAX, claim_default_id
 from worker.runner import ComputeThread, DelaySpec, IterateCache
 from worker.shards import ShardLinks, header_only
 from worker.sockio import recv_frames, send_frames
@@ -386,10 +387,26 @@ class Worker:
                 self.welcomed = False  # the server forgot us (restart, timeout): hello again
             elif msg.code == ErrorCode.UNSUPPORTED_VERSION:
                 self.stopping = f"server refused: {msg.message}"
+            elif msg.code == ErrorCode.REFUSED and msg.message.startswith(ID_IN_USE) and not self.welcomed:
+                self._id_in_use(msg.message)
             elif msg.code == ErrorCode.REFUSED:  # e.g. benched: every job failed (PROTOCOL.md 8.8)
                 log.warning("server refused: %s", msg.message)
             else:
                 log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
+
+    def _id_in_use(self, text: str) -> None:
+        """Another live process has our worker id (two hosts or containers of one name sharing a
+        key, PROTOCOL.md 8.1): a default id becomes ``ID-BOOT`` (this process's boot, so unique),
+        and the hello goes again at once; an id the user gave stops the worker with one line."""
+        if self.id_claim is None:
+            self.stopping = f"server refused: {text}"
+            return
+        new_id = f"{self.worker_id[:BASE_MAX]}-{self.boot & 0xFFFFFF:06x}"
+        log.warning("worker id %s is taken by another live process: this worker is %s from now on",
+                    self.worker_id, new_id)
+        self.id_claim.release()
+        self.id_claim, self.worker_id = None, new_id
+        self.next_hello = self.clock()
 
     def _on_welcome(self, w: Welcome) -> None:
         """A welcome: load the problem it names (if allowed and not loaded yet), settle what we

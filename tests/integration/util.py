@@ -88,11 +88,12 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def readme_block(heading: str, lang: str) -> str:
-    """The first ``lang`` code block of the README's section ``## heading``."""
+def readme_block(heading: str, lang: str, readme: str = "README.md") -> str:
+    """The first ``lang`` code block of the README's section ``## heading`` (``readme``: a path
+    relative to the repository, e.g. ``deploy/README.md``)."""
     from tests.conftest import REPO
 
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, readme), encoding="utf-8") as f:
         text = f.read()
     section = text[text.index(f"\n## {heading}"):]
     section = section[:section.index("\n## ", 1)]

@@ -164,7 +164,7 @@ def mounted_secret(workload: dict, container: dict, path: str) -> tuple[str, str
 
 
 def generated_keys() -> dict[str, set[str]]:
-    (kust,) = load_yaml("k8s", "kustomization.yaml")
+    (kust,) = load_yaml("k8s", "base", "kustomization.yaml")
     out = {}
     for g in kust["secretGenerator"]:
         out[g["name"]] = {f.split("=", 1)[0] if "=" in f else os.path.basename(f) for f in g["files"]}
@@ -172,11 +172,11 @@ def generated_keys() -> dict[str, set[str]]:
 
 
 def test_k8s_server_statefulset_service_and_workers(tmp_path):
-    (kust,) = load_yaml("k8s", "kustomization.yaml")
+    (kust,) = load_yaml("k8s", "base", "kustomization.yaml")
     assert kust["kind"] == "Kustomization"
     for r in kust["resources"]:
-        assert os.path.exists(os.path.join(DEPLOY, "k8s", r)), r
-    docs = k8s_resources("k8s")
+        assert os.path.exists(os.path.join(DEPLOY, "k8s", "base", r)), r
+    docs = k8s_resources("k8s/base")
     for d in docs:
         assert d["apiVersion"] and d["kind"] and d["metadata"]["name"]
     secrets = generated_keys()
@@ -211,7 +211,11 @@ def test_k8s_server_statefulset_service_and_workers(tmp_path):
 
 def test_k8s_gpu_overlay(tmp_path):
     (kust,) = load_yaml("k8s", "overlays", "gpu", "kustomization.yaml")
-    assert "../.." in kust["resources"]
+    assert "../../base" in kust["resources"]
+    here = os.path.join(DEPLOY, "k8s", "overlays", "gpu")
+    for r in kust["resources"]:  # kustomize: "cycle detected" when a resource root contains the overlay
+        root = os.path.normpath(os.path.join(here, r))
+        assert not (here + os.sep).startswith(root + os.sep), f"{r} contains the overlay"
     docs = k8s_resources("k8s/overlays/gpu")
     deployments = by_kind(docs, "Deployment")
     assert {"latecomer-worker", "latecomer-worker-gpu"} <= set(deployments)
@@ -368,7 +372,7 @@ def test_compose_and_k8s_workers_take_the_allow_list_from_the_environment():
     (doc,) = load_yaml("compose", "docker-compose.yml")
     for name in ("worker", "worker-gpu"):
         assert doc["services"][name]["environment"]["LATECOMER_ALLOW_PROBLEM"] == "${LATECOMER_ALLOW_PROBLEM:-}"
-    for base in ("k8s", "k8s/overlays/gpu"):
+    for base in ("k8s/base", "k8s/overlays/gpu"):
         for w in by_kind(k8s_resources(base), "Deployment").values():
             (c,) = w["spec"]["template"]["spec"]["containers"]
             assert {e["name"] for e in c["env"]} >= {"LATECOMER_ALLOW_PROBLEM"}, w["metadata"]["name"]
