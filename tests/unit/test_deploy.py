@@ -535,6 +535,7 @@ def test_systemd_units_run_real_subcommands(tmp_path):
     assert wp["worker_id"] == "gpu7-3" and wp["device"] == "cuda:1" and wp["server"] == "tcp://server.example:5555"
     svc = {k: v for s, k, v in read_unit(worker) if s == "Service"}
     assert svc["Restart"] == "on-failure"  # exits 0 after the server's bye and stays down (test_systemd.py)
+    assert svc["RestartPreventExitStatus"].split() == ["2", "3"]  # id in use, problem not allowed: config errors
     envs = [v for s, k, v in read_unit(worker) if k == "Environment"]
     assert "LATECOMER_DEVICE=cpu" in envs, "a default device for ${LATECOMER_DEVICE}"
     assert exec_start(server)[0] == wargv[0]
