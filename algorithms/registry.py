@@ -132,7 +132,9 @@ def complete_settings(registry: Mapping[str, type[Algorithm]], name: str, settin
 
     ``decay_steps`` of a linear or cosine schedule defaults to ``max_steps`` (the server's step
     limit); a run's state directory stores the completed settings so that resume and replay
-    rebuild the very same schedule.
+    rebuild the very same schedule. A key the algorithm pins (``recorded_defaults``: a default
+    that changed, such as ``momentum_start``) is written with its current default, so that a
+    later default does not change the run; :func:`recorded_settings` reads older records.
 
     Raises:
         ValueError: as :func:`build` for an unknown algorithm or key.
@@ -140,9 +142,39 @@ def complete_settings(registry: Mapping[str, type[Algorithm]], name: str, settin
     out = dict(settings or {})
     cls = resolve(registry, name)
     own, wrap = _split(cls, name, out)
+    for key in _recorded_defaults(cls):  # pinned: a later default must not change how this run replays
+        if key not in out:
+            out[key] = hyper_parameters(cls)[key][1]
     if (wrap.get("lr_schedule") in ("linear", "cosine") and "decay_steps" not in wrap
             and "decay_steps" not in own and "decay_steps" not in hyper_parameters(cls) and max_steps is not None):
         out["decay_steps"] = int(max_steps)
+    return out
+
+
+def _recorded_defaults(cls: type) -> dict[str, Any]:
+    """``cls.recorded_defaults`` (key -> the value a run recorded without that key ran), only
+    for keys that are hyper-parameters of ``cls``."""
+    legacy = getattr(cls, "recorded_defaults", None) or {}
+    hp = hyper_parameters(cls)
+    return {k: v for k, v in dict(legacy).items() if k in hp}
+
+
+def recorded_settings(registry: Mapping[str, type[Algorithm]], name: str,
+                      settings: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings a recorded run (run.json) ran: ``settings`` with each key the algorithm pins
+    (its ``recorded_defaults``) and the record lacks set to the value such a record ran.
+
+    :func:`complete_settings` writes those keys into every new record, so a record without one
+    predates the key and ran its old default (``ringmaster-lmo`` and ``delay-adaptive-muon``
+    before ``momentum_start``: ``"first"``). Call it where a run is rebuilt from its record
+    (resume, replay, a shard joining, export); never for a new run's settings.
+
+    Raises:
+        ValueError: as :func:`resolve` for an unknown algorithm.
+    """
+    out = dict(settings or {})
+    for key, value in _recorded_defaults(resolve(registry, name)).items():
+        out.setdefault(key, value)
     return out
 
 

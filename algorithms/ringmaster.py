@@ -45,6 +45,12 @@ from algorithms.lmo import (
 )
 
 
+#: ``momentum_start`` choices of the LMO methods with a fixed α (docs/ALGORITHMS.md §6.2):
+#: ``"zero"``: m_0 = 0 and α from the first step (the public Ringmaster-LMO code's EMA);
+#: ``"first"``: α_0 = 1, i.e. m_1 = g (the paper's theorems, and this project before issue 31).
+MOMENTUM_STARTS = ("zero", "first")
+
+
 def _stale_jobs(version: int, outstanding: Sequence[Any], threshold: int) -> list[int]:
     """Ids of outstanding jobs whose age version − created_at reached ``threshold``, i.e.
     created_at <= version − threshold (the core's index answers that without a scan)."""
@@ -106,6 +112,11 @@ class _LMOMomentum(PerReplyAlgorithm):
     ns: str
     ns_steps: int
     ns_dtype: str
+    momentum_start: str
+
+    #: What a recorded run whose settings lack a key ran (run.json before the key existed): runs
+    #: recorded before ``momentum_start`` started the momentum at m_1 = g (α_0 = 1).
+    recorded_defaults: ClassVar[dict[str, Any]] = {"momentum_start": "first"}
 
     # Set by bind(), not hyper-parameters (so the CLI never sees them): ((name, shape), ...) and
     # the problem's per-block LMO flags (None: every block with >= 2 dims gets Newton–Schulz).
@@ -117,6 +128,13 @@ class _LMOMomentum(PerReplyAlgorithm):
         check_choice("ns", self.ns, tuple(NS_TABLES))
         check_hyper("ns_steps", self.ns_steps, lo=1, integer=True)
         check_choice("ns_dtype", self.ns_dtype, NS_DTYPES)
+        check_choice("momentum_start", self.momentum_start, MOMENTUM_STARTS)
+
+    def _first_alpha(self, k: int, alpha: float) -> float:
+        """The momentum weight of a fixed α at version k: α itself (``momentum_start="zero"``,
+        the public code's EMA from m_0 = 0), or 1 at k = 0 (``"first"``: m_1 = g, the theory's
+        α_0 = 1)."""
+        return 1.0 if k == 0 and self.momentum_start == "first" else alpha
 
     def bind(self, layout: tuple, lmo_mask: Sequence[bool] | None = None) -> Algorithm:
         """A copy of this algorithm that steps each block of ``layout`` on its own (Muon): the
@@ -221,14 +239,19 @@ class RingmasterLMO(_LMOMomentum):
     (the public code's momentum fallback); an empty layout gives −u/‖u‖. Newton–Schulz runs
     :func:`algorithms.lmo.ns_coefficients` (Polar Express: at most its 5 triples, as the public
     code).
-    Schedules: ``"fixed"``: α_0 = 1, α_k = ``alpha`` (k ≥ 1), R_k = ``R``, η_k = ``lr``;
-    ``"coupled"``: the same with the theorem's coupling R_k = ⌊1/α_k⌋ (R_0 = 1, then
-    ⌊1/alpha⌋; ``R`` is ignored); ``"agnostic"`` (parameter-agnostic theorem): α_k = 1/√k,
+    Schedules: ``"fixed"``: α_k = ``alpha``, R_k = ``R``, η_k = ``lr``;
+    ``"coupled"``: the same with the theorem's coupling R_k = ⌊1/α_k⌋ (``R`` is ignored);
+    ``"agnostic"`` (parameter-agnostic theorem): α_0 = α_1 = 1, α_k = 1/√k,
     R_k = max(1, ⌊√k⌋), η_k = lr/(k+1)^{3/4}; ``alpha`` and ``R`` are then ignored.
 
-    Choices (§6, §10): m_0 = 0 and α_0 = 1 in both schedules (the theory's m_1 = g; the
-    public code's fixed-β Muon starts its EMA from zero instead, which only rescales the
-    first vector-block step). The delay check and the cancel both use R at the current
+    The momentum's start (§6.2, issue 31): m_0 = 0. ``momentum_start="zero"`` (default, the
+    public code's EMA) weighs the first gradient by ``alpha`` too, m_1 = α g; ``"first"``
+    sets α_0 = 1 in the fixed and coupled schedules, m_1 = g (the theorems' start; R_0 = 1
+    under ``"coupled"``). The two momenta differ by (1−α)^k g_1 at every later step, not only
+    at the first. The agnostic schedule has α_0 = 1 under both (the paper and the public code
+    alike). A run.json recorded before the key existed means ``"first"``.
+
+    Choices (§6, §10): the delay check and the cancel both use R at the current
     version, so a job is cancelled exactly when it would be dropped on arrival (the
     parameter-agnostic code cancels with the previous version's threshold). The layout
     comes from the driver through :meth:`bind` (problem.layout), never from the CLI.
@@ -252,6 +275,9 @@ class RingmasterLMO(_LMOMomentum):
         nesterov: use the Nesterov direction u (default True, the public code's form); False is
             the paper's algorithm box (step on m).
         stops: cancel jobs at age R_k (True) or drop them on arrival (False).
+        momentum_start: ``"zero"`` (default: m_0 = 0, α from the first step, the public code)
+            or ``"first"`` (α_0 = 1: m_1 = g, the theorems' start and the default before issue
+            31); the agnostic schedule has α_0 = 1 either way.
 
     Not hyper-parameters: ``layout`` (``((name, shape), ...)``) and ``lmo_mask`` (one bool per
     block, or None), set by the driver with ``bind_layout(alg, problem.layout,
@@ -269,6 +295,7 @@ class RingmasterLMO(_LMOMomentum):
     nesterov: bool = True
     stops: bool = True
     ns_dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
+    momentum_start: Literal["zero", "first"] = "zero"
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
@@ -284,7 +311,7 @@ class RingmasterLMO(_LMOMomentum):
         if self.schedule == "agnostic":
             alpha, r, factor = pa_schedule(k)
             return alpha, r, self.lr * factor
-        alpha = 1.0 if k == 0 else self.alpha
+        alpha = self._first_alpha(k, self.alpha)
         if self.schedule == "coupled":
             return alpha, coupled_threshold(alpha), self.lr
         return alpha, self.R, self.lr
@@ -330,8 +357,11 @@ class DelayAdaptiveMuon(_LMOMomentum):
     Every reply is applied, whatever its age δ, with the Muon step of :class:`RingmasterLMO`
     (``lmo="muon"``, fixed α) and step size lr · n / max(n, δ) = lr · min(1, n/δ):
 
-        m_{k+1} = α g + (1 − α) m_k      (α_0 = 1, as in RingmasterLMO)
+        m_{k+1} = α g + (1 − α) m_k      (m_0 = 0; α_0 = 1 only with momentum_start="first")
         x_{k+1} = x_k − lr · n / max(n, δ) · O(u)
+
+    The momentum starts as RingmasterLMO's (``momentum_start``): by default from m_0 = 0 with
+    α from the first reply, as the public code's ``AsynchronousMuon``.
 
     Args:
         lr: base step size γ (> 0); 0.04 as RingmasterLMO (the code's quadratic default was 0.005).
@@ -341,6 +371,8 @@ class DelayAdaptiveMuon(_LMOMomentum):
         ns_steps: Newton–Schulz iterations (integer >= 1; Polar Express runs at most 5).
         nesterov: Nesterov direction (default True, the public code's form).
         ns_dtype: Newton–Schulz arithmetic, as :class:`RingmasterLMO`'s (default ``"auto"``).
+        momentum_start: ``"zero"`` (default, the public code) or ``"first"`` (α_0 = 1), as
+            :class:`RingmasterLMO`'s.
 
     ``layout`` and ``lmo_mask`` are set by the driver through ``bind``, as for RingmasterLMO.
     """
@@ -353,6 +385,7 @@ class DelayAdaptiveMuon(_LMOMomentum):
     ns_steps: int = 5
     nesterov: bool = True
     ns_dtype: Literal["auto", "float32", "float64", "bfloat16"] = "auto"
+    momentum_start: Literal["zero", "first"] = "zero"
 
     def __post_init__(self) -> None:
         check_hyper("lr", self.lr, lo=0.0, lo_open=True)
@@ -364,7 +397,7 @@ class DelayAdaptiveMuon(_LMOMomentum):
         applied, ages = [], []
         for r in results:
             age = state.version - r.created_at
-            alpha = 1.0 if state.version == 0 else self.alpha
+            alpha = self._first_alpha(state.version, self.alpha)
             eta = self.lr * self.n_workers / max(self.n_workers, age)
             self._step(state, r.grads[0], alpha, eta, "muon")
             applied.append(r.job_id)

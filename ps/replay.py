@@ -67,12 +67,17 @@ def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, setting
             untrusted one, naming the flag to add.
     """
     import algorithms
+    from algorithms.registry import recorded_settings
     from problems import load_problem
 
     check_run(run, allowed, where, check_algorithm=algorithm is None)
 
     problem = load_problem(run["problem"], run["problem_options"])
-    alg = algorithms.build(algorithm or run["algorithm"], settings if algorithm else run["settings"])
+    if algorithm:
+        alg = algorithms.build(algorithm, settings)
+    else:  # as recorded: a key the record predates means the value it ran then (recorded_settings)
+        alg = algorithms.build(run["algorithm"], recorded_settings(algorithms.ALGORITHMS, run["algorithm"],
+                                                                   run["settings"]))
     bind = getattr(alg, "bind", None)
     if bind is not None:
         alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))

@@ -290,6 +290,19 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     return core, problem, persistence, spec
 
 
+def recorded_settings(run: dict) -> dict[str, Any]:
+    """The settings the recorded ``run`` ran (algorithms/registry.py ``recorded_settings``): a key
+    its run.json predates (``momentum_start``) means the value it ran then. Where the algorithm
+    cannot be resolved, the settings as they are (building it reports why)."""
+    import algorithms
+    from algorithms.registry import recorded_settings as fill
+
+    try:
+        return fill(algorithms.ALGORITHMS, run["algorithm"], run["settings"])
+    except ValueError:
+        return dict(run["settings"])
+
+
 def _build(spec: TrainingSpec, shards: int):
     """The problem and the algorithm the core runs: the algorithm itself, or (sharded) its
     coordinator (bound to no blocks), with the shards' ranges."""
@@ -345,7 +358,7 @@ def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, w
     except UntrustedError as e:
         raise click.ClickException(str(e)) from None
     resumed = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
-                           algorithm=run["algorithm"], settings=run["settings"])
+                           algorithm=run["algorithm"], settings=recorded_settings(run))
     if (spec.problem, spec.algorithm) != (resumed.problem, resumed.algorithm):
         log.warning("%s holds a run of %s on %s: resuming it (the command-line problem and algorithm are "
                     "ignored)", d, resumed.algorithm, resumed.problem)

@@ -329,7 +329,7 @@ class Shard:
         from problems.trust import Allowed, UntrustedError, check_run
         from ps.core import ServerCore
         from ps.persist import run_wire_dtype
-        from ps.server import TrainingSpec, core_config
+        from ps.server import TrainingSpec, core_config, recorded_settings
 
         shards = int(run.get("shards", 0))
         if not 0 <= self.index < shards:
@@ -340,7 +340,7 @@ class Shard:
         except UntrustedError as e:
             raise StateError(str(e)) from None
         spec = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
-                            algorithm=run["algorithm"], settings=run["settings"])
+                            algorithm=run["algorithm"], settings=recorded_settings(run))
         problem, sharded = spec.build_sharded(shards)
         alg = sharded.parts[self.index]
         lo, hi = sharded.plan.ranges[self.index]

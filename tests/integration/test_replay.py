@@ -100,3 +100,33 @@ def test_latecomer_stop_drains_checkpoints_and_says_bye(procs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ps", "stop", "--state", state], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 1 and "no server.pid" in r.stderr
+
+
+def test_a_run_recorded_before_momentum_start_replays_with_the_old_start(procs, tmp_path):
+    """Issue 31: ringmaster-lmo's momentum start became a hyper-parameter whose default changed
+    ("first", α_0 = 1, before; "zero" now). A new run.json records it; one written before has no
+    such key and ran α_0 = 1, and replays so. Simulated here by recording a run with the old start
+    and taking the key out of its run.json."""
+    state = tmp_path / "state"
+    extra = ["--problem", "quadratic", "--problem-opt", "d=32", "--set", "lr=0.05", "--set", "alpha=0.3",
+             "--set", "R=3", "--set", "momentum_start=first"]
+    run_recorded(procs, str(state), "ringmaster-lmo", extra, kill_one=False, payloads=False, steps=150)
+    recorded = np.load(state / "final_x.npy")
+    run = json.loads((state / "run.json").read_text())
+    assert run["settings"]["momentum_start"] == "first"
+    assert np.array_equal(replay_run(str(state)).final_x, recorded)
+    del run["settings"]["momentum_start"]  # as run.json was written before the key existed
+    (state / "run.json").write_text(json.dumps(run))
+    assert np.array_equal(replay_run(str(state)).final_x, recorded), "a record without the key ran α_0 = 1"
+    run["settings"]["momentum_start"] = "zero"  # the key is read: the other start replays otherwise
+    (state / "run.json").write_text(json.dumps(run))
+    assert not np.array_equal(replay_run(str(state)).final_x, recorded)
+
+
+def test_a_new_ringmaster_lmo_run_records_the_momentum_start(procs, tmp_path):
+    state = tmp_path / "state"
+    run_recorded(procs, str(state), "ringmaster-lmo", ["--problem", "quadratic", "--problem-opt", "d=16",
+                                                        "--set", "lr=0.05"], kill_one=False, payloads=False, steps=60)
+    run = json.loads((state / "run.json").read_text())
+    assert run["settings"] == {"lr": "0.05", "momentum_start": "zero"}  # --set values as given, the pin as a default
+    assert np.array_equal(replay_run(str(state)).final_x, np.load(state / "final_x.npy"))

@@ -310,16 +310,27 @@ def test_mu2_converges_on_toy_quadratic():
 SIGN_NOISE = {0: (0.0, 0.0), 2: (0.2, 0.1), 3: (-0.9, 0.8)}
 
 
+#: The momenta of the sign example (docs/ALGORITHMS.md §11.3) after arrivals 1, 2 and 4, by start:
+#: "first" is the specification's table (α_0 = 1: m_1 = g_1); "zero" starts from m_0 = 0 with α = 0.5
+#: from the first reply: m_1 = 0.5·(1, −0.5), m_2 = 0.5·(1.1, −0.3) + 0.5·m_1 = (0.8, −0.275),
+#: m_4 = 0.5·(−0.1, 0.5) + 0.5·m_2 = (0.35, 0.1125). The signs agree, so the iterates are the same.
+SIGN_MOMENTA = {"first": ([1.0, -0.5], [1.05, -0.4], [0.475, 0.05]),
+                "zero": ([0.5, -0.25], [0.8, -0.275], [0.35, 0.1125])}
+
+
+@pytest.mark.parametrize("start", ["first", "zero"])
 @pytest.mark.parametrize("stops", [False, True])
-def test_lmo_sign_example(stops):
-    alg = RingmasterLMO(lmo="sign", schedule="fixed", lr=0.1, alpha=0.5, R=2, nesterov=False, stops=stops)
+def test_lmo_sign_example(stops, start):
+    alg = RingmasterLMO(lmo="sign", schedule="fixed", lr=0.1, alpha=0.5, R=2, nesterov=False, stops=stops,
+                        momentum_start=start)
+    m1, m2, m4 = SIGN_MOMENTA[start]
     rp = Replay(alg, [1.0, -0.5], noise=SIGN_NOISE)
     ev1, ev2, ev3, ev4 = rp.run([0, 2, 1, 3])
     np.testing.assert_allclose(ev1.grads[0], [1.0, -0.5], rtol=RTOL)
-    np.testing.assert_allclose(ev1.state["m"], [1.0, -0.5], rtol=RTOL)
+    np.testing.assert_allclose(ev1.state["m"], m1, rtol=RTOL)
     np.testing.assert_allclose(ev1.x, [0.9, -0.4], rtol=RTOL)
     np.testing.assert_allclose(ev2.grads[0], [1.1, -0.3], rtol=RTOL)
-    np.testing.assert_allclose(ev2.state["m"], [1.05, -0.4], rtol=RTOL)
+    np.testing.assert_allclose(ev2.state["m"], m2, rtol=RTOL)
     np.testing.assert_allclose(ev2.x, [0.8, -0.3], rtol=RTOL)
     if stops:
         assert ev2.cancelled == [1] and ev3 is None  # J1 reached age 2 = R at version 2
@@ -331,34 +342,42 @@ def test_lmo_sign_example(stops):
     np.testing.assert_allclose(job_b.points[0], [0.8, -0.3], rtol=RTOL)
     assert ev4.job.created_at == 2 and ev4.outcome.ages == (0,)
     np.testing.assert_allclose(ev4.grads[0], [-0.1, 0.5], rtol=RTOL)
-    np.testing.assert_allclose(ev4.state["m"], [0.475, 0.05], rtol=RTOL)
+    np.testing.assert_allclose(ev4.state["m"], m4, rtol=RTOL)
     np.testing.assert_allclose(ev4.x, [0.7, -0.4], rtol=RTOL)
 
 
-def test_lmo_l2_and_nesterov_step():
-    alg = RingmasterLMO(lmo="l2", lr=0.1, alpha=0.5, R=5, nesterov=True)
+@pytest.mark.parametrize("start", ["first", "zero"])
+def test_lmo_l2_and_nesterov_step(start):
+    alg = RingmasterLMO(lmo="l2", lr=0.1, alpha=0.5, R=5, nesterov=True, momentum_start=start)
     rp = Replay(alg, [3.0, 4.0], noise={})
     ev1, ev2 = rp.run([0, 2])
-    np.testing.assert_allclose(ev1.x, [3.0 - 0.06, 4.0 - 0.08], rtol=RTOL)  # α_0 = 1: u = g
+    # "first" (α_0 = 1): m_1 = u = g; "zero": m_1 = 0.5 g, u = 0.75 g; the same direction g/‖g‖.
+    np.testing.assert_allclose(ev1.x, [3.0 - 0.06, 4.0 - 0.08], rtol=RTOL)
+    m1 = np.array([3.0, 4.0]) * (1.0 if start == "first" else 0.5)
+    np.testing.assert_allclose(ev1.state["m"], m1, rtol=RTOL)
     g = np.array([2.94, 3.92])
-    m = 0.5 * g + 0.5 * np.array([3.0, 4.0])
+    m = 0.5 * g + 0.5 * m1
     u = 0.5 * m + 0.5 * g
     np.testing.assert_allclose(ev2.state["m"], m, rtol=RTOL)
     np.testing.assert_allclose(ev2.x, ev1.x - 0.1 * u / np.linalg.norm(u), rtol=RTOL)
 
 
-def test_lmo_muon_uses_layout_blocks():
+@pytest.mark.parametrize("start, m1_factor", [("first", 1.0), ("zero", 0.5)])
+def test_lmo_muon_uses_layout_blocks(start, m1_factor):
     layout = (("w", (2, 3)), ("b", (3,)))
-    alg = RingmasterLMO(lmo="muon", lr=0.1, alpha=0.5, R=4, nesterov=False, ns="classic").bind(layout)
+    alg = RingmasterLMO(lmo="muon", lr=0.1, alpha=0.5, R=4, nesterov=False, ns="classic",
+                        momentum_start=start).bind(layout)
     assert alg.layout == layout and RingmasterLMO().layout == ()
     rng = np.random.default_rng(0)
     x0 = rng.standard_normal(9)
     rp = Replay(alg, x0, workers=("A",))
     (ev,) = rp.run([0])
-    np.testing.assert_allclose(ev.x, x0 - 0.1 * muon_direction(x0, layout, coefficients=NS_TABLES["classic"]),
+    # g = x0; m_1 = g ("first") or α g = 0.5 g ("zero"), and the box form steps on m_1.
+    m1 = m1_factor * x0
+    np.testing.assert_allclose(ev.x, x0 - 0.1 * muon_direction(m1, layout, coefficients=NS_TABLES["classic"]),
                                rtol=1e-12)
-    # The bias block moves by the plain direction: x − η g = 0.9 x.
-    np.testing.assert_allclose(ev.x[6:], 0.9 * x0[6:], rtol=1e-12)
+    # The bias block moves by the plain direction: x − η m_1 = 0.9 x ("first") or 0.95 x ("zero").
+    np.testing.assert_allclose(ev.x[6:], (1 - 0.1 * m1_factor) * x0[6:], rtol=1e-12)
     with pytest.raises(ValueError):
         RingmasterLMO().bind((("w", (2, 2)),)).init(np.zeros(3), seed=0)
     with pytest.raises(ValueError):
@@ -388,8 +407,11 @@ def test_bind_layout_hands_the_mask_through_wrappers_and_spares_an_old_bind():
 def test_lmo_coupled_schedule_sets_r_to_floor_one_over_alpha():
     """Issue 15 item 5: the theorem's coupling R_k = ⌊1/α_k⌋ for a fixed α (R is ignored)."""
     alg = RingmasterLMO(lr=0.3, alpha=0.25, R=7, schedule="coupled")
-    assert alg.schedule_at(0) == (1.0, 1, 0.3)
+    assert alg.schedule_at(0) == (0.25, 4, 0.3)  # the public code's start: α from the first step
     assert alg.schedule_at(5) == (0.25, 4, 0.3)
+    first = RingmasterLMO(lr=0.3, alpha=0.25, R=7, schedule="coupled", momentum_start="first")
+    assert first.schedule_at(0) == (1.0, 1, 0.3)  # the theorem's α_0 = 1, so R_0 = 1
+    assert first.schedule_at(5) == (0.25, 4, 0.3)
     assert RingmasterLMO(alpha=0.05, schedule="coupled").schedule_at(3)[1] == 20
     # with stops, a job is cancelled once its age reaches ⌊1/α⌋ = 2
     rp = Replay(RingmasterLMO(lmo="sign", lr=0.1, alpha=0.5, R=100, schedule="coupled"), 1.0)
@@ -428,10 +450,24 @@ def test_lmo_agnostic_schedule_drives_steps_and_threshold():
         assert rp.events[k].state["m"][0] == pytest.approx(m, rel=RTOL)
 
 
-def test_lmo_fixed_schedule_alpha0_is_one():
+def test_lmo_fixed_schedule_start():
+    """Issue 31: by default α from the first step (the public code's EMA from m_0 = 0);
+    momentum_start="first" is the theorems' α_0 = 1. The agnostic schedule has α_0 = 1 under both."""
     alg = RingmasterLMO(lr=0.3, alpha=0.25, R=7)
-    assert alg.schedule_at(0) == (1.0, 7, 0.3)
+    assert alg.momentum_start == "zero"
+    assert alg.schedule_at(0) == (0.25, 7, 0.3)
     assert alg.schedule_at(5) == (0.25, 7, 0.3)
+    first = RingmasterLMO(lr=0.3, alpha=0.25, R=7, momentum_start="first")
+    assert first.schedule_at(0) == (1.0, 7, 0.3)
+    assert first.schedule_at(5) == (0.25, 7, 0.3)
+    for k in (0, 1, 2, 9):
+        assert (RingmasterLMO(schedule="agnostic", lr=1.0).schedule_at(k)
+                == RingmasterLMO(schedule="agnostic", lr=1.0, momentum_start="first").schedule_at(k)
+                == pa_schedule(k))
+    with pytest.raises(ValueError, match="momentum_start"):
+        RingmasterLMO(momentum_start="one")
+    with pytest.raises(ValueError, match="momentum_start"):
+        DelayAdaptiveMuon(momentum_start="one")
 
 
 def test_delay_adaptive_muon_step_size():
@@ -441,13 +477,15 @@ def test_delay_adaptive_muon_step_size():
     assert rp.events[-1].outcome.ages == (3,) and rp.events[-1].outcome.dropped == ()
 
 
-def test_delay_adaptive_muon_layout():
+@pytest.mark.parametrize("start, u_factor", [("first", 1.0), ("zero", 0.75)])
+def test_delay_adaptive_muon_layout(start, u_factor):
     layout = (("w", (2, 2)),)
-    alg = DelayAdaptiveMuon(lr=0.1, alpha=0.5, nesterov=True).bind(layout)
+    alg = DelayAdaptiveMuon(lr=0.1, alpha=0.5, nesterov=True, momentum_start=start).bind(layout)
     x0 = np.array([1.0, 2.0, 3.0, 4.0])
     rp = Replay(alg, x0, workers=("A",))
     (ev,) = rp.run([0])
-    np.testing.assert_allclose(ev.x, x0 - 0.1 * muon_direction(x0, layout), rtol=1e-12)
+    # u = g ("first": α_0 = 1), or u = 0.5·m_1 + 0.5·g with m_1 = 0.5 g, i.e. 0.75 g ("zero").
+    np.testing.assert_allclose(ev.x, x0 - 0.1 * muon_direction(u_factor * x0, layout), rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------

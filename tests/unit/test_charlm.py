@@ -132,9 +132,9 @@ def test_muon_run_gives_embeddings_and_head_the_fallback_step(lm, name):
     r = Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD, iterate_ids=(0,), grads=(g,))
     state, out = alg.apply(state, [r])
     assert state.version == 1
-    # First step: the momentum and its Nesterov blend are g itself (RingmasterLMO and
-    # Delay-adaptive Muon: α_0 = 1; Rennala Muon: m_1 = (1 − β) g, u = (1 − β²) g).
-    scale = (1 - 0.95 ** 2) if name == "rennala-muon" else 1.0
+    # First step, as the public code: m_0 = 0, m_1 = (1 − β) g, the Nesterov blend u = (1 − β²) g, for all
+    # three (RingmasterLMO and Delay-adaptive Muon: momentum_start="zero", α = 0.05; issue 31).
+    scale = 1 - 0.95 ** 2
     step = (np.asarray(x0, np.float64) - np.asarray(state.x, np.float64)) / 0.1
     off = 0
     for (block, shape), flagged in zip(lm.layout, lm.lmo_mask, strict=True):

@@ -236,7 +236,8 @@ def test_newton_schulz_step_count_matches_the_official_code():
         from algorithms.base import Result
         from protocol.messages import JobKind
 
-        alg = build("ringmaster-lmo", {"lr": 1.0, **hyper}).bind(layout)
+        # α_0 = 1 (momentum_start="first"): the first step is on u = g itself, so O(g) is compared
+        alg = build("ringmaster-lmo", {"lr": 1.0, "momentum_start": "first", **hyper}).bind(layout)
         state, _ = alg.init(x0, seed=0)
         r = Result(job_id=0, worker_id="w", created_at=0, kind=JobKind.GRAD, iterate_ids=(0,), grads=(g,))
         state, _ = alg.apply(state, [r])
@@ -386,42 +387,45 @@ def _muon_run(x0, grads, layout=GPT_LAYOUT, mask=GPT_MASK, **hyper):
 @pytest.mark.parametrize("run_dtype", [np.float32, np.float64])
 def test_ringmaster_muon_runs_newton_schulz_in_the_runs_dtype_by_default(run_dtype):
     """ns_dtype="auto": float32 arithmetic for a float32 run's small blocks (GPT_LAYOUT has only small
-    ones), float64 for a float64 run. The first step (α_0 = 1: u = g) is x0 − lr·O(g) with O of
-    that dtype, bit for bit."""
+    ones), float64 for a float64 run. The first step with α_0 = 1 (momentum_start="first": u = g) is
+    x0 − lr·O(g) with O of that dtype, bit for bit."""
     rng = np.random.default_rng(5)
     d = layout_numel(GPT_LAYOUT)
     x0, g = rng.standard_normal(d).astype(run_dtype), rng.standard_normal(d).astype(run_dtype)
     want_ns = "float64" if run_dtype == np.float64 else "float32"
-    (x1,), state = _muon_run(x0, [g])
+    first = {"momentum_start": "first"}
+    (x1,), state = _muon_run(x0, [g], **first)
     assert x1.dtype == run_dtype and state.m.dtype == run_dtype
     o = muon_direction(g, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=want_ns).astype(run_dtype)
     assert x1.tobytes() == (x0 - np.asarray(0.1, run_dtype) * o).tobytes()
-    (x1_named,), _ = _muon_run(x0, [g], ns_dtype=want_ns)
+    (x1_named,), _ = _muon_run(x0, [g], ns_dtype=want_ns, **first)
     assert x1_named.tobytes() == x1.tobytes()
     for other in {"float32", "float64", "bfloat16"} - {want_ns}:
-        (x1_other,), _ = _muon_run(x0, [g], ns_dtype=other)
+        (x1_other,), _ = _muon_run(x0, [g], ns_dtype=other, **first)
         o = muon_direction(g, GPT_LAYOUT, lmo_mask=GPT_MASK, dtype=other, out=np.empty_like(g))  # fallback exact
         assert x1_other.tobytes() == (x0 - np.asarray(0.1, run_dtype) * o).tobytes()
         assert x1_other.tobytes() != x1.tobytes()
 
 
+@pytest.mark.parametrize("start", ["zero", "first"])
 @pytest.mark.parametrize("ns_dtype", ["auto", "float64", "bfloat16"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_ringmaster_muon_steps_are_deterministic_and_match_the_plain_formulas(ns_dtype, nesterov):
+def test_ringmaster_muon_steps_are_deterministic_and_match_the_plain_formulas(ns_dtype, nesterov, start):
     """Two runs from the same start and replies give the same bits (what replay relies on); each step is
-    m ← (1−α) m + α g, u = (1−α) m + α g or m, x ← x − lr·O(u), written with whole-array numpy."""
+    m ← (1−α) m + α g, u = (1−α) m + α g or m, x ← x − lr·O(u), written with whole-array numpy, from
+    m_0 = 0 with α = 0.3 from the first step ("zero") or α_0 = 1 ("first")."""
     rng = np.random.default_rng(9)
     d = layout_numel(GPT_LAYOUT)
     x0 = rng.standard_normal(d).astype(np.float32)
     grads = [rng.standard_normal(d).astype(np.float32) for _ in range(4)]
-    xs, state = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov)
-    again, _ = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov)
+    xs, state = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov, momentum_start=start)
+    again, _ = _muon_run(x0, grads, ns_dtype=ns_dtype, nesterov=nesterov, momentum_start=start)
     assert [x.tobytes() for x in xs] == [x.tobytes() for x in again]
     f32 = np.float32
     x, m = x0.copy(), np.zeros(d, f32)
     ns = "float32" if ns_dtype == "auto" else ns_dtype
     for k, g in enumerate(grads):
-        alpha = 1.0 if k == 0 else 0.3
+        alpha = 1.0 if k == 0 and start == "first" else 0.3
         m = m * np.asarray(1.0 - alpha, f32)
         m = m + np.asarray(alpha, f32) * g
         u = np.asarray(1.0 - alpha, f32) * m + np.asarray(alpha, f32) * g if nesterov else m
