@@ -44,7 +44,6 @@ from algorithms.lmo import (
     pa_schedule,
 )
 
-
 #: ``momentum_start`` choices of the LMO methods with a fixed α (docs/ALGORITHMS.md §6.2):
 #: ``"zero"``: m_0 = 0 and α from the first step (the public Ringmaster-LMO code's EMA);
 #: ``"first"``: α_0 = 1, i.e. m_1 = g (the paper's theorems, and this project before issue 31).
