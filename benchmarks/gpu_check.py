@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import reap_popen
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(REPO, "examples", "own_model")
 PROBLEM = "mymodel:make"
@@ -50,16 +52,9 @@ def _start(args: list[str], log: str) -> subprocess.Popen:
 
 
 def _reap(procs: list[subprocess.Popen]) -> None:
+    """Every child stopped and waited for (benchmarks.common.reap_popen), then its log closed."""
+    reap_popen(procs, grace=10.0)
     for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
         p.log_file.close()  # type: ignore[attr-defined]
 
 
