@@ -12,7 +12,7 @@ x", the server applies x <- x - lr*g and returns x; workers' compute is negligib
 * ``latecomer-c4``: TCP with ``work --credit 4`` (pipelined: the next job waits in the worker)
 * ``torch-rpc``: torch.distributed.rpc (TensorPipe) PS as in the PyTorch tutorial (benchmarks/torch_rpc.py)
 * ``ray``: Ray actor PS as in Ray's example (benchmarks/ray_ps.py; the ``bench`` extra)
-* ``simulator``: simulated jobs per wall second of ``ps.sim`` (quadratic, d = 1,000, 100 workers;
+* ``simulator``: simulated jobs per wall second of ``ps.drivers.sim`` (quadratic, d = 1,000, 100 workers;
   benchmarks/sim_speed.py)
 
 Then two ratio tables: latecomer against each other backend, and latecomer's server CPU per
@@ -34,7 +34,7 @@ import psutil
 
 from benchmarks.common import Row, skipped
 from benchmarks.models import model_options
-from ps.paths import output_file
+from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")

@@ -1,4 +1,4 @@
-"""The ``latecomer bench`` command (registered in ps/cli.py with ``main.add_command(bench)``)."""
+"""The ``latecomer bench`` command (registered in ps/cli/main.py with ``main.add_command(bench)``)."""
 
 from benchmarks.bench import bench
 

@@ -129,7 +129,7 @@ def free_port() -> int:
 
 def reap_popen(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
     """SIGTERM each process group still running, wait ``grace`` s, then SIGKILL; always wait."""
-    from ps.children import reap
+    from ps.ops.children import reap
 
     reap(procs, grace)
 

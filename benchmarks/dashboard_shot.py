@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from ps.children import reap, spawn
+from ps.ops.children import reap, spawn
 
 
 def _wait_log(path: str, pattern: str, timeout: float) -> str:

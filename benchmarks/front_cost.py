@@ -1,4 +1,4 @@
-"""What the front costs (ps/front.py): ``latecomer serve`` supervised (the default: the front
+"""What the front costs (ps/net/front.py): ``latecomer serve`` supervised (the default: the front
 relays every connection to the daemon) against ``serve --no-supervise`` (the daemon alone on the
 port), on the bench workload (asgd on ``synthetic``, one ``latecomer work --shm off``, lockstep).
 

@@ -53,7 +53,7 @@ def cli_options(command: str) -> frozenset[str]:
     try:
         import click
 
-        from ps.cli import main
+        from ps.cli.main import main
 
         cmd = main.get_command(click.Context(main), command)
         return frozenset(o for p in cmd.params for o in p.opts if o.startswith("--"))

@@ -50,7 +50,7 @@ import time
 import click
 
 from benchmarks.model_runs import Run, grad_time_fresh, run_latecomer, run_torch, score
-from ps.paths import output_file
+from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ("plain", "ddp-1", "latecomer-1", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")

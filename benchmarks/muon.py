@@ -23,7 +23,7 @@ so that nothing is allocated for the model itself) and in one process, it times:
 Repetitions are round-robin over the variants (a load change on a shared machine touches all of
 them alike); the figure is the median, in milliseconds. ``--threads`` (default 1) sets both torch's
 intra-op threads and the BLAS threads (threadpoolctl): 1 is what the server gives torch
-(ps/server.py ``deterministic_oracle``) and the only setting that is stable on a shared 2-core
+(ps/drivers/server.py ``deterministic_oracle``) and the only setting that is stable on a shared 2-core
 machine, where multi-threaded BLAS waits on a busy core.
 
 ``--json`` writes the figures; ``--before FILE`` reads such a file, written by this benchmark on an

@@ -112,7 +112,7 @@ def profile(dim, shm, credit, seconds, top) -> None:
                 time.sleep(0.2)
             time.sleep(1.0)  # past the inline switch-over and the first allocations
             files = {name: os.path.join(tmp, f"{name}.txt") for name in ("server", "worker")}
-            # --subprocesses: `serve` is the front and the daemon (ps/supervise.py)
+            # --subprocesses: `serve` is the front and the daemon (ps/net/supervise.py)
             spies = [subprocess.Popen([spy, "record", "-p", str(p.pid), "-d", str(int(seconds)), "-r", "250",
                                        "--subprocesses", "-f", "raw", "-o", files[name]], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL)

@@ -1,7 +1,7 @@
 """Simulator speed: simulated jobs (replies applied) per wall second (the ``simulator`` bench row).
 
 The §8.1 quadratic at d = 1,000, plain async SGD (``asgd``), 100 simulated workers with sqrt
-delays (τ_i = √i plus half-normal noise), driven by :class:`ps.sim.Simulator` in this process:
+delays (τ_i = √i plus half-normal noise), driven by :class:`ps.drivers.sim.Simulator` in this process:
 the same ServerCore, algorithm and worker compute (``worker.compute.run_job``) as a real run,
 with simulated time. A fixed number of updates is timed, cut into windows of equal update
 counts; the rate is the median window. CPU per update is this process's CPU time over the timed
@@ -28,8 +28,8 @@ LR = 0.002  # lr * L * (max delay ~ 2 n) < 1: no divergence, hence no rejected r
 def run(updates: int = UPDATES, *, d: int = D, workers: int = WORKERS, warm: int = WARM_UPDATES) -> Row:
     import algorithms
     from problems import load_problem
-    from ps.core import CoreConfig
-    from ps.sim import DelayModel, Simulator
+    from ps.core.server_core import CoreConfig
+    from ps.drivers.sim import DelayModel, Simulator
 
     problem = load_problem("quadratic", {"d": d})
     alg = algorithms.build("asgd", {"lr": LR})  # stable with 100 stale workers

@@ -3,7 +3,7 @@ start, timed in fresh processes, then ``latecomer run``'s time to its first step
 
 Phases (each the median of ``--reps`` fresh interpreters, minus the bare interpreter's start):
 
-- ``import torch``, ``import ps.cli`` (the console script's module), ``import worker.runner``;
+- ``import torch``, ``import ps.cli.main`` (the console script's module), ``import worker.runner``;
 - building the ``digits`` problem with the data cache empty (scikit-learn imported, the split
   computed and cached) and with it filled (read back, no scikit-learn);
 - the first evaluation of the digits problem at x0;
@@ -28,7 +28,7 @@ import click
 PHASES = {
     "bare interpreter": "pass",
     "import torch": "import torch",
-    "import ps.cli": "import ps.cli",
+    "import ps.cli.main": "import ps.cli.main",
     "import worker.runner": "import worker.runner",
     "digits, cache empty": "from problems import load_problem; load_problem('digits', {})",
     "digits, cache filled": "from problems import load_problem; load_problem('digits', {})",

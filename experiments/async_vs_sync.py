@@ -18,8 +18,8 @@ import os
 from experiments import common
 from experiments.sync_sgd import SyncSGD
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel
 
 METRIC = "loss"
 METHODS = ("sync-sgd", "ringmaster", "rennala", "ordered-momentum", "asgd")

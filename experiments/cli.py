@@ -1,6 +1,6 @@
 """``latecomer experiment NAME``: run one reference experiment in the simulator.
 
-Register it in ``ps/cli.py`` with ``main.add_command(experiment)`` (imported from here).
+Register it in ``ps/cli/main.py`` with ``main.add_command(experiment)`` (imported from here).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import click
 
 from experiments import EXPERIMENTS
-from ps.paths import output_dir
+from ps.cli.paths import output_dir
 
 
 @click.command("experiment")

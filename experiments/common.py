@@ -19,8 +19,8 @@ import numpy as np
 import algorithms
 from algorithms.base import Algorithm
 from problems.base import Problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel, Simulator
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel, Simulator
 
 DPI = 80
 DIVERGED = 1e8  # a run stops once its metric exceeds this factor times its start value

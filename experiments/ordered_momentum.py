@@ -44,8 +44,8 @@ import numpy as np
 
 from experiments import common
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel
 
 GUARD = "loss"  # divergence check on the test loss (common.simulate_run)
 METHODS = ("ordered-momentum", "ordered-momentum-catch-up", "ordered-mu2", "ordered-mu2-theory", "asgd",

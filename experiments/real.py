@@ -3,7 +3,7 @@
 ``latecomer experiment async-vs-sync --real`` / ``ordered-momentum --real``: a small simulator
 grid picks the best setting per method (the same selection rule as the simulator experiment,
 scaled down to n = 4 workers), then each method runs once with that setting on a real
-:class:`ps.daemon.Daemon` (in-process, tcp://127.0.0.1) with ``n`` worker subprocesses
+:class:`ps.drivers.daemon.Daemon` (in-process, tcp://127.0.0.1) with ``n`` worker subprocesses
 (``python -m ps work --delay SECONDS [--data-delay]``) whose injected delay is the simulator's
 τ_i times ``scale`` seconds. Outputs: ``curves.csv`` (simulator and real curves, long format),
 ``side_by_side.png`` (left: simulator, x = simulated time; right: real, x = seconds since the first
@@ -29,8 +29,8 @@ from experiments import common
 from experiments.sync_sgd import SyncSGD
 from problems import load_problem
 from problems.trust import is_user_problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
@@ -56,8 +56,8 @@ def run_real(problem_name: str, problem_opts: dict[str, Any], method: str, param
     ``budget_s`` after it started, if the workers never come). Every worker is reaped with bounded
     waits. Returns ``daemon.evaluations`` (dicts with ``t``, ``version`` and the problem's figures).
     """
-    from ps.core import ServerCore
-    from ps.daemon import Daemon, StopCondition
+    from ps.core.server_core import ServerCore
+    from ps.drivers.daemon import Daemon, StopCondition
 
     n = len(delays)
     problem = load_problem(problem_name, problem_opts)

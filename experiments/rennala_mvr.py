@@ -19,8 +19,8 @@ import os
 
 from experiments import common
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel
 
 METRIC = "grad_norm_sq"
 MODELS = ("sqrt", "mixture", "uniform")

@@ -1,6 +1,6 @@
 """Reduced-precision transfer (``--wire-dtype``, PROTOCOL.md §6.12): f32 vs f16 vs bf16.
 
-The simulator quantizes exactly what the real transport does (``ps/sim.py``): workers compute
+The simulator quantizes exactly what the real transport does (``ps/drivers/sim.py``): workers compute
 on ``roundtrip(x, wire)`` and the server applies ``roundtrip(g, wire)``; the server's iterate
 and the algorithms stay float32. Same problem, same hyper-parameters, same seeds and therefore
 the same delays and job schedule for the three wire dtypes: only the bits differ.
@@ -31,8 +31,8 @@ import numpy as np
 
 from experiments import common
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import DelayModel
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import DelayModel
 
 WIRES = ("f32", "f16", "bf16")
 METHODS = ("ordered-momentum", "asgd")

@@ -16,7 +16,7 @@
 - :func:`start` starts a server and ``workers`` local worker processes and returns a :class:`Run`
   at once; :func:`train` is ``start`` then :meth:`Run.wait`, the workers reaped, the run returned.
 - The server runs in this process, in a thread (``server="thread"``, the default: live figures
-  through the observer seam, ps/observe.py), or as a child process (``server="process"``:
+  through the observer seam, ps/observe/observer.py), or as a child process (``server="process"``:
   ``latecomer serve``; figures through the status protocol, the summary from summary.json).
 - ``problem`` is a spec string (``"digits"``, ``"mymodule:make"``, found from the current
   directory as the CLI finds it) or a callable that returns a :class:`latecomer.TorchProblem` (or
@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ps.observe import Observer
+from ps.observe.observer import Observer
 
 log = logging.getLogger("latecomer.api")
 
@@ -69,7 +69,7 @@ POLL_S = 0.25  # process mode: the status poll period
 
 @dataclass(frozen=True)
 class _Option:
-    field: str  # ps.server.ServeOptions field ("" for the ones handled here)
+    field: str  # ps.drivers.server.ServeOptions field ("" for the ones handled here)
     flag: str  # `latecomer serve` flag
     check: Callable[[str, Any], Any]
 
@@ -200,10 +200,10 @@ def _log_specs(log_to: Any) -> tuple[str, ...]:
         raise ValueError(f"log_to: expected logger specs such as 'tensorboard:DIR', 'wandb', got {log_to!r}")
     if specs:
         try:
-            import ps.loggers
+            import ps.observe.loggers
         except ImportError:
-            raise ValueError("log_to: this latecomer has no loggers (ps.loggers is missing)") from None
-        check = getattr(ps.loggers, "check_spec", None)  # a bad spec, a missing package: before anything starts
+            raise ValueError("log_to: this latecomer has no loggers (ps.observe.loggers is missing)") from None
+        check = getattr(ps.observe.loggers, "check_spec", None)  # a bad spec, a missing package: before anything starts
         for spec in specs if check is not None else ():
             check(spec)
     return specs
@@ -212,7 +212,7 @@ def _log_specs(log_to: Any) -> tuple[str, ...]:
 def _plan(problem: Any, *, algorithm: str, settings: Any, workers: Any, steps: Any, max_time: Any, target_loss: Any,
           batch_size: Any, eval_every: Any, seed: Any, out: Any, state: Any, delays: Any, log_to: Any, server: Any,
           bind: Any, problem_options: Any, serve_options: dict[str, Any]) -> _Plan:
-    from ps.endpoints import check_endpoint
+    from ps.net.endpoints import check_endpoint
 
     if not isinstance(algorithm, str) or not algorithm:
         raise ValueError(f"algorithm: expected a name or 'module:Class', got {algorithm!r}")
@@ -242,7 +242,7 @@ def _plan(problem: Any, *, algorithm: str, settings: Any, workers: Any, steps: A
                          "(latecomer work --key ... --server-key ...)")
     if hb >= lt:
         raise ValueError(f"heartbeat_interval: must be smaller than liveness_timeout ({hb:g} >= {lt:g})")
-    from ps.security import is_loopback_endpoint
+    from ps.net.security import is_loopback_endpoint
 
     if not serve.get("keys") and not serve.get("insecure") and not is_loopback_endpoint(bind):
         raise ValueError(f"bind: {bind} without keys= would let anyone on the network connect: give keys=DIR "
@@ -271,7 +271,7 @@ class _Child:
 
     def signal(self, sig: int) -> None:
         if self.poll() is None:
-            from ps.children import signal_group
+            from ps.ops.children import signal_group
 
             signal_group(self.pid, sig)
 
@@ -333,7 +333,7 @@ def _forked_worker(config_kw: dict, endpoint_fd: int, log_path: str, close: tupl
         endpoint = f.readline().strip()
     if not endpoint:
         raise SystemExit(0)  # the server did not start
-    from ps.cli import _setup_logging
+    from ps.cli.main import _setup_logging
     from worker.link import WorkerConfig, run_worker
 
     _setup_logging("warning")
@@ -347,7 +347,7 @@ def _forked_serve(argv: list[str], stdout_fd: int, log_path: str, close: tuple[i
     _child_setup(log_path, close)
     os.dup2(stdout_fd, 1)
     os.close(stdout_fd)
-    from ps.cli import main
+    from ps.cli.main import main
 
     main(args=argv, prog_name="latecomer")
 
@@ -370,7 +370,7 @@ def spawn_worker(endpoint: str, wid: str, delay: float, extra: list[str] | tuple
                  stderr: Any = subprocess.DEVNULL, give_up_s: float = 10.0) -> subprocess.Popen:
     """A local ``latecomer work`` process (``python -m ps work``, in a process group of its own)
     for the server at ``endpoint``; ``extra``: more ``work`` options (``--allow-problem ...``)."""
-    from ps.children import spawn
+    from ps.ops.children import spawn
 
     return spawn("work", "--server", endpoint, "--worker-id", wid, "--delay", f"{delay:g}", "--give-up",
                  f"{give_up_s:g}", *extra, stderr=stderr)
@@ -417,7 +417,7 @@ class _Watch(Observer):
     """Thread mode: what the daemon's loop hands its observers, kept for the caller's thread."""
 
     def __init__(self, daemon: Any, feed: _Feed) -> None:
-        from ps.observe import snapshot
+        from ps.observe.observer import snapshot
 
         self.daemon, self.feed = daemon, feed
         self.snap = snapshot(daemon)  # before the loop's thread starts
@@ -439,14 +439,14 @@ class _Watch(Observer):
 # --------------------------------------------------------------------------- the servers
 
 class _ThreadServer:
-    """The daemon (ps/server.py ``make_daemon``) run in a thread of this process."""
+    """The daemon (ps/drivers/server.py ``make_daemon``) run in a thread of this process."""
 
     mode = "thread"
 
     def __init__(self, plan: _Plan, feed: _Feed) -> None:
         import click
 
-        from ps.server import ServeOptions, StateOptions, TrainingSpec, make_daemon
+        from ps.drivers.server import ServeOptions, StateOptions, TrainingSpec, make_daemon
 
         spec = TrainingSpec(problem=plan.problem, problem_options=dict(plan.problem_options),
                             algorithm=plan.algorithm, settings=dict(plan.settings), max_steps=plan.steps)
@@ -467,7 +467,7 @@ class _ThreadServer:
         self.daemon.add_observer(self.watch)
         try:
             for spec_ in plan.log_to:
-                from ps.loggers import make_logger
+                from ps.observe.loggers import make_logger
 
                 self.daemon.add_observer(make_logger(spec_))
         except ValueError:
@@ -482,7 +482,7 @@ class _ThreadServer:
         self.thread.start()
 
     def _serve(self) -> None:
-        from ps.server import serve_until_stopped
+        from ps.drivers.server import serve_until_stopped
 
         try:
             self.reason = serve_until_stopped(self.daemon, self.dirs)
@@ -566,7 +566,7 @@ class _ProcessServer:
         self.plan, self.feed, self.out = plan, feed, out
         self.log_path = os.path.join(log_dir, "server.log")
         # A local factory's server is this process forked: unsupervised, since the supervisor's
-        # daemon is a new program that could not inherit the local factory (ps/supervise.py).
+        # daemon is a new program that could not inherit the local factory (ps/net/supervise.py).
         argv = _serve_argv(plan, out) + (["--no-supervise"] if plan.local else [])
         rfd, wfd = os.pipe()
         if plan.local:
@@ -995,7 +995,7 @@ def connect(endpoint: str, keys: tuple[str, str] | None = None) -> Client:
     Raises:
         ValueError: a malformed endpoint, keys that are not two existing files.
     """
-    from ps.endpoints import check_endpoint
+    from ps.net.endpoints import check_endpoint
 
     if not isinstance(endpoint, str):
         raise ValueError(f"endpoint: expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")

@@ -9,7 +9,7 @@ Every registered algorithm passes it (``tests/sim/test_contract.py``); a user's 
     def test_my_algorithm_meets_the_contract():
         check_algorithm(lambda: MyAlgorithm(lr=0.1))
 
-The scenario, in the simulator (``ps/sim.py``, the real server core and the real worker
+The scenario, in the simulator (``ps/drivers/sim.py``, the real server core and the real worker
 computation, simulated time): 6 workers with heterogeneous delays τ_i = √i plus half-normal
 noise; worker 2 crashes at t = 50 s and rejoins 10 s later as a new incarnation, worker 5
 crashes for good at t = 120 s (so jobs are written off and ``on_lost`` is exercised).
@@ -25,7 +25,7 @@ crashes for good at t = 120 s (so jobs are written off and ``on_lost`` is exerci
    the same state dict, and the run continues bit for bit like one that was not reloaded
    (same applied jobs, same final iterate, same state).
 3. Checkpoint round trip (:func:`check_checkpoint_round_trip`): the same with the whole server
-   core written to a checkpoint file and restored from it (``ps/persist.py``).
+   core written to a checkpoint file and restored from it (``ps/journal/persist.py``).
 
 Each check raises ``AssertionError`` with a message saying what broke. Runs are deterministic
 (``seed``), so a failure reproduces. ``algorithm`` is an :class:`algorithms.Algorithm` instance
@@ -78,8 +78,8 @@ def make_simulator(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: str
     from ``seed + 2``.
     """
     from problems import load_problem
-    from ps.core import CoreConfig
-    from ps.sim import Crash, DelayModel, Simulator
+    from ps.core.server_core import CoreConfig
+    from ps.drivers.sim import Crash, DelayModel, Simulator
 
     opts = dict(DEFAULT_OPTIONS.get(problem, {}) if problem_options is None else problem_options)
     prob = load_problem(problem, opts)
@@ -255,8 +255,8 @@ def check_checkpoint_round_trip(algorithm: AlgorithmOrFactory, *, seed: int = 0,
     Raises:
         AssertionError: the restored core continues differently (jobs, iterate, state, counters).
     """
-    from ps.core import ServerCore
-    from ps.persist import read_checkpoint, write_checkpoint
+    from ps.core.server_core import ServerCore
+    from ps.journal.persist import read_checkpoint, write_checkpoint
 
     kw = dict(seed=seed, problem=problem, problem_options=problem_options)
     plain, restored = make_simulator(algorithm, **kw), make_simulator(algorithm, **kw)
@@ -290,7 +290,7 @@ def check_algorithm(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: st
         criterion: ``(figure, fraction)`` for :func:`check_convergence`.
 
     Returns:
-        The :class:`ps.sim.Trace` of the convergence run (evaluations, applied jobs, metrics).
+        The :class:`ps.drivers.sim.Trace` of the convergence run (evaluations, applied jobs, metrics).
 
     Raises:
         AssertionError: with a message naming the algorithm and what broke.

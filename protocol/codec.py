@@ -288,7 +288,7 @@ _HB_ENTRIES = msgpack.packb("v") + msgpack.packb(PROTOCOL_VERSION) + msgpack.pac
 def looks_like_heartbeat(header: bytes) -> bool:
     """Whether the header of a one-frame message is a heartbeat as :func:`encode` writes it: a
     msgpack fixmap whose first two entries are ``v`` = PROTOCOL_VERSION and ``t`` = ``"hb"``.
-    A test on raw bytes, for the server's receive path (ps/daemon.py: a connection's identical
+    A test on raw bytes, for the server's receive path (ps/drivers/daemon.py: a connection's identical
     heartbeats queued in a row are one); it decides nothing about validity (the message is
     decoded when it is handled), and a heartbeat encoded otherwise is only not recognised."""
     return len(header) > len(_HB_ENTRIES) and 0x80 <= header[0] <= 0x8F and header.startswith(_HB_ENTRIES, 1)

@@ -1,5 +1,5 @@
 """``python -m ps`` is the ``latecomer`` command."""
 
-from ps.cli import main
+from ps.cli.main import main
 
 main()

@@ -1,5 +1,5 @@
 """CurveZMQ key files, read one way for every client (a worker's link, ``latecomer status``) and
-for the server (ps/security.py): ``*.key_secret`` holds a key pair, ``*.key`` a public key
+for the server (ps/net/security.py): ``*.key_secret`` holds a key pair, ``*.key`` a public key
 (pyzmq's ``zmq.auth`` certificate format). Errors are ValueErrors naming the file."""
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class WorkerConfig:
     device: str = "cpu"
     cache_size: int = 4
     backoff_s: float = HELLO_BACKOFF_S
-    backoff_max_s: float = HELLO_BACKOFF_MAX_S  # a resumed server's restart grace covers it (ps.core)
+    backoff_max_s: float = HELLO_BACKOFF_MAX_S  # a resumed server's restart grace covers it (ps.core.server_core)
     give_up_s: float | None = None
     max_jobs: int | None = None
     threads: int | None = None
@@ -189,7 +189,7 @@ class Worker:
         s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         if self.curve is not None:
             s.curve_publickey, s.curve_secretkey, s.curve_serverkey = self.curve
-        s.ipv6 = self.cfg.server.startswith("tcp://[")  # an IPv6 literal (ps/endpoints.py needs_ipv6)
+        s.ipv6 = self.cfg.server.startswith("tcp://[")  # an IPv6 literal (ps/net/endpoints.py needs_ipv6)
         s.connect(self.cfg.server)
         self.sock = s
         self.rcvtimeo = -1

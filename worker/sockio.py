@@ -3,7 +3,7 @@
 pyzmq's ``Socket.send_multipart`` and ``recv_multipart`` are Python loops over ``send`` /
 ``recv`` that combine flag enums and ask ``RCVMORE`` per frame: on this project's 2-core VM
 they cost about 20 µs for a three-frame job, four times the compiled calls themselves
-(benchmarks/PROFILE.md). Both ends of the protocol (ps/transport.py, worker/link.py) send
+(benchmarks/PROFILE.md). Both ends of the protocol (ps/net/transport.py, worker/link.py) send
 and receive through these two functions instead: the same libzmq calls, flags as plain ints,
 frames below COPY_BELOW copied into the message and larger ones sent without a copy.
 """

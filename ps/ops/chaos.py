@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ps.children import reap, spawn
+from ps.ops.children import reap, spawn
 from ps.ops.report import read_events
 
 
@@ -150,7 +150,7 @@ class Chaos:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> ChaosReport:
-        from ps.replay import replay_run
+        from ps.drivers.replay import replay_run
 
         rep = self.report
         try:

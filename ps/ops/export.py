@@ -77,7 +77,7 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
         ValueError: not a run directory, no such checkpoint, a corrupt file, a user callable
             ``allowed`` does not trust (``UntrustedError``).
     """
-    from ps.persist import latest_checkpoint, read_checkpoint, read_run
+    from ps.journal.persist import latest_checkpoint, read_checkpoint, read_run
 
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir} is not a directory")
@@ -95,8 +95,8 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
         else:
             ck = latest_checkpoint(run_dir)
         if ck is not None:
-            from ps.core import ServerCore
-            from ps.replay import build_from_run
+            from ps.core.server_core import ServerCore
+            from ps.drivers.replay import build_from_run
 
             _, alg, cfg = build_from_run(run, allowed=allowed, where=os.path.join(run_dir, "run.json"))
             name = os.path.basename(path) if checkpoint is not None else f"ckpt-{ck[0]:012d}.bin"

@@ -194,7 +194,7 @@ def split_sessions(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]
     """The event log of a run cut into server sessions, in order (one list: never restarted).
 
     A server resumed from its state directory appends to the same events.jsonl; its core's first
-    event is ``resumed`` (ps.core.ServerCore.rebase_clock) naming the new process's ``boot``. A
+    event is ``resumed`` (ps.core.server_core.ServerCore.rebase_clock) naming the new process's ``boot``. A
     ``resumed`` event starts a new session unless its boot is the current session's (the end of
     a disk-full pause). The first session's boot is not in the log: a pause ending in it reads
     as a new session of the same boot as the next ``resumed`` events of that process."""

@@ -9,7 +9,7 @@ import zmq
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Status, StatusRequest
-from ps.endpoints import needs_ipv6
+from ps.net.endpoints import needs_ipv6
 from worker.keys import client_keys
 
 
@@ -60,7 +60,7 @@ def render_status(st: Status) -> str:
     if "paused" in i:  # the server cannot write its state directory (disk full): it accepts nothing
         lines.append(f"PAUSED for {i.get('paused_s', 0):.0f} s, no jobs issued: {i['paused']}")
     shards = sorted((k, v) for k, v in i.items() if k.startswith("shard."))
-    if shards:  # a sharded server: a line per shard (ps/shardhub.py ShardHub.figures)
+    if shards:  # a sharded server: a line per shard (ps/sharded/hub.py ShardHub.figures)
         held = f"; HOLDING the issuing of jobs: {i['held']}" if i.get("held") else ""
         lines.append(f"shards: {len(shards)}{held}")
         lines += [f"  {k}: {v}" for k, v in shards]

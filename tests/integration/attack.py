@@ -205,7 +205,7 @@ class Victim:
     def finish(self, *, more_updates: int = 100) -> dict:
         """Training still goes on, then a clean stop; returns summary.json after checking that
         nothing accepted was lost (accounting identity, exact replay of the journal)."""
-        from ps.replay import replay_run
+        from ps.drivers.replay import replay_run
 
         self.wait_applied(self.events.applied + more_updates, timeout=60)
         self.server.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@
 - ``run.evaluations()`` is live: evaluations arrive while the run is going.
 - Leaving the ``with`` block mid-run stops the run early, in bounded time, every process gone;
   ``latecomer.connect(endpoint).status()`` reads the running server meanwhile.
-- ``log_to`` reaches the loggers (skipped while ps.loggers is absent).
+- ``log_to`` reaches the loggers (skipped while ps.observe.loggers is absent).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_a_module_of_your_own_by_its_spec_and_the_outputs_of_out(tmp_path, monke
 
 @pytest.mark.parametrize("server", ["thread", "process"])
 def test_log_to_reaches_a_logger(tmp_path, server):
-    loggers = pytest.importorskip("ps.loggers")
+    loggers = pytest.importorskip("ps.observe.loggers")
     spec = f"tensorboard:{tmp_path / 'tb'}"
     try:
         loggers.make_logger(spec).close()

@@ -30,7 +30,7 @@ from protocol.messages import (
     StatusRequest,
     Welcome,
 )
-from ps.cli import main
+from ps.cli.main import main
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 

@@ -4,7 +4,7 @@
    receive pipe (libzmq stops reading that connection); PING commands queued behind the burst
    and a TCP reset then make libzmq 4.3.5 abort the process (``Assertion failed: !_io_error
    (stream_engine_base.cpp:310)``) when it answers the PING, or when its own heartbeat timer
-   fires (ps/front.py explains; ``python -m tests.integration.repro_libzmq_abort`` reproduces it
+   fires (ps/net/front.py explains; ``python -m tests.integration.repro_libzmq_abort`` reproduces it
    against ``serve --no-supervise``, where it aborts on the first try). Through the front, no
    reset reaches the daemon: the same process serves on, however often it is tried.
    Should the daemon die anyway, the supervisor restarts it from ``--state``: a SIGABRT sent

@@ -32,7 +32,7 @@ from protocol.messages import (
     Status,
     StatusRequest,
 )
-from ps.replay import replay_run
+from ps.drivers.replay import replay_run
 from tests.integration.util import read_events, tree_rss, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def mutate(frames: list[bytes], rng: random.Random) -> list[bytes]:
 
 
 def rss(pid: int) -> int:
-    return tree_rss(pid)  # serve and its daemon (ps/supervise.py)
+    return tree_rss(pid)  # serve and its daemon (ps/net/supervise.py)
 
 
 def test_fuzz_daemon_with_100k_bad_messages_while_workers_train(procs, tmp_path):

@@ -1,4 +1,4 @@
-"""The observer seam (ps/observe.py): a real daemon, a real worker process, an observer that
+"""The observer seam (ps/observe/observer.py): a real daemon, a real worker process, an observer that
 records what it is handed. Loggers, the dashboard and the Python API are built on it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from ps.cli import training_spec
-from ps.observe import Observer
-from ps.server import ServeOptions, make_daemon
+from ps.cli.main import training_spec
+from ps.drivers.server import ServeOptions, make_daemon
+from ps.observe.observer import Observer
 
 pytestmark = pytest.mark.slow
 

@@ -46,7 +46,7 @@ def test_jobs_and_replies_in_parts_train_exactly(procs, tmp_path):
 def test_bf16_replies_in_parts_are_journaled_as_sent_and_replay_exactly(procs, tmp_path):
     """bf16 frames of 17 MB: over the threshold, so jobs and replies travel in parts. Every
     reply's payload is journaled (--log-payloads); replay converts them as the daemon did."""
-    from ps.replay import replay_run
+    from ps.drivers.replay import replay_run
 
     d = 8_500_000
     state = str(tmp_path / "state")

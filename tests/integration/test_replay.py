@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from ps.replay import replay_run
+from ps.drivers.replay import replay_run
 from tests.integration.util import read_events, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow

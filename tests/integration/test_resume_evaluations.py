@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from ps.cli import training_spec
-from ps.daemon import write_outputs
-from ps.evaluator import EvalLog
-from ps.server import ServeOptions, StateOptions, make_daemon
+from ps.cli.main import training_spec
+from ps.drivers.daemon import write_outputs
+from ps.drivers.evaluator import EvalLog
+from ps.drivers.server import ServeOptions, StateOptions, make_daemon
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from protocol.shm import shm_dir_usable
-from ps.children import reap
+from ps.ops.children import reap
 from tests.integration.util import wait_exit, wait_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not shm_dir_usable(), reason="no usable /dev/shm")]

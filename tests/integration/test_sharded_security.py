@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from protocol.codec import decode, encode
 from protocol.messages import Error, ErrorCode, Fetch
-from ps.cli import main
+from ps.cli.main import main
 from tests.integration.test_security import keys
 from tests.integration.util import wait_events, wait_exit
 

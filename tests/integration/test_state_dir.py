@@ -22,8 +22,8 @@ import time
 import msgpack
 import pytest
 
+from ps.journal.persist import REC_HEADER, write_checkpoint
 from ps.ops.status import fetch_status
-from ps.persist import REC_HEADER, write_checkpoint
 from tests.integration.attack import Victim
 from tests.integration.util import wait_exit, wait_line
 

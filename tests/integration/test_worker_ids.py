@@ -11,7 +11,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ps.cli import main
+from ps.cli.main import main
 from tests.conftest import REPO
 from tests.integration.util import read_events, wait_events, wait_exit, wait_line
 

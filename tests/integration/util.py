@@ -67,7 +67,7 @@ def wait_exit(p: subprocess.Popen, timeout: float) -> int:
 
 def daemon_pid(p: subprocess.Popen) -> int:
     """The pid of the process that owns a ``latecomer serve``'s socket: its child when supervised
-    (ps/supervise.py, the default), the process itself with ``--no-supervise``."""
+    (ps/net/supervise.py, the default), the process itself with ``--no-supervise``."""
     import psutil
 
     children = psutil.Process(p.pid).children()

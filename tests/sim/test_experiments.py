@@ -173,8 +173,8 @@ def test_ordered_momentum_quick_covers_both_objectives(quick_run):
 def test_sync_sgd_waits_for_every_worker_once_per_round():
     from experiments.sync_sgd import SyncSGD
     from problems import load_problem
-    from ps.core import CoreConfig
-    from ps.sim import DelayModel, simulate
+    from ps.core.server_core import CoreConfig
+    from ps.drivers.sim import DelayModel, simulate
 
     n = 4
     tr = simulate(SyncSGD(lr=1.0, n_workers=n), load_problem("quadratic", {"d": 16}),

@@ -33,8 +33,8 @@ import pytest
 
 import algorithms
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import Crash, DelayModel, Simulator
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import Crash, DelayModel, Simulator
 
 N_WORKERS = 6
 HORIZON = 200.0

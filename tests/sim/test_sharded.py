@@ -24,8 +24,8 @@ import algorithms
 from algorithms.base import Algorithm, bind_layout
 from algorithms.sharding import ShardDisagreement, Sharded, plan_shards
 from problems.digits import make_digits
-from ps.core import CoreConfig
-from ps.sim import Crash, DelayModel, Simulator
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import Crash, DelayModel, Simulator
 
 N_WORKERS = 5
 UPDATES = 240
@@ -300,7 +300,7 @@ def test_digits_full_gradient_is_the_sum_of_its_parts(digits):
 def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
     from click.testing import CliRunner
 
-    from ps.cli import main
+    from ps.cli.main import main
 
     outs = []
     for s in (1, 2, 7):  # 7 shards of digits' 4 blocks: ringmaster's work is elementwise, so blocks are cut
@@ -319,8 +319,8 @@ def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
 
 @pytest.mark.parametrize("case", ["storm-vr", "ringmaster-lmo-muon"])
 def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, case, tmp_path):
-    from ps.core import ServerCore
-    from ps.persist import read_checkpoint, write_checkpoint
+    from ps.core.server_core import ServerCore
+    from ps.journal.persist import read_checkpoint, write_checkpoint
 
     name, settings, _ = cases(digits.num_samples)[case]
 

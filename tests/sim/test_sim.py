@@ -7,8 +7,8 @@ import pytest
 
 import algorithms
 from problems import load_problem
-from ps.core import CoreConfig
-from ps.sim import Crash, DelayModel, Simulator, simulate
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import Crash, DelayModel, Simulator, simulate
 
 
 def run(seed=0, crashes=(), loss_prob=0.0, name="ordered-momentum", settings=None, n=6, t=150.0, **kw):

@@ -9,8 +9,8 @@ import pytest
 import algorithms
 from problems import load_problem
 from protocol.messages import Job, JobKind
-from ps.core import CoreConfig
-from ps.sim import Crash, DelayModel, Simulator, simulate
+from ps.core.server_core import CoreConfig
+from ps.drivers.sim import Crash, DelayModel, Simulator, simulate
 
 
 def run_storm(**settings):

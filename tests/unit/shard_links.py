@@ -8,7 +8,7 @@ import time
 import zmq
 
 from protocol.messages import Job
-from ps.shard import Shard
+from ps.sharded.shard import Shard
 from worker.shards import ShardLinks
 
 WAIT_S = 30.0  # the longest a helper waits for the shard or the links (a bound, not a pace: a loaded CI machine)

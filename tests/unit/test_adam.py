@@ -229,7 +229,7 @@ def test_adamw_with_max_age_meets_the_contract():
 
 
 def test_simulate_runs_adamw_through_the_registry(tmp_path):
-    from ps.cli import main
+    from ps.cli.main import main
 
     out = tmp_path / "sim"
     r = CliRunner().invoke(main, ["simulate", "--algorithm", "adamw", "--workers", "4", "--time", "60",

@@ -145,7 +145,7 @@ def test_the_api_is_exported_lazily():
 
 
 def test_a_bad_logger_spec_is_one_line_before_anything_starts():
-    pytest.importorskip("ps.loggers")
+    pytest.importorskip("ps.observe.loggers")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError) as e:
         latecomer.start(make_small, steps=10, workers=2, log_to=["nosuch:x"])

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from benchmarks import model_zoo as zoo
 from benchmarks.model_runs import Run, _clock, grad_time, score
 from benchmarks.models import GRAD_TARGET, SYSTEMS, markdown, parse_system, plot, ratio_lines, ratios
-from ps.cli import main
+from ps.cli.main import main
 
 
 def test_models_have_the_layouts_the_issue_names():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import algorithms
-import ps.core
+import ps.core.server_core
 from algorithms.base import Result
 from algorithms.ordered import OrderedMomentum
 from protocol.codec import decode, encode
@@ -25,7 +25,7 @@ from protocol.messages import (
     Ready,
     Reply,
 )
-from ps.core import CoreConfig, Send, ServerCore
+from ps.core.server_core import CoreConfig, Send, ServerCore
 
 D = 4
 
@@ -139,7 +139,7 @@ def test_the_closed_job_memory_forgets_its_oldest_entries(monkeypatch):
     """Catches: the closed-job memory (``ServerCore.closed``, bounded by MAX_CLOSED_REMEMBERED)
     evicting its newest entries instead of its oldest: then a reply to a job settled a moment
     ago is answered UNKNOWN_JOB instead of being dropped as late."""
-    monkeypatch.setattr(ps.core, "MAX_CLOSED_REMEMBERED", 3)
+    monkeypatch.setattr(ps.core.server_core, "MAX_CLOSED_REMEMBERED", 3)
     core = make_core()
     job = jobs_in(join(core, "w1"))[0]
     answered = []
@@ -219,7 +219,7 @@ def _persisted_run(tmp_path):
     """A live core and its Persistence on ``tmp_path``, with run.json and the start record as the
     server writes them; returns (core, pers, feed, tick, factory, restore, problem)."""
     from problems import load_problem
-    from ps.persist import Journal, Persistence, write_run
+    from ps.journal.persist import Journal, Persistence, write_run
 
     d = str(tmp_path)
     core_cfg = {"problem": "quadratic", "problem_options": {"d": D}, "batch_size": 1, "heartbeat_interval_s": 0.5,
@@ -277,11 +277,11 @@ def _same_core(a: ServerCore, b: ServerCore) -> None:
 # --------------------------------------------------------------------------- 7. replay and ticks
 
 def test_recovery_and_replay_apply_the_journaled_ticks(tmp_path):
-    """Catches: replay (``ps/replay.py``) or the journal's apply path (``ps/persist.py``,
+    """Catches: replay (``ps/drivers/replay.py``) or the journal's apply path (``ps/journal/persist.py``,
     ``apply_record``) ignoring ``tick`` records. Here a tick expires a silent worker, whose late
     reply is then dropped; without the tick on replay that reply would be applied."""
-    from ps.persist import read_journal, recover
-    from ps.replay import replay_run
+    from ps.drivers.replay import replay_run
+    from ps.journal.persist import read_journal, recover
 
     core, pers, feed, tick, held, factory, restore, problem = _persisted_run(tmp_path)
     for wid in ("w1", "w2"):
@@ -310,10 +310,10 @@ def test_recovery_and_replay_apply_the_journaled_ticks(tmp_path):
 
 @pytest.mark.parametrize("bad", ["nan", "shape"])
 def test_a_bad_reply_is_journaled_with_its_gradients(tmp_path, bad):
-    """Catches: a reply the core would judge "bad" journaled without its gradients (ps/persist.py
+    """Catches: a reply the core would judge "bad" journaled without its gradients (ps/journal/persist.py
     ``record_message``): recovery would then recompute a good gradient from the seed and apply a
     reply the live server rejected."""
-    from ps.persist import read_journal, recover
+    from ps.journal.persist import read_journal, recover
 
     core, pers, feed, tick, held, factory, restore, problem = _persisted_run(tmp_path)
     feed("w1", Hello(worker_id="w1", boot=1, credit=1, run_id=7), 0.0)

@@ -8,7 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from ps.cli import main
+from ps.cli.main import main
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_cli_bad_toml(cli, tmp_path):
 
 
 def test_cli_toml_and_flags_merge(tmp_path):
-    from ps.cli import training_spec
+    from ps.cli.main import training_spec
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[problem]\nname = "quadratic"\nd = 8\n[algorithm]\nname = "ringmaster"\nlr = 0.2\nR = 3\n')
@@ -110,7 +110,7 @@ def test_cli_simulate_wire_dtype(cli, tmp_path):
 def test_runs_progress_bar_says_what_the_first_step_waits_for():
     from types import SimpleNamespace as NS
 
-    from ps.cli import waiting_for
+    from ps.cli.main import waiting_for
 
     def daemon(*ready: bool, wanted: int = 2):
         workers = {f"w{i}": NS(ready=r) for i, r in enumerate(ready)}
@@ -125,7 +125,7 @@ def test_runs_progress_bar_says_what_the_first_step_waits_for():
 def test_serve_shows_a_progress_bar_on_a_terminal_only():
     import io
 
-    from ps.server import want_progress
+    from ps.drivers.server import want_progress
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -141,7 +141,7 @@ def test_serves_progress_bar_shows_steps_rate_workers_lost_and_the_last_evaluati
     import logging
     from types import SimpleNamespace as NS
 
-    from ps.server import ServeBar
+    from ps.drivers.server import ServeBar
 
     out = io.StringIO()
     bar = ServeBar(1000, out)
@@ -169,7 +169,7 @@ def test_the_jobs_batch_size_is_the_problems_own_unless_serve_says_another(caplo
     import logging
     from types import SimpleNamespace as NS
 
-    from ps.server import resolve_batch_size
+    from ps.drivers.server import resolve_batch_size
 
     with caplog.at_level(logging.INFO, "latecomer.server"):
         assert resolve_batch_size(None, NS(batch_size=128)) == 128
@@ -185,9 +185,9 @@ def test_the_jobs_batch_size_is_the_problems_own_unless_serve_says_another(caplo
 
 
 def test_serve_without_batch_size_records_the_problems_in_run_json(tmp_path):
-    from ps.cli import training_spec
-    from ps.persist import read_run
-    from ps.server import ServeOptions, StateOptions, make_daemon
+    from ps.cli.main import training_spec
+    from ps.drivers.server import ServeOptions, StateOptions, make_daemon
+    from ps.journal.persist import read_run
 
     spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
                          default_algorithm="asgd")
@@ -207,8 +207,8 @@ def test_a_bind_on_a_busy_port_leaves_no_half_made_state_directory(tmp_path):
     import click
     import zmq
 
-    from ps.cli import training_spec
-    from ps.server import ServeOptions, StateOptions, make_daemon
+    from ps.cli.main import training_spec
+    from ps.drivers.server import ServeOptions, StateOptions, make_daemon
 
     ctx = zmq.Context()
     busy = ctx.socket(zmq.ROUTER)
@@ -243,8 +243,8 @@ def test_a_late_reply_is_logged_with_what_it_means(caplog):
     job was settled, how the job was settled, and that nothing was lost."""
     import logging
 
-    from ps.cli import training_spec
-    from ps.server import ServeOptions, make_daemon
+    from ps.cli.main import training_spec
+    from ps.drivers.server import ServeOptions, make_daemon
 
     spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
                          default_algorithm="asgd")
@@ -264,7 +264,7 @@ def test_the_server_says_which_blocks_get_muon_and_in_what_arithmetic():
     from types import SimpleNamespace as NS
 
     import algorithms
-    from ps.server import muon_blocks_text
+    from ps.drivers.server import muon_blocks_text
 
     layout = (("emb", (50, 64)), ("attn", (256, 128)), ("attn.b", (256,)), ("mlp", (64, 32)))
     problem = NS(layout=layout, lmo_mask=(False, True, False, True))

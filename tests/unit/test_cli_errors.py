@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-from ps.cli import main
+from ps.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def test_cli_errors_path_checks_leave_nothing_behind(here):
 
 
 def test_cli_errors_path_helpers(tmp_path):
-    from ps.paths import OutputPathError, check_output_dir, check_output_file
+    from ps.cli.paths import OutputPathError, check_output_dir, check_output_file
 
     existing = tmp_path / "log.jsonl"
     existing.write_text("keep\n")
@@ -304,14 +304,15 @@ def test_cli_errors_config_reads_with_tomli_where_tomllib_is_missing(tmp_path):
         fake.load, fake.loads, fake.TOMLDecodeError = real.load, real.loads, real.TOMLDecodeError
         sys.modules["tomli"], sys.modules["tomllib"] = fake, None  # None: import tomllib fails
         import click
-        import ps.cli
-        assert ps.cli.tomllib is fake
-        spec = ps.cli.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
+        import ps.cli.main
+        assert ps.cli.main.tomllib is fake
+        spec = ps.cli.main.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
                                     default_algorithm="asgd")
         assert spec.problem == "quadratic" and spec.problem_options == {{"d": 8}}, spec
         open({str(cfg)!r}, "w").write("[problem")
         try:
-            ps.cli.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits", default_algorithm="asgd")
+            ps.cli.main.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
+                                      default_algorithm="asgd")
         except click.BadParameter as e:
             assert "not valid TOML" in str(e)
         else:
@@ -424,7 +425,7 @@ def test_cli_errors_two_workers_under_one_id_knock_each_other_out():
 
     import algorithms
     from protocol.messages import Hello, Ready
-    from ps.core import CoreConfig, ServerCore
+    from ps.core.server_core import CoreConfig, ServerCore
 
     core = ServerCore(algorithms.build("asgd", {"lr": 0.1}), np.ones(4, np.float32), CoreConfig())
     for t, boot in enumerate((1, 2, 1, 2)):  # two processes both calling themselves gpu7

@@ -247,7 +247,7 @@ def test_round_trip_every_type(cls: type, data: st.DataObject) -> None:
 @given(data=st.data())
 def test_looks_like_heartbeat_is_true_of_heartbeats_alone(cls: type, data: st.DataObject) -> None:
     """The server's raw-bytes test (a connection's identical queued heartbeats are one,
-    ps/daemon.py) recognises every heartbeat encode writes and no other message."""
+    ps/drivers/daemon.py) recognises every heartbeat encode writes and no other message."""
     msg = data.draw(MESSAGES[cls])
     assert looks_like_heartbeat(bytes(encode(msg)[0])) == (cls is Heartbeat)
     assert looks_like_heartbeat(bytes(encode_reference(msg)[0])) == (cls is Heartbeat)
@@ -914,7 +914,7 @@ worker_rows = st.tuples(ascii_ids, text(MAX_ID_LEN), nat, finite, finite, st.int
 @MAIN
 @given(rows=st.lists(worker_rows, max_size=8), failed=nat)
 def test_status_with_worker_failures_round_trips(rows: list, failed: int) -> None:
-    from ps.daemon import WORKER_COLUMNS
+    from ps.drivers.daemon import WORKER_COLUMNS
 
     msg = Status(token=1, info={"counter.failed": failed, "workers_benched": len(rows)}, columns=WORKER_COLUMNS,
                  rows=tuple(rows))

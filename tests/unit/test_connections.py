@@ -1,4 +1,4 @@
-"""The daemon's connection table (ps/connections.py), driven by a fake clock: records expire,
+"""The daemon's connection table (ps/net/connections.py), driven by a fake clock: records expire,
 stay bounded in number and in memory, and the rates hold."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Part
-from ps.connections import ConnectionLimits, Connections, RateLimitedLog, TokenBucket
+from ps.net.connections import ConnectionLimits, Connections, RateLimitedLog, TokenBucket
 
 MiB = 1 << 20
 
@@ -257,8 +257,8 @@ def test_a_repeated_heartbeat_is_dropped_only_while_it_says_nothing_new():
 
 
 def test_the_server_heartbeats_three_times_per_liveness_timeout_at_most():
-    from ps.core import CoreConfig
-    from ps.daemon import server_heartbeat_period
+    from ps.core.server_core import CoreConfig
+    from ps.drivers.daemon import server_heartbeat_period
 
     assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=0.5, liveness_timeout_s=3.0)) == 1.0
     assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=2.0, liveness_timeout_s=3.0)) == 2.0

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import algorithms
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, Ready, Reply, Welcome
-from ps.core import CoreConfig, Disconnect, Send, ServerCore, _untable
+from ps.core.server_core import CoreConfig, Disconnect, Send, ServerCore, _untable
 
 D = 4
 

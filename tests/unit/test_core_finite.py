@@ -12,7 +12,7 @@ import pytest
 import algorithms
 from algorithms.baselines import VanillaASGD
 from protocol.messages import Error, ErrorCode, Hello, Job, Ready, Reply
-from ps.core import CoreConfig, Send, ServerCore
+from ps.core.server_core import CoreConfig, Send, ServerCore
 
 
 @dataclasses.dataclass(frozen=True)

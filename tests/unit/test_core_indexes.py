@@ -17,7 +17,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import algorithms
 from protocol.messages import Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
-from ps.core import EVICTED_KEPT, MAX_CREDIT, CoreConfig, EvictionCursor, LedgerEntry, Outstanding, Send, ServerCore
+from ps.core.server_core import (
+    EVICTED_KEPT,
+    MAX_CREDIT,
+    CoreConfig,
+    EvictionCursor,
+    LedgerEntry,
+    Outstanding,
+    Send,
+    ServerCore,
+)
 
 D = 4
 
@@ -310,8 +319,8 @@ def _hoarded_core() -> ServerCore:
 def test_checkpoint_columns_restore_bit_for_bit_and_read_format_1():
     """The ledger, worker table and closed ids go into a checkpoint as columns (arrays) and
     come back exactly; a format-1 snapshot (lists of rows) still restores to the same core."""
-    from ps.core import _column, _uncolumn, _untable
-    from ps.persist import pack_tree, unpack_tree
+    from ps.core.server_core import _column, _uncolumn, _untable
+    from ps.journal.persist import pack_tree, unpack_tree
 
     core = _hoarded_core()
     assert core.outstanding == 40 * MAX_CREDIT + 1

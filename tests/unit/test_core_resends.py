@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Job, Ready
-from ps.core import Send
+from ps.core.server_core import Send
 from tests.unit.test_core import jobs_in, join, make_core, reply_for
 
 
@@ -59,7 +59,7 @@ def test_an_accepted_reply_resets_the_workers_count():
 
 
 def test_resend_counts_survive_a_snapshot():
-    from ps.core import ServerCore
+    from ps.core.server_core import ServerCore
 
     core = make_core()
     job = jobs_in(join(core, "w1"))[0][1]

@@ -9,7 +9,7 @@ import numpy as np
 
 import algorithms
 from protocol.messages import Heartbeat, Hello, Ready
-from ps.core import MAX_JOB_ID_SKIP, CoreConfig, ServerCore
+from ps.core.server_core import MAX_JOB_ID_SKIP, CoreConfig, ServerCore
 from tests.unit.test_core import D, jobs_in, reply_for
 
 
@@ -59,9 +59,9 @@ def test_a_far_fetched_seen_does_not_move_the_job_ids():
 def test_a_new_state_directory_pins_its_restart_grace(tmp_path):
     """run.json records the grace the run was created with (liveness 2 s: 2 + 5 + 4 = 11 s), so
     that a later change of the protocol's backoff constants cannot change how the run replays."""
-    from ps.persist import read_run
-    from ps.server import StateOptions, TrainingSpec
-    from ps.server import open_state as _open_state
+    from ps.drivers.server import StateOptions, TrainingSpec
+    from ps.drivers.server import open_state as _open_state
+    from ps.journal.persist import read_run
 
     d = str(tmp_path / "state")
     spec = TrainingSpec(problem="quadratic", problem_options={"d": 8}, algorithm="asgd", settings={"lr": 0.1})

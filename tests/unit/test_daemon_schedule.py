@@ -8,8 +8,8 @@ import numpy as np
 
 import algorithms
 from problems import load_problem
-from ps.core import CoreConfig, ServerCore
-from ps.daemon import Daemon
+from ps.core.server_core import CoreConfig, ServerCore
+from ps.drivers.daemon import Daemon
 
 
 class F:

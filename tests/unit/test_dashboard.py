@@ -1,4 +1,4 @@
-"""The dashboard's observer (ps/dashboard.py): bounded histories, the published JSON, the HTTP
+"""The dashboard's observer (ps/ops/dashboard.py): bounded histories, the published JSON, the HTTP
 thread's bounds, a finished run's records read back; and its command-line flags."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
-from ps import dashboard as dmod
-from ps.cli import main
-from ps.dashboard import Dashboard, Series, age_bins, load_recorded, serve_dashboard
+from ps.cli.main import main
+from ps.ops import dashboard as dmod
+from ps.ops.dashboard import Dashboard, Series, age_bins, load_recorded, serve_dashboard
 
 COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age", "state",
            "failed", "last_error")

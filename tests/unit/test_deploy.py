@@ -14,9 +14,9 @@ import click
 import pytest
 import yaml
 
-from ps.cli import main
+from ps.cli.main import main
+from ps.net.security import is_loopback_endpoint
 from ps.ops import launch as lm
-from ps.security import is_loopback_endpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(REPO, "deploy")

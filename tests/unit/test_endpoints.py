@@ -1,11 +1,11 @@
-"""ps/endpoints.py: one validator for every endpoint the commands take (what is accepted, what is
+"""ps/net/endpoints.py: one validator for every endpoint the commands take (what is accepted, what is
 refused and the fix each refusal names)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ps.endpoints import EndpointError, check_endpoint, needs_ipv6
+from ps.net.endpoints import EndpointError, check_endpoint, needs_ipv6
 
 
 @pytest.mark.parametrize("ep,kw", [

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 import algorithms
 from problems.trust import Allowed
-from ps.cli import main
-from ps.core import CoreConfig, ServerCore
+from ps.cli.main import main
+from ps.core.server_core import CoreConfig, ServerCore
+from ps.journal.persist import write_checkpoint, write_run
 from ps.ops.export import load_state_dict, locate, state_dict
-from ps.persist import write_checkpoint, write_run
 
 torch.set_num_threads(1)
 
@@ -125,7 +125,7 @@ def test_export_cli_torch_state_dict_loads_into_a_fresh_module(tmp_path, user_mo
 
 def test_out_dir_exports_final_x_with_problem_json(tmp_path, user_module):
     from problems import load_problem
-    from ps.daemon import write_outputs
+    from ps.drivers.daemon import write_outputs
 
     problem = load_problem(f"{user_module}:make")
     x = problem.init_params(1)

@@ -225,7 +225,7 @@ def test_every_field_at_every_edge_encodes_as_the_reference_decides(base: Any) -
 
 
 def test_the_field_orders_that_positional_constructions_rely_on() -> None:
-    """protocol/fastcodec.py and ps/transport.py build Job and Reply positionally (a constructor
+    """protocol/fastcodec.py and ps/net/transport.py build Job and Reply positionally (a constructor
     costs a quarter of dataclasses.replace): a new or moved field must update them."""
     import dataclasses
 

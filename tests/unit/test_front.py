@@ -1,4 +1,4 @@
-"""The front (ps/front.py): its ZMTP frame-header parser and the relay's bounds and closing rules,
+"""The front (ps/net/front.py): its ZMTP frame-header parser and the relay's bounds and closing rules,
 against a plain Unix socket standing in for the daemon."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ps import front as front_module
-from ps.front import CHUNK, SPLICE_MIN, Cut, Front, InboundParser, Limits, endpoint_of, listen
+from ps.net import front as front_module
+from ps.net.front import CHUNK, SPLICE_MIN, Cut, Front, InboundParser, Limits, endpoint_of, listen
 from tests.integration.zmtp_raw import COMMAND, LONG, MORE, command, frame_header, greeting, ready
 
 LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100_000, max_frames=17,

@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from ps.persist import (
+from ps.journal.persist import (
     REC_HEADER,
     Journal,
     JournalDamaged,
@@ -79,7 +79,7 @@ def files_bytes(d: str) -> dict[str, bytes]:
 
 def _factory():
     import algorithms
-    from ps.core import CoreConfig, ServerCore
+    from ps.core.server_core import CoreConfig, ServerCore
 
     alg = algorithms.build("asgd", {"lr": 0.1})
     cfg = CoreConfig()

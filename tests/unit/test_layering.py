@@ -34,9 +34,10 @@ def test_layering_only_the_shells_import_zmq():
     socket of their own (the supervisor's front speaks ZMTP itself, without zmq)."""
     users = {str(p.relative_to(ROOT)) for d in ("ps", "worker", "protocol", "algorithms", "problems")
              for p in (ROOT / d).rglob("*.py") if "zmq" in imported_modules(p)}
-    shells = {"ps/transport.py", "ps/daemon.py", "worker/link.py", "worker/keys.py", "ps/server.py", "ps/security.py",
-              "ps/ops/status.py", "ps/supervise.py", "worker/sockio.py", "ps/shard.py", "ps/shardhub.py",
-              "worker/shards.py"}
+    shells = {"ps/net/transport.py", "ps/drivers/daemon.py", "worker/link.py", "worker/keys.py", "ps/drivers/server.py",
+              "ps/net/security.py", "ps/ops/status.py", "ps/net/supervise.py", "worker/sockio.py",
+              "ps/sharded/shard.py",
+              "ps/sharded/hub.py", "worker/shards.py"}
     assert users == shells, users ^ shells
 
 

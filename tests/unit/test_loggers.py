@@ -1,4 +1,4 @@
-"""ps/loggers.py without a server: --log-to specs, the bounded queue and its thread, the scalars
+"""ps/observe/loggers.py without a server: --log-to specs, the bounded queue and its thread, the scalars
 of a tick, the CLI's one-line errors."""
 
 from __future__ import annotations
@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ps import loggers
-from ps.loggers import SPEC_FORMS, ScalarLogger, Writer, check_spec, make_logger, mlflow_uri, parse_spec, tick_scalars
+from ps.observe.loggers import (
+    SPEC_FORMS,
+    ScalarLogger,
+    Writer,
+    check_spec,
+    make_logger,
+    mlflow_uri,
+    parse_spec,
+    tick_scalars,
+)
+from ps.observe import loggers
 
 
 def test_specs_accepted_forms(tmp_path, monkeypatch):
@@ -59,7 +68,7 @@ def test_a_missing_package_says_which_extra_to_install(kind, monkeypatch):
 
 
 def test_the_cli_turns_a_bad_spec_into_a_one_line_usage_error():
-    from ps.cli import main
+    from ps.cli.main import main
 
     for cmd in (["serve", "--log-to", "tensorbored:x"], ["run", "--log-to", "mlflow:"]):
         r = CliRunner().invoke(main, cmd)
@@ -69,7 +78,7 @@ def test_the_cli_turns_a_bad_spec_into_a_one_line_usage_error():
 
 
 def test_the_cli_says_which_extra_a_missing_package_is_in(monkeypatch):
-    from ps.cli import main
+    from ps.cli.main import main
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     r = CliRunner().invoke(main, ["serve", "--log-to", "wandb:proj"])
@@ -234,7 +243,7 @@ def test_make_logger_builds_each_kind_without_touching_its_target(kind, backend,
 
 def test_loggers_say_where_they_write_under_run_s_warning_level(tmp_path, monkeypatch):
     pytest.importorskip("torch.utils.tensorboard", reason="pip install latecomer[tensorboard]")
-    from ps.cli import add_loggers
+    from ps.cli.main import add_loggers
 
     monkeypatch.setattr(loggers.log, "level", logging.NOTSET)
     monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)

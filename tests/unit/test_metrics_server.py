@@ -1,4 +1,4 @@
-"""The metrics endpoint (ps/metrics.py MetricsServer): the bound port for port 0, scrapes, and
+"""The metrics endpoint (ps/observe/metrics.py MetricsServer): the bound port for port 0, scrapes, and
 idle connections that cost no thread and are bounded in number and in time (issue 13, 11)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from ps.metrics import MESSAGES, OUTCOMES, MetricsServer, serve_metrics
+from ps.observe.metrics import MESSAGES, OUTCOMES, MetricsServer, serve_metrics
 
 SNAPSHOT = {"counters": {k: 0 for k in (*OUTCOMES, *MESSAGES, "issued", "workers_joined", "workers_lost",
                                         "quarantined", "benched")},

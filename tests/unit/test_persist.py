@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from ps.persist import (
+from ps.journal.persist import (
     Journal,
     latest_checkpoint,
     pack_tree,
@@ -100,7 +100,7 @@ def test_journal_rejects_a_bad_fsync_policy(tmp_path):
 def test_run_json_records_the_wire_dtype_and_defaults_to_f32(tmp_path):
     import json
 
-    from ps.persist import read_run, run_wire_dtype, write_run
+    from ps.journal.persist import read_run, run_wire_dtype, write_run
 
     d = str(tmp_path)
     write_run(d, {"problem": "quadratic"})
@@ -118,7 +118,7 @@ def test_run_json_records_the_wire_dtype_and_defaults_to_f32(tmp_path):
 def _core(d=16, workers=2):
     import algorithms
     from problems import load_problem
-    from ps.core import CoreConfig, ServerCore
+    from ps.core.server_core import CoreConfig, ServerCore
 
     problem = load_problem("quadratic", {"d": d})
     cfg = CoreConfig(problem="quadratic", problem_options={"d": d}, min_workers=workers, liveness_timeout_s=1e9,
@@ -132,7 +132,7 @@ def _core(d=16, workers=2):
 def test_recomputed_reply_under_bf16_is_the_roundtrip_of_the_float32_gradient():
     from protocol.messages import Hello, Job, Ready
     from protocol.wire import roundtrip
-    from ps.persist import recompute_reply
+    from ps.journal.persist import recompute_reply
     from worker.compute import run_job
 
     factory, _, problem = _core(workers=1)
@@ -164,8 +164,8 @@ def test_recovery_of_a_reduced_precision_run_is_bit_exact(tmp_path, wire, payloa
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
     from protocol.wire import from_wire, to_wire
-    from ps.core import Send
-    from ps.persist import Persistence, read_run, recover, write_run
+    from ps.core.server_core import Send
+    from ps.journal.persist import Persistence, read_run, recover, write_run
     from worker.compute import run_job
 
     d = str(tmp_path)
@@ -220,7 +220,7 @@ def _drive(pers, core, problem, steps, *, after_batch=False, now0=0.0):
 
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
-    from ps.core import Send
+    from ps.core.server_core import Send
     from worker.compute import run_job
 
     todo: deque = deque()
@@ -254,7 +254,7 @@ def test_messages_are_journaled_as_decoded_not_with_their_padding(tmp_path):
 
     from protocol.codec import decode, encode
     from protocol.messages import Heartbeat, Hello
-    from ps.persist import Persistence, apply_record
+    from ps.journal.persist import Persistence, apply_record
 
     factory, _, problem = _core()
     core = factory()
@@ -283,7 +283,7 @@ def test_messages_are_journaled_as_decoded_not_with_their_padding(tmp_path):
 def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch):
     import errno
 
-    import ps.persist as persist
+    import ps.journal.persist as persist
 
     d = str(tmp_path)
     j = Journal(d, next_lsn=0, fsync="never")
@@ -309,8 +309,8 @@ def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch
 def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeypatch, caplog):
     import errno
 
-    import ps.persist as persist
-    from ps.persist import Persistence, recover
+    import ps.journal.persist as persist
+    from ps.journal.persist import Persistence, recover
 
     d = str(tmp_path)
     factory, restore, problem = _core()
@@ -341,7 +341,7 @@ def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeyp
 
 
 def test_the_journal_stays_within_its_bound_and_recovery_and_replay_still_work(tmp_path):
-    from ps.persist import Persistence, first_journal_lsn, recover
+    from ps.journal.persist import Persistence, first_journal_lsn, recover
 
     d = str(tmp_path)
     factory, restore, problem = _core()
@@ -374,7 +374,7 @@ def _segment(d, number, records):
 
     import msgpack
 
-    from ps.persist import REC_HEADER
+    from ps.journal.persist import REC_HEADER
 
     out = b""
     for body in records:
@@ -387,7 +387,7 @@ def _segment(d, number, records):
 
 
 def test_damaged_journals_are_errors_naming_file_and_offset(tmp_path, caplog):
-    from ps.persist import StateError, cut_torn_tail
+    from ps.journal.persist import StateError, cut_torn_tail
 
     d = str(tmp_path)
     ticks = [{"lsn": i, "op": "tick", "now": float(i)} for i in range(4)]
@@ -428,7 +428,7 @@ def test_damaged_journals_are_errors_naming_file_and_offset(tmp_path, caplog):
 
 
 def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
-    from ps.persist import recover
+    from ps.journal.persist import recover
 
     d = str(tmp_path)
     path = write_checkpoint(d, 5, {"x": np.ones(3)})
@@ -439,7 +439,7 @@ def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
     # a checkpoint whose snapshot verifies but does not restore is skipped for the previous one
     factory, restore, problem = _core()
     core = factory()
-    from ps.persist import Persistence
+    from ps.journal.persist import Persistence
 
     pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0)
     now = _drive(pers, core, problem, 10)
@@ -455,7 +455,7 @@ def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
 
 
 def test_run_json_that_does_not_read_is_one_line(tmp_path):
-    from ps.persist import StateError, read_run
+    from ps.journal.persist import StateError, read_run
 
     d = str(tmp_path)
     (tmp_path / "run.json").write_text("{nope")
@@ -481,7 +481,7 @@ def test_run_json_that_does_not_read_is_one_line(tmp_path):
 def test_the_state_lock_refuses_a_second_server_and_names_only_its_holder(tmp_path):
     import psutil
 
-    from ps.persist import StateError, StateLock, locked_server
+    from ps.journal.persist import StateError, StateLock, locked_server
 
     d = str(tmp_path)
     with pytest.raises(StateError, match="no server.pid"):
@@ -510,8 +510,8 @@ def test_the_state_lock_refuses_a_second_server_and_names_only_its_holder(tmp_pa
 def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeypatch, caplog):
     import errno
 
-    import ps.persist as persist
-    from ps.persist import EventLog
+    import ps.journal.persist as persist
+    from ps.journal.persist import EventLog
 
     path = str(tmp_path / "events.jsonl")
     ev = EventLog(path)
@@ -538,8 +538,8 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
 
 
 def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
+    from ps.journal.persist import write_run
     from ps.ops.export import locate
-    from ps.persist import write_run
 
     d = str(tmp_path)
     write_run(d, {"problem": "quadratic", "problem_options": {"d": 4}, "algorithm": "asgd", "settings": {"lr": 0.1},

@@ -12,12 +12,12 @@ import os
 import numpy as np
 import pytest
 
-import ps.persist as persist
-from ps.persist import BATCH_FSYNC_S, Journal, Persistence, read_journal
+import ps.journal.persist as persist
+from ps.journal.persist import BATCH_FSYNC_S, Journal, Persistence, read_journal
 
 
 class FsyncLog:
-    """Wraps ``os.fsync`` (and ``os.replace``, for the order) as ps.persist calls them: what was
+    """Wraps ``os.fsync`` (and ``os.replace``, for the order) as ps.journal.persist calls them: what was
     synced, by path (a directory ends with ``/``)."""
 
     def __init__(self, monkeypatch) -> None:
@@ -90,10 +90,10 @@ class _Poller:
 @pytest.mark.parametrize("dirty", [True, False])
 def test_batch_fsync_wakes_the_daemon_within_its_window_not_one_poll(tmp_path, monkeypatch, fsyncs, dirty):
     import algorithms
-    import ps.daemon
+    import ps.drivers.daemon
     from problems.quadratic import make_quadratic
-    from ps.core import CoreConfig, ServerCore
-    from ps.daemon import Daemon
+    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.drivers.daemon import Daemon
 
     d = str(tmp_path)
     clock = FakeClock(0.0)
@@ -102,7 +102,7 @@ def test_batch_fsync_wakes_the_daemon_within_its_window_not_one_poll(tmp_path, m
     core = ServerCore(algorithms.build("asgd", {"lr": 0.1}), np.zeros(4, np.float32), CoreConfig())
     daemon = Daemon(core, make_quadratic(d=4), "tcp://127.0.0.1:0", shm="off", clock=clock, persistence=pers)
     poller = _Poller(daemon, clock, fsyncs, journal.path, dirty=dirty)
-    monkeypatch.setattr(ps.daemon.zmq, "Poller", poller)
+    monkeypatch.setattr(ps.drivers.daemon.zmq, "Poller", poller)
     try:
         daemon.run()
     finally:
@@ -261,7 +261,7 @@ def test_repair_syncs_what_it_moves_and_cuts(tmp_path, fsyncs):
 def _core(d=8, workers=2, algorithm="asgd", settings=None, round_period=None):
     import algorithms
     from problems import load_problem
-    from ps.core import CoreConfig, ServerCore
+    from ps.core.server_core import CoreConfig, ServerCore
 
     problem = load_problem("quadratic", {"d": d})
     cfg = CoreConfig(problem="quadratic", problem_options={"d": d}, min_workers=workers, liveness_timeout_s=1e9,
@@ -279,7 +279,7 @@ def _drive(pers, core, problem, steps, *, now0=0.0, bad=(), ticks=False, dt=1.0)
 
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
-    from ps.core import Send
+    from ps.core.server_core import Send
     from worker.compute import run_job
 
     todo: deque = deque()
@@ -366,7 +366,7 @@ def assert_same_core(live, restored) -> None:
     ("storm-vr", {"lr": 0.2, "a": 0.2, "B_init": 4, "tau_lost": 1000}, 2.5),
 ])
 def test_a_checkpoint_round_trip_restores_the_whole_core(tmp_path, algorithm, settings, round_period):
-    from ps.persist import read_checkpoint, write_checkpoint
+    from ps.journal.persist import read_checkpoint, write_checkpoint
 
     factory, restore, problem = _core(algorithm=algorithm, settings=settings, round_period=round_period)
     core = factory(now=0.5)
@@ -390,7 +390,7 @@ def test_a_checkpoint_round_trip_restores_the_whole_core(tmp_path, algorithm, se
 # --------------------------------------------------------------------------- recovery: checkpoint + tail
 
 def test_recovery_resumes_right_after_the_checkpoints_lsn(tmp_path, monkeypatch):
-    from ps.persist import checkpoint_files, recover
+    from ps.journal.persist import checkpoint_files, recover
 
     factory, restore, problem = _core()
     core = factory()
@@ -421,15 +421,15 @@ def test_recovery_resumes_right_after_the_checkpoints_lsn(tmp_path, monkeypatch)
 # --------------------------------------------------------------------------- clock rounds replay bit for bit
 
 def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
-    """A run created the way serve --state creates it (ps/cli.py's _open_state: the core created
+    """A run created the way serve --state creates it (ps/cli/main.py's _open_state: the core created
     at time.monotonic()), storm-vr with --round-period, driven with the daemon's clock inputs;
     replay_run (latecomer replay) and recovery without a checkpoint must give its bits."""
     import time
 
-    from ps.persist import recover, run_start
-    from ps.replay import replay_run
-    from ps.server import StateOptions, TrainingSpec
-    from ps.server import open_state as _open_state
+    from ps.drivers.replay import replay_run
+    from ps.drivers.server import StateOptions, TrainingSpec
+    from ps.drivers.server import open_state as _open_state
+    from ps.journal.persist import recover, run_start
 
     d = str(tmp_path / "state")
     spec = TrainingSpec(problem="quadratic", problem_options={"d": 16}, algorithm="storm-vr",
@@ -451,6 +451,6 @@ def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
 
 
 def _fresh_like(core, problem, now):  # a factory as the CLI's: a fresh core of core's run
-    from ps.core import ServerCore
+    from ps.core.server_core import ServerCore
 
     return ServerCore(core.alg, problem.init_params(core.cfg.seed), core.cfg, now=now)

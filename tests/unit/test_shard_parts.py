@@ -16,12 +16,12 @@ import zmq
 
 from protocol.codec import encode
 from protocol.messages import Error, ErrorCode, Fetch, Hello, Job, Ready, Reply
-from ps.inputs import CoreInputs
-from ps.persist import Persistence, read_journal
-from ps.server import StateOptions, TrainingSpec, _new_run
-from ps.shard import Shard
-from ps.shardhub import ShardHub
-from ps.shardwire import ControlError, pack, unpack
+from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.journal.inputs import CoreInputs
+from ps.journal.persist import Persistence, read_journal
+from ps.sharded.control import ControlError, pack, unpack
+from ps.sharded.hub import ShardHub
+from ps.sharded.shard import Shard
 
 CORE_KW = {"batch_size": 1, "liveness_timeout": 3.0, "heartbeat_interval": 0.5, "min_workers": 1,
            "round_period": None, "seed": 0}
@@ -211,7 +211,7 @@ def test_the_hub_hands_a_reply_on_only_when_every_shard_has_its_block(run, hub):
 def test_metrics_have_one_series_per_shard():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ps.metrics import SnapshotCollector
+    from ps.observe.metrics import SnapshotCollector
 
     c = SnapshotCollector()
     shards = [{"index": i, "connected": i == 0, "lag_records": 3 * i, "rss_bytes": 1e6 * (i + 1), "blocks_held": i,
@@ -346,7 +346,7 @@ def test_a_worker_asks_a_shard_again_only_on_evidence_that_it_lost_a_fetch():
 def test_a_shard_off_loopback_needs_keys_or_insecure_and_bad_keys_are_one_line(tmp_path):
     from click.testing import CliRunner
 
-    from ps.cli import main
+    from ps.cli.main import main
 
     r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--bind", "tcp://0.0.0.0:0"])
     assert r.exit_code == 2 and "without --keys" in r.output and "--insecure" in r.output, r.output
@@ -362,19 +362,20 @@ def test_a_restored_shard_bound_off_loopback_is_refused_before_it_binds_again(tm
 
     from click.testing import CliRunner
 
-    import ps.shard
-    from ps.cli import main
+    import ps.sharded.shard
+    from ps.cli.main import main
 
     state = tmp_path / "s"
     state.mkdir()
-    (state / ps.shard.SHARD_FILE).write_text(json.dumps({"run_id": 7, "index": 1, "shards": 2, "endpoint": "",
+    (state / ps.sharded.shard.SHARD_FILE).write_text(json.dumps({"run_id": 7, "index": 1, "shards": 2, "endpoint": "",
                                                          "bind": "tcp://0.0.0.0:47001"}))
     built = []
-    monkeypatch.setattr(ps.shard, "Shard", lambda *a, **k: built.append(a) or (_ for _ in ()).throw(AssertionError))
+    monkeypatch.setattr(ps.sharded.shard, "Shard",
+                        lambda *a, **k: built.append(a) or (_ for _ in ()).throw(AssertionError))
     r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--state", str(state)])
     assert r.exit_code == 2 and "--state binds tcp://0.0.0.0:47001" in r.output and "--insecure" in r.output, r.output
     assert built == [], "refused before the shard was built"
-    (state / ps.shard.SHARD_FILE).write_text("{not json")
+    (state / ps.sharded.shard.SHARD_FILE).write_text("{not json")
     r = CliRunner().invoke(main, ["shard", "--coordinator", "tcp://127.0.0.1:9", "--state", str(state)])
     assert r.exit_code != 0 and "cannot be read" in r.output and built == [], r.output
 
@@ -402,7 +403,7 @@ def test_the_hub_gives_the_reply_its_blocks_squared_norms_in_shard_order(run, hu
 
 
 def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read():
-    from ps.persist import _check_record
+    from ps.journal.persist import _check_record
 
     reply = {"job_id": 1, "created_at": 0, "loss": 0.5, "count": 0, "compute_s": 0.1, "holds": []}
     assert _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": {**reply, "bsq": [1.0, 0]}}) is None

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import zmq
 
-import ps.shard as shard_mod
+import ps.sharded.shard as shard_mod
 import worker.shards as links_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
-from ps.inputs import CoreInputs
-from ps.persist import Persistence, read_journal
-from ps.server import StateOptions, TrainingSpec, _new_run
-from ps.shard import Shard
+from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.journal.inputs import CoreInputs
+from ps.journal.persist import Persistence, read_journal
+from ps.sharded.shard import Shard
 from tests.unit.shard_links import fetch_whole, pump
 from worker.shards import ShardLinks
 

@@ -27,10 +27,10 @@ from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Job, Ready, Reply, Welcome
 from protocol.shm import SHM_DIR, host_id, shm_dir_usable
 from protocol.wire import roundtrip, to_wire
-from ps.inputs import CoreInputs
-from ps.persist import Persistence, read_journal
-from ps.server import StateOptions, TrainingSpec, _new_run
-from ps.shard import Shard
+from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.journal.inputs import CoreInputs
+from ps.journal.persist import Persistence, read_journal
+from ps.sharded.shard import Shard
 from tests.unit.shard_links import WAIT_S, fetch_whole, pump
 from worker.shards import ShardLinks
 
@@ -372,10 +372,10 @@ def test_the_shard_command_takes_shm_and_serve_passes_its_own_to_local_shards(mo
 
     from click.testing import CliRunner
 
-    import ps.shard
-    import ps.shardcli
-    from ps.shardcli import shard as shard_cmd
-    from ps.shardcli import start_local_shards
+    import ps.cli.shard
+    import ps.sharded.shard
+    from ps.cli.shard import shard as shard_cmd
+    from ps.cli.shard import start_local_shards
 
     got = {}
 
@@ -386,12 +386,12 @@ def test_the_shard_command_takes_shm_and_serve_passes_its_own_to_local_shards(mo
         got.update(kw)
         raise Stop
 
-    monkeypatch.setattr(ps.shard, "Shard", fake_shard)
+    monkeypatch.setattr(ps.sharded.shard, "Shard", fake_shard)
     r = CliRunner().invoke(shard_cmd, ["--coordinator", "tcp://127.0.0.1:9", "--shm", "off"])
     assert isinstance(r.exception, Stop) and got["shm"] == "off"
     r = CliRunner().invoke(shard_cmd, ["--coordinator", "tcp://127.0.0.1:9", "--shm", "sometimes"])
     assert r.exit_code == 2 and "--shm" in r.output
-    monkeypatch.setattr(ps.shardcli.LocalShards, "start", lambda self: None)
+    monkeypatch.setattr(ps.cli.shard.LocalShards, "start", lambda self: None)
     daemon = SimpleNamespace(security=None, hub=SimpleNamespace(endpoint="tcp://127.0.0.1:9", n=2), hooks=[])
     spec = SimpleNamespace(problem="synthetic", algorithm="asgd")
     local = start_local_shards(daemon, str(tmp_path), None, spec, (), (), "off")

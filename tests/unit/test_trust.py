@@ -25,9 +25,9 @@ from problems.trust import (
     worker_refusal,
 )
 from protocol.messages import ErrorCode, Welcome
-from ps.cli import main
-from ps.core import CoreConfig, ServerCore
-from ps.persist import write_checkpoint, write_run
+from ps.cli.main import main
+from ps.core.server_core import CoreConfig, ServerCore
+from ps.journal.persist import write_checkpoint, write_run
 
 
 @pytest.mark.parametrize("pattern, spec, expected", [
@@ -208,7 +208,7 @@ def test_replay_and_export_of_a_state_dir_naming_a_user_algorithm_import_nothing
 
 
 def test_replay_api_trusts_only_the_builtins_by_default(tmp_path, marked):
-    from ps.replay import replay_run
+    from ps.drivers.replay import replay_run
 
     d = state_with(tmp_path / "state", f"{marked}:make")
     with pytest.raises(UntrustedError):

@@ -20,7 +20,7 @@ from algorithms import Outcome
 from algorithms.registry import describe, resolve
 from algorithms.wrappers import WRAPPER_KEYS, WrapperSettings
 from latecomer.testing import check_algorithm, check_convergence, check_state_dict_round_trip
-from ps.cli import main
+from ps.cli.main import main
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "my_algorithm.py"
 

@@ -14,8 +14,8 @@ import algorithms
 from problems.base import GradResult
 from protocol.codec import decode
 from protocol.messages import Error, ErrorCode, Hello, Job, JobKind, Ready, Status
-from ps.core import CoreConfig, ServerCore
-from ps.metrics import SnapshotCollector
+from ps.core.server_core import CoreConfig, ServerCore
+from ps.observe.metrics import SnapshotCollector
 from ps.ops.report import render_markdown, worker_table
 from ps.ops.status import render_status
 from worker.compute import BadGradient, describe_layout, run_job
@@ -176,7 +176,7 @@ def failing_core(k: int = 2) -> ServerCore:
 @pytest.fixture
 def daemon():
     from problems.quadratic import make_quadratic
-    from ps.daemon import Daemon
+    from ps.drivers.daemon import Daemon
 
     problem = make_quadratic(d=4)
     d = Daemon(failing_core(), problem, "tcp://127.0.0.1:0", shm="off")

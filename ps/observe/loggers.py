@@ -1,10 +1,10 @@
 """Loggers: a run's figures to TensorBoard, Weights & Biases or MLflow (``serve --log-to SPEC``).
 
-Each logger is an :class:`~ps.observe.Observer`. It turns what the daemon hands it into scalars
+Each logger is an :class:`~ps.observe.observer.Observer`. It turns what the daemon hands it into scalars
 keyed by the server's version (the step) and records the run's settings as hyper-parameters:
 
 - ``eval/<name>``: each evaluation's figures (loss, accuracy, ...), at the version evaluated;
-- at each tick (ps/observe.py, about every 0.5 s): ``server/step_rate``, ``server/workers``,
+- at each tick (ps/observe/observer.py, about every 0.5 s): ``server/step_rate``, ``server/workers``,
   ``server/outstanding``; ``age/mean``, ``age/p90``, ``age/max`` of the replies applied since
   the previous tick; ``jobs/lost`` and ``jobs/failed`` (the run's totals so far);
   ``worker/<id>/jobs_per_s`` (jobs done per second since the previous tick, from the worker
@@ -30,7 +30,7 @@ import re
 import threading
 from typing import Any
 
-from ps.observe import Observer
+from ps.observe.observer import Observer
 
 log = logging.getLogger("latecomer.loggers")
 

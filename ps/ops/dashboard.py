@@ -1,5 +1,5 @@
-"""The live dashboard: an observer (ps/observe.py) that keeps bounded histories of a run, and a
-small HTTP server that shows them as one self-contained page (ps/dashboard_page.py).
+"""The live dashboard: an observer (ps/observe/observer.py) that keeps bounded histories of a run, and a
+small HTTP server that shows them as one self-contained page (ps/ops/dashboard_page.py).
 
 The loop's thread feeds :class:`Dashboard` (``on_events``, ``on_evaluation``, ``on_tick``) and,
 at most every :data:`PUBLISH_S` seconds, publishes an immutable JSON-able snapshot (a fresh dict
@@ -35,7 +35,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from ps.observe import Observer
+from ps.observe.observer import Observer
 
 log = logging.getLogger("latecomer.server")
 
@@ -283,7 +283,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
         path = self.path.split("?", 1)[0]
         if path in ("/", "/index.html"):
-            from ps.dashboard_page import PAGE
+            from ps.ops.dashboard_page import PAGE
 
             self._send(200, "text/html; charset=utf-8", PAGE.encode())
         elif path == "/api/state":

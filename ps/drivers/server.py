@@ -1,9 +1,9 @@
 """Building a server from its options: a new run, or the run a state directory holds.
 
-The commands (ps/cli.py) parse their options and call :func:`make_daemon`; what it takes is
+The commands (ps/cli/main.py) parse their options and call :func:`make_daemon`; what it takes is
 :class:`ServeOptions` (the run's settings) and :class:`StateOptions` (``--state`` and its
 persistence). A new state directory gets its run.json and a ``start`` record; one that holds
-a run is recovered (checkpoint plus journal tail, ps/persist.py) and journals a ``restart``.
+a run is recovered (checkpoint plus journal tail, ps/journal/persist.py) and journals a ``restart``.
 Errors a person can fix are one-line ``click`` exceptions.
 """
 
@@ -95,7 +95,7 @@ class ServeOptions:
     shm: str = "auto"
     wire_dtype: str = "f32"
     caps: dict = field(default_factory=dict)  # max_workers, max_workers_per_key
-    shards: int = 0  # >= 1: a sharded server of this many shards (ps/shardhub.py); 0: one process
+    shards: int = 0  # >= 1: a sharded server of this many shards (ps/sharded/hub.py); 0: one process
     shard_bind: str = "tcp://127.0.0.1:0"  # the coordinator's endpoint for its shards
 
     def core_kw(self) -> dict[str, Any]:
@@ -113,8 +113,9 @@ class StateOptions:
     checkpoint_interval_s: float = 30.0
     fsync: str = "batch"
     log_payloads: bool = False
-    max_journal_bytes: int = 1 << 30  # ps.persist.DEFAULT_MAX_JOURNAL_BYTES
-    repair: bool = False  # --repair: keep the journal's valid prefix, move the rest aside (ps.persist.repair_journal)
+    max_journal_bytes: int = 1 << 30  # ps.journal.persist.DEFAULT_MAX_JOURNAL_BYTES
+    # --repair: keep the journal's valid prefix, move the rest aside (ps.journal.persist.repair_journal)
+    repair: bool = False
 
 
 def muon_blocks_text(alg: Any, problem: Any) -> str | None:
@@ -171,8 +172,8 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     ``state`` the run its directory holds (new or resumed)."""
     import zmq
 
-    from ps.core import CoreConfig, ServerCore
-    from ps.daemon import Daemon, StopCondition
+    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.drivers.daemon import Daemon, StopCondition
 
     persistence, boot = None, secrets.randbits(63)
     wire_dtype, events, shards = opts.wire_dtype, opts.events, None
@@ -246,14 +247,14 @@ def _undo_new_run(d: str, before: set[str] | None) -> None:
 
 
 def read_run_checked(state_dir: str) -> dict[str, Any]:
-    from ps.persist import read_run
+    from ps.journal.persist import read_run
 
     return read_run(state_dir, complete=True) or {}
 
 
 def core_config(run: dict[str, Any]):
-    from ps.core import CoreConfig
-    from ps.persist import StateError
+    from ps.core.server_core import CoreConfig
+    from ps.journal.persist import StateError
 
     try:
         return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
@@ -269,11 +270,11 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     A resumed run's problem and algorithm come from its run.json: a user callable there is
     loaded only if ``allowed`` (the command line: problems/trust.py) trusts it; else one line
     saying what to add."""
-    from ps.persist import Persistence, StateLock, read_run
+    from ps.journal.persist import Persistence, StateLock, read_run
 
     d = state.state_dir
     os.makedirs(d, exist_ok=True)
-    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/persist.py)
+    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/journal/persist.py)
     run = read_run(d, complete=True)
     if run is None:
         run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw, shards)
@@ -315,8 +316,8 @@ def _build(spec: TrainingSpec, shards: int):
 
 def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict, shards: int = 0):
     """run.json, then the core and the journal's start record (with the core's creation time)."""
-    from ps.core import ServerCore, restart_grace_s
-    from ps.persist import Journal, write_run
+    from ps.core.server_core import ServerCore, restart_grace_s
+    from ps.journal.persist import Journal, write_run
 
     d = state.state_dir
     problem, alg, ranges = _build(spec, shards)
@@ -346,9 +347,9 @@ def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, w
     """The run the directory holds, if the command line trusts what it names: recovered, with a
     ``restart`` record journaled and fed to the core."""
     from problems.trust import Allowed, UntrustedError, check_run
-    from ps.core import ServerCore
-    from ps.inputs import CoreInputs
-    from ps.persist import Journal, recover
+    from ps.core.server_core import ServerCore
+    from ps.journal.inputs import CoreInputs
+    from ps.journal.persist import Journal, recover
 
     d = state.state_dir
     try:
@@ -469,7 +470,7 @@ def serve_until_stopped(daemon: Any, out_dirs: list[str]) -> str:
     """Run the daemon to its end, then write summary.json and final_x.npy into each of
     ``out_dirs`` (a full disk is logged: the journal and checkpoints still hold the run) and
     close it (server.pid goes with the state lock: a clean exit). Returns why it stopped."""
-    from ps.daemon import write_outputs
+    from ps.drivers.daemon import write_outputs
 
     try:
         return daemon.run()

@@ -23,9 +23,8 @@ import numpy as np
 from problems.loader import BUILTIN_PROBLEMS
 from problems.trust import ENV_ALLOW_PROBLEM
 from protocol.messages import ID_IN_USE
-from ps.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
-from ps.paths import check_output_file, output_dir, output_file, usage_check
-from ps.server import (
+from ps.cli.paths import check_output_file, output_dir, output_file, usage_check
+from ps.drivers.server import (
     ServeBar,
     ServeOptions,
     StateOptions,
@@ -37,7 +36,8 @@ from ps.server import (
     waiting_for,
     want_progress,
 )
-from ps.supervise import ServeCommand
+from ps.net.endpoints import bind_endpoint, remote_server_endpoint, server_endpoint
+from ps.net.supervise import ServeCommand
 
 try:
     import tomllib
@@ -138,7 +138,7 @@ def _allow_options(f):
 def _setup_logging(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        from ps.metrics import JsonFormatter
+        from ps.observe.metrics import JsonFormatter
 
         handler.setFormatter(JsonFormatter())
     else:
@@ -160,8 +160,8 @@ def _finite(ctx, param, value):
 
 
 def _log_to_specs(ctx, param, value):
-    """click callback: each ``--log-to`` spec checked (ps/loggers.py), one line for a bad one."""
-    from ps.loggers import check_spec
+    """click callback: each ``--log-to`` spec checked (ps/observe/loggers.py), one line for a bad one."""
+    from ps.observe.loggers import check_spec
 
     try:
         return tuple(check_spec(v) for v in value or ())
@@ -175,8 +175,8 @@ log_to_option = click.option(
 
 
 def add_loggers(daemon: Any, specs: tuple[str, ...]) -> None:
-    """One logger (ps/loggers.py) per ``--log-to`` spec, observing ``daemon``."""
-    from ps.loggers import log, make_logger
+    """One logger (ps/observe/loggers.py) per ``--log-to`` spec, observing ``daemon``."""
+    from ps.observe.loggers import log, make_logger
 
     if specs and not log.isEnabledFor(logging.INFO):
         log.setLevel(logging.INFO)  # where each logger writes is said even under `run`'s warning level
@@ -199,12 +199,12 @@ class _LazyGroup(click.Group):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
 
     def invoke(self, ctx: click.Context) -> Any:
-        """A damaged, unexpected or busy state directory (``ps.persist.StateError``, raised by any
+        """A damaged, unexpected or busy state directory (``ps.journal.persist.StateError``, raised by any
         command that reads one) is one line, never a traceback."""
         try:
             return super().invoke(ctx)
         except ValueError as e:
-            from ps.persist import StateError
+            from ps.journal.persist import StateError
 
             if isinstance(e, StateError):
                 raise click.ClickException(str(e)) from None
@@ -228,7 +228,7 @@ def main() -> None:
 # --------------------------------------------------------------------------- dashboard (issue 25)
 
 def _dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from ps.dashboard import check_addr
+    from ps.ops.dashboard import check_addr
 
     try:
         check_addr(value)
@@ -245,7 +245,7 @@ def _dashboard_meta(ctx: click.Context, param: click.Parameter, value: Any) -> A
 
 
 def _dashboard_options(f):
-    """``--dashboard-port`` and ``--dashboard-addr`` of serve and run (ps/dashboard.py)."""
+    """``--dashboard-port`` and ``--dashboard-addr`` of serve and run (ps/ops/dashboard.py)."""
     f = click.option("--dashboard-addr", default="127.0.0.1", show_default=True, callback=_dashboard_meta,
                      expose_value=False,
                      help="Address of the dashboard (another than loopback shows the run, read-only, to anyone "
@@ -262,7 +262,7 @@ def _start_dashboard(daemon: Any) -> Any:
     port, addr = meta.get("dashboard_port"), meta.get("dashboard_addr", "127.0.0.1")
     if port is None:
         return None
-    from ps.dashboard import attach
+    from ps.ops.dashboard import attach
 
     try:
         return attach(daemon, port, addr)
@@ -279,7 +279,7 @@ def _start_dashboard(daemon: Any) -> Any:
               help="The page's address.")
 def dashboard(run_dir, port, addr) -> None:
     """Serve the dashboard of a finished run (a serve --state or an --out directory) until Ctrl-C."""
-    from ps.dashboard import serve_recorded
+    from ps.ops.dashboard import serve_recorded
 
     _setup_logging("warning")
     try:
@@ -313,7 +313,7 @@ def list_algorithms(names) -> None:
 
 # --------------------------------------------------------------------------- serve
 
-@main.command(cls=ServeCommand)  # --supervise, --max-unfinished-bytes (ps/supervise.py)
+@main.command(cls=ServeCommand)  # --supervise, --max-unfinished-bytes (ps/net/supervise.py)
 @click.option("--bind", default=f"tcp://127.0.0.1:{DEFAULT_PORT}", show_default=True, callback=bind_endpoint,
               help="ZeroMQ endpoint to bind: tcp://HOST:PORT (HOST * for every interface, [::1] for IPv6; "
                    "port 0: any free port) or ipc://PATH.")
@@ -404,7 +404,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     (module:callable) needs the command line to name it too: --problem/--algorithm equal to it, or
     --allow-problem/--allow-algorithm patterns that match it.
     """
-    from ps.security import is_loopback_endpoint
+    from ps.net.security import is_loopback_endpoint
 
     _setup_logging(log_level, log_format)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
@@ -415,8 +415,8 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     spec.max_steps = max_steps
     if heartbeat_interval >= liveness_timeout:
         raise click.BadParameter("must be smaller than --liveness-timeout", param_hint="--heartbeat-interval")
-    from ps import supervise
-    if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/supervise.py)
+    from ps.net import supervise
+    if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/net/supervise.py)
         raise SystemExit(supervise.supervise(bind, state_dir))
     bind = supervise.daemon_bind(bind)
     if local_shards is not None and local_shards > shards:
@@ -446,7 +446,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     daemon.on_progress = bar or log_progress
     local = None
     if daemon.hub is not None:
-        from ps.shardcli import start_local_shards
+        from ps.cli.shard import start_local_shards
 
         local = start_local_shards(daemon, state_dir, local_shards, spec, allow_problem, allow_algorithm, shm)
     _serve_to_the_end(daemon, bar, [d for d in (out, state_dir) if d], local)
@@ -617,10 +617,10 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     finally:
         bar.n = min(daemon.core.version, steps)
         bar.close()
-        from ps.daemon import write_outputs
+        from ps.drivers.daemon import write_outputs
         write_outputs(out, daemon)
         daemon.close()
-        from ps.children import reap
+        from ps.ops.children import reap
         reap(procs, 5.0, terminate=False)  # they got the bye: they exit by themselves
     from ps.ops.report import age_stats, plot_run, read_events
 
@@ -697,8 +697,8 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
 def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_model, noise, max_time, max_steps,
              batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, shards, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
-    from ps.core import CoreConfig
-    from ps.sim import Crash, DelayModel, Simulator
+    from ps.core.server_core import CoreConfig
+    from ps.drivers.sim import Crash, DelayModel, Simulator
 
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="quadratic",
                          default_algorithm="ordered-momentum")
@@ -813,7 +813,7 @@ def keys() -> None:
 @click.argument("keys_dir", type=click.Path(file_okay=False), callback=output_dir)
 def keys_init(keys_dir) -> None:
     """Make the server key pair and an empty allow-list in KEYS_DIR."""
-    from ps.security import fingerprint, init_keys, load_public
+    from ps.net.security import fingerprint, init_keys, load_public
 
     try:
         pub = init_keys(keys_dir)
@@ -828,7 +828,7 @@ def keys_init(keys_dir) -> None:
 @click.option("--keys", "keys_dir", required=True, type=click.Path(exists=True, file_okay=False))
 def keys_add_worker(name, keys_dir) -> None:
     """Make a key pair for worker NAME and allow it (takes effect at the next SIGHUP or start)."""
-    from ps.security import add_worker, fingerprint, load_public
+    from ps.net.security import add_worker, fingerprint, load_public
 
     try:
         pub, sec = add_worker(keys_dir, name)
@@ -843,7 +843,7 @@ def keys_add_worker(name, keys_dir) -> None:
 @click.option("--keys", "keys_dir", required=True, type=click.Path(exists=True, file_okay=False))
 def keys_revoke(name, keys_dir) -> None:
     """Remove worker NAME from the allow-list (send the server SIGHUP to apply it now)."""
-    from ps.security import revoke_worker
+    from ps.net.security import revoke_worker
 
     try:
         revoke_worker(keys_dir, name)
@@ -871,7 +871,7 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
     A problem or algorithm of your own that run.json names is loaded only with --allow-problem/
     --allow-algorithm patterns that match it.
     """
-    from ps.replay import recorded_final_x, replay_run
+    from ps.drivers.replay import recorded_final_x, replay_run
 
     allowed = _allowed(allow_problem, allow_algorithm)
     try:
@@ -899,9 +899,9 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
 
 
 def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed) -> None:
-    from ps.persist import read_run
-    from ps.replay import TraceDelays, build_from_run
-    from ps.sim import Simulator
+    from ps.drivers.replay import TraceDelays, build_from_run
+    from ps.drivers.sim import Simulator
+    from ps.journal.persist import read_run
 
     run = read_run(state_dir)
     try:
@@ -943,7 +943,7 @@ def stop(state_dir, timeout) -> None:
     """Ask a running server to drain: checkpoint, say bye to the workers, exit.
 
     Only a verified server is signalled: a live process must hold the lock on DIR/server.pid,
-    and the pid and start time the file holds must be that process's (ps/persist.py
+    and the pid and start time the file holds must be that process's (ps/journal/persist.py
     ``locked_server``). A server.pid left by a crash, or one naming another process, is refused
     with one line and nothing is signalled.
     """
@@ -951,7 +951,7 @@ def stop(state_dir, timeout) -> None:
 
     import psutil
 
-    from ps.persist import StateError, locked_server, wait_unlocked
+    from ps.journal.persist import StateError, locked_server, wait_unlocked
 
     try:
         proc, fd = locked_server(state_dir)
@@ -1083,9 +1083,9 @@ def report(state_dir, out, events_path) -> None:
 
 
 def _add_shard_command() -> None:
-    from ps.shardcli import shard
+    from ps.cli.shard import shard
 
-    main.add_command(shard)  # `latecomer shard`: a sharded server's shard process (ps/shard.py)
+    main.add_command(shard)  # `latecomer shard`: a sharded server's shard process (ps/sharded/shard.py)
 
 
 _add_shard_command()

@@ -1,8 +1,8 @@
 """The ZeroMQ daemon: the loop that drives a :class:`ServerCore` in real time.
 
 One poll loop, one thread owning the core. Per message (:meth:`Daemon._on_frames`): the
-transport validates it (ps/transport.py: socket, connections, keys, parts, same-host path),
-the journal records it (ps/persist.py), ``core.handle`` answers with commands, the transport
+transport validates it (ps/net/transport.py: socket, connections, keys, parts, same-host path),
+the journal records it (ps/journal/persist.py), ``core.handle`` answers with commands, the transport
 sends them (the shape of zguide ``mdbroker.py``). Between batches the clock-driven inputs
 (:meth:`Daemon._timers`). Every deadline comes from ``clock`` (monotonic).
 docs/ARCHITECTURE.md follows one reply along this path.
@@ -35,17 +35,17 @@ from protocol.messages import (
     Reply,
     Status,
 )
-from ps.connections import (
+from ps.core.server_core import Disconnect, Send, ServerCore
+from ps.drivers.evaluator import EvalLog, Evaluator
+from ps.journal.inputs import CoreInputs
+from ps.journal.persist import EventLog, Persistence
+from ps.net.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,
     ConnectionLimits,
 )
-from ps.core import Disconnect, Send, ServerCore
-from ps.evaluator import EvalLog, Evaluator
-from ps.inputs import CoreInputs
-from ps.observe import TICK_S, Observers, snapshot
-from ps.persist import EventLog, Persistence
-from ps.transport import SMALL_MESSAGE, Count, ServerTransport
+from ps.net.transport import SMALL_MESSAGE, Count, ServerTransport
+from ps.observe.observer import TICK_S, Observers, snapshot
 from worker.compute import describe_layout
 
 log = logging.getLogger("latecomer.server")
@@ -124,7 +124,7 @@ class Daemon:
         clock: the monotonic clock (tests may substitute one).
         max_workers: refuse a hello that would make more workers than this.
         max_workers_per_key: under CurveZMQ, refuse a hello that would give one key more workers.
-        limits: the bounds of the connection table (ps/connections.py); None: the defaults, with
+        limits: the bounds of the connection table (ps/net/connections.py); None: the defaults, with
             an idle connection forgotten after twice the liveness timeout, a transfer of at most
             two float64 gradients per connection and four such transfers' worth (at least 64 MiB)
             in all.
@@ -140,7 +140,7 @@ class Daemon:
                  limits: ConnectionLimits | None = None, shards: dict | None = None) -> None:
         self.core = core
         self.persist = persistence
-        self.inputs = CoreInputs(core, persistence)  # every core input, journaled first (ps/inputs.py)
+        self.inputs = CoreInputs(core, persistence)  # every core input, journaled first (ps/journal/inputs.py)
         self.problem = problem
         self.stop = stop or StopCondition()
         self.eval_every = eval_every
@@ -151,7 +151,7 @@ class Daemon:
         layout = tuple(getattr(problem, "layout", ()) or ())
         if not core.layout_text and layout:
             core.layout_text = describe_layout(layout)  # BAD_SHAPE texts name the blocks
-        # The wire: socket, connections, keys, same-host path, wire dtype (ps/transport.py).
+        # The wire: socket, connections, keys, same-host path, wire dtype (ps/net/transport.py).
         self.transport = ServerTransport(self.ctx, core, bind, clock=clock, keys_dir=keys_dir, shm=shm,
                                          wire_dtype=wire_dtype, max_workers=max_workers,
                                          max_workers_per_key=max_workers_per_key, limits=limits,
@@ -178,10 +178,10 @@ class Daemon:
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
         self.evaluations: list[dict[str, float]] = self._prior_evaluations()  # a resumed run's, then ours
-        self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/evaluator.py)
-        self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe.py)
+        self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/drivers/evaluator.py)
+        self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe/observer.py)
         self.last_eval_version = -1  # the version of the evaluation started last
-        # A sharded server (ps/shardhub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
+        # A sharded server (ps/sharded/hub.py): shards = {"n", "bind", "ranges", "x0"}; the core is the
         # coordinator's (an empty iterate), the parameters are the shards'.
         self.hooks: list[Callable[[float], None]] = []  # called every pass of the loop (serve's local shards)
         self.hub = None
@@ -192,7 +192,7 @@ class Daemon:
             self._open_shards(shards)
 
     def _open_shards(self, shards: dict) -> None:
-        from ps.shardhub import ShardHub
+        from ps.sharded.hub import ShardHub
 
         core = self.core
         self.hub = ShardHub(self.ctx, shards["bind"], shards["n"], core=core, persist=self.persist,
@@ -236,7 +236,7 @@ class Daemon:
         return self.t_offset + own
 
     def _prior_evaluations(self) -> list[dict[str, float]]:
-        """With a state directory, its evaluations.jsonl (ps/evaluator.py ``EvalLog``): the
+        """With a state directory, its evaluations.jsonl (ps/drivers/evaluator.py ``EvalLog``): the
         evaluations of the sessions before this one, of versions before the recovered one."""
         self.eval_log, self.t_offset = None, 0.0
         if self.persist is None:
@@ -249,7 +249,7 @@ class Daemon:
         return prior
 
     def evaluate(self) -> None:
-        """Start an evaluation of the current iterate, off the loop (ps/evaluator.py): the
+        """Start an evaluation of the current iterate, off the loop (ps/drivers/evaluator.py): the
         figures are recorded (:meth:`_collect`) when it ends, named by the version it started
         at, with ``t`` of its start (counted from the first job issued, 0 before). A sharded
         server evaluates the iterate last gathered from its shards: if it has none of the
@@ -319,7 +319,7 @@ class Daemon:
         self._gathered()
 
     def add_observer(self, obs: Any) -> None:
-        """Add an observer (ps/observe.py); before :meth:`run`."""
+        """Add an observer (ps/observe/observer.py); before :meth:`run`."""
         self.observers.add(obs)
         if getattr(obs, "wants_issued", False):
             self.core.record_issued = True
@@ -442,7 +442,7 @@ class Daemon:
             c = by_rid.get(rid)
             queued = rid in self.backlogged
             if self._queued_repeat(rid, frames) if queued else self.transport.is_repeat(c, frames, now):
-                continue  # a heartbeat repeat: dropped unread (ps/connections.py)
+                continue  # a heartbeat repeat: dropped unread (ps/net/connections.py)
             w = workers.get(c.wid) if c is not None and c.live else None
             if w is not None and w.jobs_done and not queued:
                 urgent.append(frames)
@@ -608,8 +608,8 @@ class Daemon:
 
     # ------------------------------------------------------------------ the message path
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
-        """One message: the transport validates it (ps/transport.py), the journaling core records
-        it and feeds the core (ps/inputs.py), the core's commands go out."""
+        """One message: the transport validates it (ps/net/transport.py), the journaling core records
+        it and feeds the core (ps/journal/inputs.py), the core's commands go out."""
         now = self.clock()
         item = self.transport.receive(frames, now, self.status_frames)
         if isinstance(item, Count):
@@ -727,7 +727,7 @@ class Daemon:
                      "uptime_s": now - self.started_at, "step_rate": self.step_rate(now),
                      "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": self.wire_dtype,
                      "shm_workers": sum(c.shm_ready and c.live for c in self.conns.bound())})
-        info.update(self.conns.figures())  # the connection table: records, transfers, rates (ps/connections.py)
+        info.update(self.conns.figures())  # the connection table: records, transfers, rates (ps/net/connections.py)
         if self.persist is not None:
             info.update(self.persist.status())  # journal bytes; paused (disk full): why, for how long
         if self.recent_ages:
@@ -745,7 +745,7 @@ class Daemon:
         return dict(list(info.items())[:64])  # the map cap of the protocol
 
     def enable_metrics(self, port: int, addr: str = "127.0.0.1") -> None:
-        from ps.metrics import serve_metrics
+        from ps.observe.metrics import serve_metrics
 
         self.metrics = serve_metrics(port, addr)
         self.publish_metrics()

@@ -1,5 +1,5 @@
 """``latecomer shard`` (a shard process for a sharded server), and the local shards that
-``serve --shards N`` starts and restarts (ps/shard.py, ps/shardhub.py)."""
+``serve --shards N`` starts and restarts (ps/sharded/shard.py, ps/sharded/hub.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ps.endpoints import bind_endpoint, server_endpoint
+from ps.net.endpoints import bind_endpoint, server_endpoint
 
 log = logging.getLogger("latecomer.shards")
 
@@ -18,7 +18,7 @@ RESTART_AFTER_S = 0.5  # a local shard that died is started again this long afte
 
 
 def _allow(ctx, param, value):
-    from ps.cli import _allow_patterns
+    from ps.cli.main import _allow_patterns
 
     return _allow_patterns(ctx, param, value)
 
@@ -65,9 +65,9 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     a shard with --state may be restarted at any time and catches up. It exits when the
     coordinator's run is over.
     """
-    from ps.cli import _allowed, _setup_logging
-    from ps.security import is_loopback_endpoint
-    from ps.shard import Shard, saved_shard
+    from ps.cli.main import _allowed, _setup_logging
+    from ps.net.security import is_loopback_endpoint
+    from ps.sharded.shard import Shard, saved_shard
 
     _setup_logging(log_level)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
@@ -103,7 +103,7 @@ def _exit_with_parent() -> None:
     import ctypes
     import signal
 
-    from ps.supervise import PR_SET_PDEATHSIG
+    from ps.net.supervise import PR_SET_PDEATHSIG
 
     parent = os.getppid()
     try:
@@ -156,7 +156,7 @@ class LocalShards:
         self.logs: list = []
 
     def _start(self, i: int) -> None:
-        from ps.children import spawn
+        from ps.ops.children import spawn
 
         d = os.path.join(self.state_dir, f"shard-{i}")
         os.makedirs(d, exist_ok=True)
@@ -189,7 +189,7 @@ class LocalShards:
 
     def close(self, grace_s: float = 30.0) -> None:
         """The run is over (the coordinator told the shards to stop): wait for them, bounded."""
-        from ps.children import reap
+        from ps.ops.children import reap
 
         self.stopping = True
         procs = [p for p in self.procs if p is not None]

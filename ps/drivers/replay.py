@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
-from ps.core import CoreConfig, ServerCore
-from ps.persist import (
+from ps.core.server_core import CoreConfig, ServerCore
+from ps.journal.persist import (
     StateError,
     apply_checked,
     first_journal_lsn,
@@ -153,7 +153,7 @@ def recorded_final_x(state_dir: str) -> np.ndarray | None:
 
 class TraceDelays:
     """Plays back recorded per-worker job durations in the simulator (cycling when the new run
-    needs more jobs than were recorded). Duck-types :class:`ps.sim.DelayModel`."""
+    needs more jobs than were recorded). Duck-types :class:`ps.drivers.sim.DelayModel`."""
 
     def __init__(self, seqs: list[list[float]]) -> None:
         if not seqs or any(len(s) == 0 for s in seqs):

@@ -1,9 +1,9 @@
-"""The journaling core: every input the :class:`~ps.core.ServerCore` is fed, recorded first.
+"""The journaling core: every input the :class:`~ps.core.server_core.ServerCore` is fed, recorded first.
 
 The core is a deterministic function of its inputs: the messages it handles (with their
 ``now``), its ticks, the workers the daemon removes (revoked, unreachable), the messages that
 only count, the end of issuing, a restart or a resume (clock rebases). :class:`CoreInputs` is
-the one place that feeds them: live, each method writes its journal record (ps/persist.py)
+the one place that feeds them: live, each method writes its journal record (ps/journal/persist.py)
 and then feeds the core; :meth:`CoreInputs.apply` turns a journal record back into the same
 call, without writing. Recovery and ``latecomer replay`` go through :meth:`apply`, the daemon
 through the methods, so the three cannot drift: what the core does with an input is written
@@ -46,7 +46,7 @@ class CoreInputs:
         return self.core.handle(wid, msg, now, key, refusal)
 
     def hold(self, now: float, reason: str) -> list | None:
-        """A sharded server holds the issuing of jobs (a shard is missing; ps/shardhub.py)."""
+        """A sharded server holds the issuing of jobs (a shard is missing; ps/sharded/hub.py)."""
         if not self._journal("hold", now=now, reason=reason):
             return None
         self.core.held = reason
@@ -99,10 +99,10 @@ class CoreInputs:
     # ------------------------------------------------------------------ replay
     # How a journaled reply gets its gradients back. Here (the server, recovery, replay): an
     # accepted reply journaled without them is recomputed from its seed; one journaled whole is
-    # taken as it is. A sharded server's coordinator and shards substitute their own (ps/shard.py).
+    # taken as it is. A sharded server's coordinator and shards substitute their own (ps/sharded/shard.py).
     @staticmethod
     def recompute(core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
-        from ps.persist import recompute_reply
+        from ps.journal.persist import recompute_reply
 
         return recompute_reply(core, wid, fields, problem, wire)
 
@@ -115,7 +115,7 @@ class CoreInputs:
         ``wire_dtype``: the run's; journaled reply frames are converted from it and recomputed
         gradients are quantized to it, as on the live run."""
         from protocol.messages import ErrorCode, Reply
-        from ps.persist import journaled_norms, reply_from_wire
+        from ps.journal.persist import journaled_norms, reply_from_wire
 
         b, op, core = rec.body, rec.op, self.core
         if op == "msg":

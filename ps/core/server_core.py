@@ -457,7 +457,7 @@ class ServerCore:
         now: the time of creation (for clock-driven rounds).
     """
 
-    record_issued = True  # an "issued" event per job; off where nothing reads them (ps/daemon.py)
+    record_issued = True  # an "issued" event per job; off where nothing reads them (ps/drivers/daemon.py)
 
     def __init__(self, algorithm: Algorithm, x0: np.ndarray, config: CoreConfig | None = None, *,
                  server_boot: int = 0, now: float = 0.0) -> None:
@@ -483,7 +483,7 @@ class ServerCore:
         self.next_job_id = 0
         self.started = False
         self.issuing = True  # the driver sets False to drain (stop condition reached)
-        self.held = ""  # why a sharded server holds the issuing of jobs ("": it does not; ps/shardhub.py)
+        self.held = ""  # why a sharded server holds the issuing of jobs ("": it does not; ps/sharded/hub.py)
         self.next_round_at = now + self.cfg.round_period_s if self.cfg.round_period_s else math.inf
         self.events: list[dict[str, Any]] = []
         self.last_metrics: dict[str, float] = {}
@@ -606,7 +606,7 @@ class ServerCore:
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue exactly: a nested structure of plain values and arrays
-        (see ``ps.persist.pack_tree``). Arrays are shared, not copied: serialize it at once."""
+        (see ``ps.journal.persist.pack_tree``). Arrays are shared, not copied: serialize it at once."""
         return {
             "format": 2,  # 1: workers, ledger and closed as lists of rows (still restored)
             "algorithm": self.alg.name,

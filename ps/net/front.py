@@ -1,6 +1,6 @@
 """The front: a ZMTP-aware relay between the network and the daemon process.
 
-``latecomer serve`` binds the public endpoint here, in the supervisor process (ps/supervise.py),
+``latecomer serve`` binds the public endpoint here, in the supervisor process (ps/net/supervise.py),
 and relays every connection byte for byte to the daemon, which binds a private Unix socket
 (mode 0700 directory) and never sees the network. The relay exists for two bounds libzmq
 cannot give (SECURITY.md, "Limits and rates"):

@@ -4,8 +4,8 @@ ps-lite's ``Van`` is the model: the core and the algorithms never see it. :class
 owns the ROUTER socket and everything that is about connections rather than training:
 
 * decoding, with the protocol's limits, and large arrays that come in ``part`` messages
-  (reassembled per connection, bounded: ps/connections.py);
-* the connection table (one :class:`~ps.connections.Conn` per routing id: the worker a hello
+  (reassembled per connection, bounded: ps/net/connections.py);
+* the connection table (one :class:`~ps.net.connections.Conn` per routing id: the worker a hello
   bound it to, its CURVE key, its transfer, its rates, its heartbeat repeats);
 * the CURVE identity of a message (the key the handshake authenticated) and the caps on
   workers in total and per key, quarantined keys;
@@ -18,7 +18,7 @@ owns the ROUTER socket and everything that is about connections rather than trai
 (what the core is to be fed, with what the journal keeps) or a :class:`Count` (a message the
 core never sees, which still counts); :meth:`ServerTransport.send` turns a core command's message
 into frames for its worker. The transport reads the core (its worker table, its iterate store)
-but never changes it: the daemon journals and feeds the core (ps/daemon.py).
+but never changes it: the daemon journals and feeds the core (ps/drivers/daemon.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.wire import to_wire
-from ps.connections import (
+from ps.core.server_core import EvictionCursor
+from ps.journal.persist import reply_from_wire
+from ps.net.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,
     Conn,
@@ -64,16 +66,14 @@ from ps.connections import (
     Connections,
     RateLimitedLog,
 )
-from ps.core import EvictionCursor
-from ps.endpoints import needs_ipv6
-from ps.persist import reply_from_wire
+from ps.net.endpoints import needs_ipv6
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
-MAX_SUPERSEDED = 4096  # replaced (worker id, boot) pairs remembered (ps/transport.py _hello_refusal)
+MAX_SUPERSEDED = 4096  # replaced (worker id, boot) pairs remembered (ps/net/transport.py _hello_refusal)
 MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 SMALL_MESSAGE = 512  # a message of one frame at most this long may be a heartbeat repeat
 
@@ -163,7 +163,7 @@ class ServerTransport:
             and configuration.
         bind: the endpoint to bind.
         clock: the daemon's monotonic clock.
-        keys_dir: CurveZMQ keys (ps/security.py); None: no security.
+        keys_dir: CurveZMQ keys (ps/net/security.py); None: no security.
         shm: ``auto`` (same-host workers that ask), ``any`` (every worker that asks) or ``off``.
         wire_dtype: the dtype iterates and gradients travel in.
         max_workers, max_workers_per_key: the caps a new join must pass.
@@ -184,7 +184,7 @@ class ServerTransport:
         self.max_array_bytes = max(core.dim, 1) * 8  # a sharded coordinator (dim 0) takes empty arrays
         self.security = None
         if keys_dir is not None:
-            from ps.security import ServerSecurity
+            from ps.net.security import ServerSecurity
 
             self.security = ServerSecurity(ctx, keys_dir)
         self.sock = server_socket(ctx, bind, self.max_array_bytes, self.security)
@@ -208,7 +208,7 @@ class ServerTransport:
         self.arena, self.host_id = _open_arena(core.dim, core.server_boot) if shm != "off" else (None, "")
         self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
         self.next_xfer = 0
-        self.shards_map: Callable[[], tuple] = tuple  # a sharded server's Welcome.shards (ps/shardhub.py)
+        self.shards_map: Callable[[], tuple] = tuple  # a sharded server's Welcome.shards (ps/sharded/hub.py)
         self.parts_in = self.parts_out = 0
         self.send_failures = self.invalid_messages = self.bytes_in = 0
 
@@ -285,7 +285,7 @@ class ServerTransport:
         """The fingerprint of the z85 public key CURVE authenticated for this message ("" without keys)."""
         if self.security is None:
             return ""
-        from ps.security import fingerprint
+        from ps.net.security import fingerprint
 
         user = frame.get("User-Id")
         return fingerprint(user) if user else ""

@@ -1,5 +1,5 @@
 # ruff: noqa: E501 - the page's CSS and JS, not Python
-"""The dashboard's one page (ps/dashboard.py): inline CSS and JS, charts drawn on canvases by
+"""The dashboard's one page (ps/ops/dashboard.py): inline CSS and JS, charts drawn on canvases by
 the code below, no external asset (it works offline; the server's Content-Security-Policy
 forbids loading anything else). It polls ``/api/state`` every second and redraws in place; the
 latest state it drew is ``window.latecomerDash.state`` (the browser test reads it)."""

@@ -81,7 +81,7 @@ class SnapshotCollector:
                                 "job is issued, no message accepted", value=s.get("paused", 0))
         for name, value in sorted(s.get("figures", {}).items()):
             yield GaugeMetricFamily(f"latecomer_{name}", f"Latest {name}", value=value)
-        shards = s.get("shards") or ()  # a sharded server: one series per shard (ps/shardhub.py)
+        shards = s.get("shards") or ()  # a sharded server: one series per shard (ps/sharded/hub.py)
         for name, key, doc in (("up", "connected", "1 while the shard is connected"),
                                ("lag_records", "lag_records", "Journal records the shard has not applied yet"),
                                ("rss_bytes", "rss_bytes", "The shard process's resident memory"),

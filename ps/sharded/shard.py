@@ -1,9 +1,9 @@
 """A shard of a sharded server: one process holding a range of the parameter vector (PROTOCOL.md §12).
 
-The shard runs the same :class:`~ps.core.ServerCore` as the coordinator, with the algorithm
+The shard runs the same :class:`~ps.core.server_core.ServerCore` as the coordinator, with the algorithm
 bound to its blocks (``Sharded.parts[i]``, docs/ALGORITHMS.md §14), and feeds it the
 coordinator's journal records in LSN order, live, exactly as recovery and ``latecomer replay``
-feed a core (:class:`ps.inputs.CoreInputs`): the ledger, ages, rounds, write-offs and every
+feed a core (:class:`ps.journal.inputs.CoreInputs`): the ledger, ages, rounds, write-offs and every
 decision of the algorithm come out the same, and the vector work is this shard's. The one
 difference is where a reply's gradients come from: the coordinator's records hold none
 (its iterate is empty), so an accepted reply gets this shard's gradient *block*, which the
@@ -13,9 +13,9 @@ Data path (the ROUTER at ``--bind``): a worker asks ``fetch`` {job, iterate ids}
 ``job`` whose points are this shard's slices of those iterates (waiting, bounded, until the
 record that issued the job is applied here); it sends a ``reply`` whose gradients are its
 slices. A block is checked as the core checks a reply (the job outstanding for that worker,
-shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/persist.py's
+shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/journal/persist.py's
 journal), and once durable under the fsync policy the coordinator is told ``have``; the
-coordinator hands the reply to its core only when every shard has it (ps/shardhub.py).
+coordinator hands the reply to its core only when every shard has it (ps/sharded/hub.py).
 
 State directory (``--state``): ``shard.json`` (run id, index, endpoint), ``run.json`` (the run
 description from the ``start`` record), ``ckpt-<lsn>.bin`` (the core's snapshot after the
@@ -64,10 +64,9 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.wire import roundtrip, to_wire
-from ps.connections import ConnectionLimits, Connections, RateLimitedLog
-from ps.core import EvictionCursor
-from ps.inputs import CoreInputs
-from ps.persist import (
+from ps.core.server_core import EvictionCursor
+from ps.journal.inputs import CoreInputs
+from ps.journal.persist import (
     Journal,
     Record,
     StateError,
@@ -81,7 +80,8 @@ from ps.persist import (
     write_checkpoint,
     write_run,
 )
-from ps.shardwire import ControlError, pack, unpack
+from ps.net.connections import ConnectionLimits, Connections, RateLimitedLog
+from ps.sharded.control import ControlError, pack, unpack
 
 log = logging.getLogger("latecomer.shard")
 
@@ -185,10 +185,10 @@ def rss_bytes() -> int:
 
 
 def _server_security(ctx: zmq.Context, keys_dir: str | None) -> Any:
-    """CurveZMQ: the server's key pair, the workers on the allow-list (ps/security.py); None without keys."""
+    """CurveZMQ: the server's key pair, the workers on the allow-list (ps/net/security.py); None without keys."""
     if not keys_dir:
         return None
-    from ps.security import ServerSecurity
+    from ps.net.security import ServerSecurity
 
     return ServerSecurity(ctx, keys_dir)
 
@@ -205,7 +205,7 @@ class Shard:
             the process, and the run cannot recover this shard).
         allowed: what problems and algorithms the run may name (problems/trust.py); the shard
             never loads a user callable the coordinator names unless this allows it.
-        fsync: the blocks journal's policy (ps/persist.py).
+        fsync: the blocks journal's policy (ps/journal/persist.py).
     """
 
     norms: tuple | None = None  # set by _build where the algorithm needs block norms (clip_norm)
@@ -252,7 +252,7 @@ class Shard:
         self._init_shm(shm)
         self.lock = None
         if state_dir:
-            from ps.persist import StateLock
+            from ps.journal.persist import StateLock
 
             os.makedirs(state_dir, exist_ok=True)
             self.lock = StateLock(state_dir)  # one process per shard directory (StateError if another holds it)
@@ -327,9 +327,9 @@ class Shard:
         """This shard's core for ``run``: new (at the coordinator's creation time ``now``) or
         restored from a checkpoint's snapshot."""
         from problems.trust import Allowed, UntrustedError, check_run
-        from ps.core import ServerCore
-        from ps.persist import run_wire_dtype
-        from ps.server import TrainingSpec, core_config, recorded_settings
+        from ps.core.server_core import ServerCore
+        from ps.drivers.server import TrainingSpec, core_config, recorded_settings
+        from ps.journal.persist import run_wire_dtype
 
         shards = int(run.get("shards", 0))
         if not 0 <= self.index < shards:
@@ -364,7 +364,7 @@ class Shard:
 
     def _restore(self, info: dict) -> None:
         """A restarted shard: its checkpoint, then the blocks journaled after it."""
-        from ps.persist import read_run
+        from ps.journal.persist import read_run
 
         self.run_id, self.index, self.n_shards = info["run_id"], info["index"], info.get("shards", 0)
         run = read_run(self.state_dir, complete=True)
@@ -449,7 +449,7 @@ class Shard:
     @staticmethod
     def transfer_limits(span: tuple[int, int]) -> ConnectionLimits:
         """The bounds on workers' unfinished transfers (parts of gradient blocks), the server's
-        (ps/transport.py) for this slice: one transfer per connection of at most two float64
+        (ps/net/transport.py) for this slice: one transfer per connection of at most two float64
         blocks, four such transfers' worth (at least ``TRANSFER_TOTAL_MIN``) over all
         connections, a transfer dropped after ``TRANSFER_TIMEOUT_S`` without a part. A record
         holds nothing but its transfer, so it is forgotten as soon as that could be dropped."""

@@ -1,6 +1,6 @@
 """Server persistence: a write-ahead journal of the core's inputs and atomic checkpoints.
 
-Because :class:`ps.core.ServerCore` is a deterministic function of its inputs (decoded
+Because :class:`ps.core.server_core.ServerCore` is a deterministic function of its inputs (decoded
 messages, ``now`` values and a few driver decisions), the journal records *inputs*, not
 effects: replaying it through a fresh core reproduces the run bit for bit. A message is
 journaled as the core consumed it: re-encoded from its decoded fields, so header keys the
@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterator
 import msgpack
 import numpy as np
 
-from ps.inputs import CoreInputs
+from ps.journal.inputs import CoreInputs
 
 log = logging.getLogger("latecomer.persist")
 
@@ -377,7 +377,7 @@ class Journal:
         self.bytes_written = 0
         self.cut_to: int | None = None  # a refused write could not be cut back yet: do it first
         # The last LSN as durable as the fsync policy makes it (written; under "batch", synced).
-        # A sharded server ships records to its shards up to here, never past (ps/shardhub.py).
+        # A sharded server ships records to its shards up to here, never past (ps/sharded/hub.py).
         self.durable_lsn = next_lsn - 1
         self.tap: list | None = None  # when a list: (lsn, record body bytes) of each record written
         self.fd = -1
@@ -498,9 +498,9 @@ _RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "restart": {"now": _NUMBER},
     "resume": {"now": _NUMBER},
     "checkpoint": {"version": (int,)},
-    "hold": {"now": _NUMBER, "reason": (str,)},  # a sharded server holds the issuing (ps/shardhub.py)
+    "hold": {"now": _NUMBER, "reason": (str,)},  # a sharded server holds the issuing (ps/sharded/hub.py)
     "release": {"now": _NUMBER},
-    "block": {"job_id": (int,), "created_at": (int,), "frames": (list,)},  # a shard's journal (ps/shard.py)
+    "block": {"job_id": (int,), "created_at": (int,), "frames": (list,)},  # a shard's journal (ps/sharded/shard.py)
 }
 _REPLY_FIELDS: dict[str, tuple[type, ...]] = {"job_id": (int,), "created_at": (int,), "loss": (*_NUMBER, type(None)),
                                               "count": (int,), "compute_s": _NUMBER, "holds": (list,)}
@@ -1451,7 +1451,7 @@ def recompute_reply(core: Any, wid: str, fields: dict[str, Any], problem: Any, w
     block_sq = step_sq = None
     if entry is not None and entry.worker_id == wid and not entry.received and core.dim == 0:
         # A sharded server's coordinator holds no vector: the gradient of its empty iterate is empty
-        # (the shards apply the blocks; ps/shard.py), and a norm over the blocks is the one its shards
+        # (the shards apply the blocks; ps/sharded/shard.py), and a norm over the blocks is the one its shards
         # measured, journaled with the reply. (A core with the whole vector measures it again.)
         n = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
         grads = tuple(np.empty(0, core.dtype) for _ in range(n))
@@ -1484,7 +1484,7 @@ def reply_from_wire(msg: Any, wire_dtype: str) -> tuple[Any, Any]:
 
 
 def apply_record(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:
-    """Feed one journal record to the core, exactly as the daemon did (ps/inputs.py: the live
+    """Feed one journal record to the core, exactly as the daemon did (ps/journal/inputs.py: the live
     run and replay call the same methods). Returns its commands."""
     return CoreInputs(core).apply(rec, problem, wire_dtype)
 

@@ -1,11 +1,11 @@
 """The coordinator's side of a sharded server: its shards, the records they are sent, and the
 replies that wait for their gradient blocks (PROTOCOL.md §12, docs/ALGORITHMS.md §14).
 
-The coordinator is the ordinary daemon (ps/daemon.py) around a core whose algorithm is
+The coordinator is the ordinary daemon (ps/drivers/daemon.py) around a core whose algorithm is
 ``Sharded.coordinator``: bound to no blocks, it holds an empty iterate, so every job, reply
 and journal record it handles is a header. Its journal orders everything; each shard runs a
 core of its own over its blocks and is fed that journal's records in LSN order
-(ps/shard.py). :class:`ShardHub` is what the daemon adds:
+(ps/sharded/shard.py). :class:`ShardHub` is what the daemon adds:
 
 * **Records.** Every record the journal writes is tapped (``Journal.tap``) and shipped to each
   shard once durable under the fsync policy (``Journal.durable_lsn``), never past it, so a
@@ -52,8 +52,8 @@ import numpy as np
 import zmq
 
 from protocol.messages import ErrorCode
-from ps.persist import Record, first_journal_lsn, read_journal
-from ps.shardwire import ControlError, pack, unpack
+from ps.journal.persist import Record, first_journal_lsn, read_journal
+from ps.sharded.control import ControlError, pack, unpack
 
 log = logging.getLogger("latecomer.shards")
 
@@ -114,7 +114,7 @@ class ShardHub:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.sndhwm = self.sock.rcvhwm = 10_000
         self.sock.setsockopt(zmq.MAXMSGSIZE, max(hi - lo for lo, hi in self.ranges) * 8 + (1 << 20))
-        if security is not None:  # only a holder of the server's secret key is a shard (ps/security.py)
+        if security is not None:  # only a holder of the server's secret key is a shard (ps/net/security.py)
             security.apply_shard_server(self.sock)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -306,7 +306,7 @@ class ShardHub:
 
     def _on_haves(self, slot: Slot, haves: list, now: float) -> None:
         ledger = self.core.ledger
-        for have in haves:  # (job_id, created_at, code, text) or (..., bsq) (ps/shardwire.py)
+        for have in haves:  # (job_id, created_at, code, text) or (..., bsq) (ps/sharded/control.py)
             jid, created_at, code, text = have[:4]
             bsq = have[4] if len(have) > 4 else None
             entry = ledger.get(jid)

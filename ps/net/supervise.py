@@ -3,7 +3,7 @@ daemon that owns the ZeroMQ socket.
 
 The supervisor (this module, pure Python, no libzmq) spawns ``latecomer serve ...
 --supervised-by PID:FD:ipc://PRIVATE`` and relays every connection to the daemon through the
-front (ps/front.py), which bounds what a connection can make the daemon hold and keeps the
+front (ps/net/front.py), which bounds what a connection can make the daemon hold and keeps the
 connection errors that abort libzmq 4.3.5 away from it. The daemon binds a Unix socket in a
 private directory (mode 0700), tells the supervisor over an inherited pipe that it is ready
 (and the frame and message bounds the front enforces), and then serves as it always has.
@@ -156,7 +156,7 @@ def announce(daemon: Any) -> None:
 # --------------------------------------------------------------------------- the supervisor
 
 def _limits(info: dict[str, Any], max_unfinished: int | None):
-    from ps.front import Limits
+    from ps.net.front import Limits
 
     largest = int(info["max_message_bytes"])
     return Limits(mechanism=info["mechanism"].encode(), max_frame_bytes=int(info["max_frame_bytes"]),
@@ -192,7 +192,7 @@ class Supervisor:
     """
 
     def __init__(self, bind: str, argv: list[str], state_dir: str | None, max_unfinished: int | None) -> None:
-        from ps.front import Front
+        from ps.net.front import Front
 
         self.bind = bind
         self.argv = argv
@@ -275,7 +275,7 @@ class Supervisor:
             self.ready_at = None
 
     def _listen(self) -> bool:
-        from ps.front import endpoint_of, listen
+        from ps.net.front import endpoint_of, listen
 
         try:
             self.listener = listen(self.bind)
@@ -361,7 +361,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- main
     def run(self) -> int:
-        from ps.front import Front
+        from ps.net.front import Front
 
         _raise_nofile()
         self.sig_r.setblocking(False)
