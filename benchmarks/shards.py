@@ -82,7 +82,8 @@ POLL_S = 0.1  # polling interval of the bounded waits below
 def _insecure_shard(tree: str) -> list[str]:
     """``--insecure`` for a shard bound to a namespace's address, where the tree's shard has it
     (since CurveZMQ on shards a non-loopback bind without --keys needs it; older trees refuse it)."""
-    return ["--insecure"] if "--insecure" in (Path(tree) / "ps" / "shardcli.py").read_text() else []
+    cli = next(p for p in (Path(tree) / "ps" / "cli" / "shard.py", Path(tree) / "ps" / "shardcli.py") if p.exists())
+    return ["--insecure"] if "--insecure" in cli.read_text() else []
 
 
 def _py(*args: str) -> list[str]:
