@@ -183,3 +183,21 @@ def test_each_package_of_ps_says_what_it_owns_and_may_import():
         init = ROOT / pkg.replace(".", "/") / "__init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
         assert "May import" in doc, f"{init.relative_to(ROOT)}: its docstring must say what it may import"
+
+
+def test_the_architecture_and_contributing_guides_name_files_that_exist():
+    """docs/ARCHITECTURE.md and CONTRIBUTING.md send a newcomer to files: each must be there, and
+    every package of the plan must be in the architecture's table."""
+    import re
+
+    arch = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for pkg in PS_ALLOWED:
+        if pkg != "ps":
+            assert f"`{pkg.replace('.', '/')}/`" in arch, f"docs/ARCHITECTURE.md does not describe {pkg}"
+    for doc in (ROOT / "docs" / "ARCHITECTURE.md", ROOT / "CONTRIBUTING.md"):
+        if not doc.exists():
+            continue
+        text = doc.read_text(encoding="utf-8")
+        named = r"\b((?:ps|worker|protocol|algorithms|problems|latecomer|tests)/[\w/]+\.py)\b"
+        for path in set(re.findall(named, text)):
+            assert (ROOT / path).exists(), f"{doc.name} names {path}, which does not exist"
