@@ -25,7 +25,7 @@ crashes for good at t = 120 s (so jobs are written off and ``on_lost`` is exerci
    the same state dict, and the run continues bit for bit like one that was not reloaded
    (same applied jobs, same final iterate, same state).
 3. Checkpoint round trip (:func:`check_checkpoint_round_trip`): the same with the whole server
-   core written to a checkpoint file and restored from it (``ps/journal/persist.py``).
+   core written to a checkpoint file and restored from it (``ps/journal/checkpoints.py``).
 
 Each check raises ``AssertionError`` with a message saying what broke. Runs are deterministic
 (``seed``), so a failure reproduces. ``algorithm`` is an :class:`algorithms.Algorithm` instance
@@ -256,7 +256,7 @@ def check_checkpoint_round_trip(algorithm: AlgorithmOrFactory, *, seed: int = 0,
         AssertionError: the restored core continues differently (jobs, iterate, state, counters).
     """
     from ps.core.server_core import ServerCore
-    from ps.journal.persist import read_checkpoint, write_checkpoint
+    from ps.journal.checkpoints import read_checkpoint, write_checkpoint
 
     kw = dict(seed=seed, problem=problem, problem_options=problem_options)
     plain, restored = make_simulator(algorithm, **kw), make_simulator(algorithm, **kw)

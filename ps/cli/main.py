@@ -199,12 +199,12 @@ class _LazyGroup(click.Group):
         return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
 
     def invoke(self, ctx: click.Context) -> Any:
-        """A damaged, unexpected or busy state directory (``ps.journal.persist.StateError``, raised by any
+        """A damaged, unexpected or busy state directory (``ps.journal.statedir.StateError``, raised by any
         command that reads one) is one line, never a traceback."""
         try:
             return super().invoke(ctx)
         except ValueError as e:
-            from ps.journal.persist import StateError
+            from ps.journal.statedir import StateError
 
             if isinstance(e, StateError):
                 raise click.ClickException(str(e)) from None
@@ -901,7 +901,7 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
 def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed) -> None:
     from ps.drivers.replay import TraceDelays, build_from_run
     from ps.drivers.sim import Simulator
-    from ps.journal.persist import read_run
+    from ps.journal.runfile import read_run
 
     run = read_run(state_dir)
     try:
@@ -943,7 +943,7 @@ def stop(state_dir, timeout) -> None:
     """Ask a running server to drain: checkpoint, say bye to the workers, exit.
 
     Only a verified server is signalled: a live process must hold the lock on DIR/server.pid,
-    and the pid and start time the file holds must be that process's (ps/journal/persist.py
+    and the pid and start time the file holds must be that process's (ps/journal/lock.py
     ``locked_server``). A server.pid left by a crash, or one naming another process, is refused
     with one line and nothing is signalled.
     """
@@ -951,7 +951,8 @@ def stop(state_dir, timeout) -> None:
 
     import psutil
 
-    from ps.journal.persist import StateError, locked_server, wait_unlocked
+    from ps.journal.lock import locked_server, wait_unlocked
+    from ps.journal.statedir import StateError
 
     try:
         proc, fd = locked_server(state_dir)

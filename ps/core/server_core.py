@@ -606,7 +606,7 @@ class ServerCore:
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue exactly: a nested structure of plain values and arrays
-        (see ``ps.journal.persist.pack_tree``). Arrays are shared, not copied: serialize it at once."""
+        (see ``ps.journal.checkpoints.pack_tree``). Arrays are shared, not copied: serialize it at once."""
         return {
             "format": 2,  # 1: workers, ledger and closed as lists of rows (still restored)
             "algorithm": self.alg.name,

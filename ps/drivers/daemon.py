@@ -2,7 +2,7 @@
 
 One poll loop, one thread owning the core. Per message (:meth:`Daemon._on_frames`): the
 transport validates it (ps/net/transport.py: socket, connections, keys, parts, same-host path),
-the journal records it (ps/journal/persist.py), ``core.handle`` answers with commands, the transport
+the journal records it (ps/journal/persistence.py), ``core.handle`` answers with commands, the transport
 sends them (the shape of zguide ``mdbroker.py``). Between batches the clock-driven inputs
 (:meth:`Daemon._timers`). Every deadline comes from ``clock`` (monotonic).
 docs/ARCHITECTURE.md follows one reply along this path.
@@ -37,8 +37,9 @@ from protocol.messages import (
 )
 from ps.core.server_core import Disconnect, Send, ServerCore
 from ps.drivers.evaluator import EvalLog, Evaluator
+from ps.journal.events import EventLog
 from ps.journal.inputs import CoreInputs
-from ps.journal.persist import EventLog, Persistence
+from ps.journal.persistence import Persistence
 from ps.net.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,

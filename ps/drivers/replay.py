@@ -25,16 +25,10 @@ import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
 from ps.core.server_core import CoreConfig, ServerCore
-from ps.journal.persist import (
-    StateError,
-    apply_checked,
-    first_journal_lsn,
-    read_journal,
-    read_run,
-    restore_checkpoint,
-    run_start,
-    run_wire_dtype,
-)
+from ps.journal.recovery import apply_checked, restore_checkpoint
+from ps.journal.runfile import read_run, run_wire_dtype
+from ps.journal.segments import first_journal_lsn, read_journal, run_start
+from ps.journal.statedir import StateError
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The commands (ps/cli/main.py) parse their options and call :func:`make_daemon`; what it takes is
 :class:`ServeOptions` (the run's settings) and :class:`StateOptions` (``--state`` and its
 persistence). A new state directory gets its run.json and a ``start`` record; one that holds
-a run is recovered (checkpoint plus journal tail, ps/journal/persist.py) and journals a ``restart``.
+a run is recovered (checkpoint plus journal tail, ps/journal/recovery.py) and journals a ``restart``.
 Errors a person can fix are one-line ``click`` exceptions.
 """
 
@@ -113,8 +113,8 @@ class StateOptions:
     checkpoint_interval_s: float = 30.0
     fsync: str = "batch"
     log_payloads: bool = False
-    max_journal_bytes: int = 1 << 30  # ps.journal.persist.DEFAULT_MAX_JOURNAL_BYTES
-    # --repair: keep the journal's valid prefix, move the rest aside (ps.journal.persist.repair_journal)
+    max_journal_bytes: int = 1 << 30  # ps.journal.persistence.DEFAULT_MAX_JOURNAL_BYTES
+    # --repair: keep the journal's valid prefix, move the rest aside (ps.journal.repair.repair_journal)
     repair: bool = False
 
 
@@ -247,14 +247,14 @@ def _undo_new_run(d: str, before: set[str] | None) -> None:
 
 
 def read_run_checked(state_dir: str) -> dict[str, Any]:
-    from ps.journal.persist import read_run
+    from ps.journal.runfile import read_run
 
     return read_run(state_dir, complete=True) or {}
 
 
 def core_config(run: dict[str, Any]):
     from ps.core.server_core import CoreConfig
-    from ps.journal.persist import StateError
+    from ps.journal.statedir import StateError
 
     try:
         return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
@@ -270,11 +270,13 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     A resumed run's problem and algorithm come from its run.json: a user callable there is
     loaded only if ``allowed`` (the command line: problems/trust.py) trusts it; else one line
     saying what to add."""
-    from ps.journal.persist import Persistence, StateLock, read_run
+    from ps.journal.lock import StateLock
+    from ps.journal.persistence import Persistence
+    from ps.journal.runfile import read_run
 
     d = state.state_dir
     os.makedirs(d, exist_ok=True)
-    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/journal/persist.py)
+    lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/journal/lock.py)
     run = read_run(d, complete=True)
     if run is None:
         run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw, shards)
@@ -317,7 +319,8 @@ def _build(spec: TrainingSpec, shards: int):
 def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict, shards: int = 0):
     """run.json, then the core and the journal's start record (with the core's creation time)."""
     from ps.core.server_core import ServerCore, restart_grace_s
-    from ps.journal.persist import Journal, write_run
+    from ps.journal.runfile import write_run
+    from ps.journal.wal import Journal
 
     d = state.state_dir
     problem, alg, ranges = _build(spec, shards)
@@ -349,7 +352,8 @@ def _resume_run(state: StateOptions, spec: TrainingSpec, run: dict, boot: int, w
     from problems.trust import Allowed, UntrustedError, check_run
     from ps.core.server_core import ServerCore
     from ps.journal.inputs import CoreInputs
-    from ps.journal.persist import Journal, recover
+    from ps.journal.recovery import recover
+    from ps.journal.wal import Journal
 
     d = state.state_dir
     try:

@@ -3,7 +3,7 @@
 The core is a deterministic function of its inputs: the messages it handles (with their
 ``now``), its ticks, the workers the daemon removes (revoked, unreachable), the messages that
 only count, the end of issuing, a restart or a resume (clock rebases). :class:`CoreInputs` is
-the one place that feeds them: live, each method writes its journal record (ps/journal/persist.py)
+the one place that feeds them: live, each method writes its journal record (ps/journal/persistence.py)
 and then feeds the core; :meth:`CoreInputs.apply` turns a journal record back into the same
 call, without writing. Recovery and ``latecomer replay`` go through :meth:`apply`, the daemon
 through the methods, so the three cannot drift: what the core does with an input is written
@@ -19,6 +19,8 @@ import dataclasses
 from typing import Any
 
 from protocol.codec import decode
+from ps.journal.records import journaled_norms
+from ps.journal.replies import recompute_reply, reply_from_wire
 
 
 class CoreInputs:
@@ -102,8 +104,6 @@ class CoreInputs:
     # taken as it is. A sharded server's coordinator and shards substitute their own (ps/sharded/shard.py).
     @staticmethod
     def recompute(core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
-        from ps.journal.persist import recompute_reply
-
         return recompute_reply(core, wid, fields, problem, wire)
 
     def payload(self, msg: Any, wid: str, problem: Any, wire_dtype: str) -> Any:
@@ -115,7 +115,6 @@ class CoreInputs:
         ``wire_dtype``: the run's; journaled reply frames are converted from it and recomputed
         gradients are quantized to it, as on the live run."""
         from protocol.messages import ErrorCode, Reply
-        from ps.journal.persist import journaled_norms, reply_from_wire
 
         b, op, core = rec.body, rec.op, self.core
         if op == "msg":

@@ -57,7 +57,7 @@ from protocol.messages import (
 )
 from protocol.wire import to_wire
 from ps.core.server_core import EvictionCursor
-from ps.journal.persist import reply_from_wire
+from ps.journal.replies import reply_from_wire
 from ps.net.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,

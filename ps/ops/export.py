@@ -77,7 +77,8 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
         ValueError: not a run directory, no such checkpoint, a corrupt file, a user callable
             ``allowed`` does not trust (``UntrustedError``).
     """
-    from ps.journal.persist import latest_checkpoint, read_checkpoint, read_run
+    from ps.journal.checkpoints import latest_checkpoint, read_checkpoint
+    from ps.journal.runfile import read_run
 
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir} is not a directory")

@@ -52,7 +52,8 @@ import numpy as np
 import zmq
 
 from protocol.messages import ErrorCode
-from ps.journal.persist import Record, first_journal_lsn, read_journal
+from ps.journal.records import Record
+from ps.journal.segments import first_journal_lsn, read_journal
 from ps.sharded.control import ControlError, pack, unpack
 
 log = logging.getLogger("latecomer.shards")

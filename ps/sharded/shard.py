@@ -13,7 +13,7 @@ Data path (the ROUTER at ``--bind``): a worker asks ``fetch`` {job, iterate ids}
 ``job`` whose points are this shard's slices of those iterates (waiting, bounded, until the
 record that issued the job is applied here); it sends a ``reply`` whose gradients are its
 slices. A block is checked as the core checks a reply (the job outstanding for that worker,
-shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/journal/persist.py's
+shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/journal/wal.py's
 journal), and once durable under the fsync policy the coordinator is told ``have``; the
 coordinator hands the reply to its core only when every shard has it (ps/sharded/hub.py).
 
@@ -65,21 +65,14 @@ from protocol.messages import (
 )
 from protocol.wire import roundtrip, to_wire
 from ps.core.server_core import EvictionCursor
+from ps.journal.checkpoints import checkpoint_files, verified_checkpoints, write_checkpoint
 from ps.journal.inputs import CoreInputs
-from ps.journal.persist import (
-    Journal,
-    Record,
-    StateError,
-    checkpoint_files,
-    cut_torn_tail,
-    journaled_norms,
-    last_lsn,
-    read_journal,
-    reply_from_wire,
-    verified_checkpoints,
-    write_checkpoint,
-    write_run,
-)
+from ps.journal.records import Record, journaled_norms
+from ps.journal.replies import reply_from_wire
+from ps.journal.runfile import write_run
+from ps.journal.segments import cut_torn_tail, last_lsn, read_journal
+from ps.journal.statedir import StateError
+from ps.journal.wal import Journal
 from ps.net.connections import ConnectionLimits, Connections, RateLimitedLog
 from ps.sharded.control import ControlError, pack, unpack
 
@@ -205,7 +198,7 @@ class Shard:
             the process, and the run cannot recover this shard).
         allowed: what problems and algorithms the run may name (problems/trust.py); the shard
             never loads a user callable the coordinator names unless this allows it.
-        fsync: the blocks journal's policy (ps/journal/persist.py).
+        fsync: the blocks journal's policy (ps/journal/wal.py).
     """
 
     norms: tuple | None = None  # set by _build where the algorithm needs block norms (clip_norm)
@@ -252,7 +245,7 @@ class Shard:
         self._init_shm(shm)
         self.lock = None
         if state_dir:
-            from ps.journal.persist import StateLock
+            from ps.journal.lock import StateLock
 
             os.makedirs(state_dir, exist_ok=True)
             self.lock = StateLock(state_dir)  # one process per shard directory (StateError if another holds it)
@@ -329,7 +322,7 @@ class Shard:
         from problems.trust import Allowed, UntrustedError, check_run
         from ps.core.server_core import ServerCore
         from ps.drivers.server import TrainingSpec, core_config, recorded_settings
-        from ps.journal.persist import run_wire_dtype
+        from ps.journal.runfile import run_wire_dtype
 
         shards = int(run.get("shards", 0))
         if not 0 <= self.index < shards:
@@ -364,7 +357,7 @@ class Shard:
 
     def _restore(self, info: dict) -> None:
         """A restarted shard: its checkpoint, then the blocks journaled after it."""
-        from ps.journal.persist import read_run
+        from ps.journal.runfile import read_run
 
         self.run_id, self.index, self.n_shards = info["run_id"], info["index"], info.get("shards", 0)
         run = read_run(self.state_dir, complete=True)

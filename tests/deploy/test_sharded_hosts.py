@@ -41,7 +41,7 @@ import time
 
 import pytest
 
-from ps.journal.persist import verified_checkpoints
+from ps.journal.checkpoints import verified_checkpoints
 from tests.deploy.conftest import REPO, VENV_BIN
 from tests.integration.test_netns import Lab, netns_unusable, run_ok
 from tests.integration.util import read_events, readme_block, wait_events

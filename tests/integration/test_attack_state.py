@@ -27,7 +27,7 @@ import zmq
 
 from protocol.codec import encode
 from protocol.messages import Heartbeat, Hello
-from ps.journal.persist import first_journal_lsn, read_journal
+from ps.journal.segments import first_journal_lsn, read_journal
 from tests.integration.attack import Victim
 
 pytestmark = pytest.mark.slow

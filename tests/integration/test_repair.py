@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from ps.journal.persist import REC_HEADER
+from ps.journal.records import REC_HEADER
 from tests.integration.test_state_dir import latecomer, one_line_error, start_server
 from tests.integration.util import wait_exit
 

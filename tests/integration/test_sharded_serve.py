@@ -236,7 +236,7 @@ def test_clip_norm_on_two_shards_clips_by_the_whole_gradients_norm_and_replays_b
     acts on every step (grad_norm above clip_norm)."""
     state, s = synthetic_to_end(tmp_path / "clip", 30000, 3, "ordered-momentum", 60, "clip_norm=0.001")
     assert s["version"] == 60 and s["counters"]["applied"] == 60 and s["blocks_timed_out"] == 0, s["counters"]
-    from ps.journal.persist import read_journal
+    from ps.journal.segments import read_journal
 
     measured = [r.body["reply"]["bsq"] for r in read_journal(state) if r.op == "reply" and "bsq" in r.body["reply"]]
     assert len(measured) >= s["counters"]["applied"] == 60 and all(len(f) == 3 for f in measured)
@@ -291,7 +291,7 @@ def test_lmo_l2_on_two_shards_divides_by_the_whole_momentums_norm_through_a_kill
         reap(procs, grace_s=10)
     s = summary(state)
     assert s["version"] == steps and s["shards"][1]["joins"] == 2, s["counters"]
-    from ps.journal.persist import read_journal
+    from ps.journal.segments import read_journal
 
     # every reply that counted has its figures (a reply to a job cancelled meanwhile counts late, without)
     reduced = [r.body["reply"]["ssq"] for r in read_journal(state) if r.op == "reply" and "ssq" in r.body["reply"]]

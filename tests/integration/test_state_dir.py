@@ -22,7 +22,8 @@ import time
 import msgpack
 import pytest
 
-from ps.journal.persist import REC_HEADER, write_checkpoint
+from ps.journal.checkpoints import write_checkpoint
+from ps.journal.records import REC_HEADER
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 from tests.integration.util import wait_exit, wait_line

@@ -320,7 +320,7 @@ def test_simulate_shards_writes_the_same_final_iterate(tmp_path):
 @pytest.mark.parametrize("case", ["storm-vr", "ringmaster-lmo-muon"])
 def test_a_sharded_core_through_a_checkpoint_file_continues_bit_for_bit(digits, case, tmp_path):
     from ps.core.server_core import ServerCore
-    from ps.journal.persist import read_checkpoint, write_checkpoint
+    from ps.journal.checkpoints import read_checkpoint, write_checkpoint
 
     name, settings, _ = cases(digits.num_samples)[case]
 

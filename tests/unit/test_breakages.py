@@ -219,7 +219,9 @@ def _persisted_run(tmp_path):
     """A live core and its Persistence on ``tmp_path``, with run.json and the start record as the
     server writes them; returns (core, pers, feed, tick, factory, restore, problem)."""
     from problems import load_problem
-    from ps.journal.persist import Journal, Persistence, write_run
+    from ps.journal.persistence import Persistence
+    from ps.journal.runfile import write_run
+    from ps.journal.wal import Journal
 
     d = str(tmp_path)
     core_cfg = {"problem": "quadratic", "problem_options": {"d": D}, "batch_size": 1, "heartbeat_interval_s": 0.5,
@@ -277,11 +279,12 @@ def _same_core(a: ServerCore, b: ServerCore) -> None:
 # --------------------------------------------------------------------------- 7. replay and ticks
 
 def test_recovery_and_replay_apply_the_journaled_ticks(tmp_path):
-    """Catches: replay (``ps/drivers/replay.py``) or the journal's apply path (``ps/journal/persist.py``,
+    """Catches: replay (``ps/drivers/replay.py``) or the journal's apply path (``ps/journal/recovery.py``,
     ``apply_record``) ignoring ``tick`` records. Here a tick expires a silent worker, whose late
     reply is then dropped; without the tick on replay that reply would be applied."""
     from ps.drivers.replay import replay_run
-    from ps.journal.persist import read_journal, recover
+    from ps.journal.recovery import recover
+    from ps.journal.segments import read_journal
 
     core, pers, feed, tick, held, factory, restore, problem = _persisted_run(tmp_path)
     for wid in ("w1", "w2"):
@@ -310,10 +313,11 @@ def test_recovery_and_replay_apply_the_journaled_ticks(tmp_path):
 
 @pytest.mark.parametrize("bad", ["nan", "shape"])
 def test_a_bad_reply_is_journaled_with_its_gradients(tmp_path, bad):
-    """Catches: a reply the core would judge "bad" journaled without its gradients (ps/journal/persist.py
+    """Catches: a reply the core would judge "bad" journaled without its gradients (ps/journal/persistence.py
     ``record_message``): recovery would then recompute a good gradient from the seed and apply a
     reply the live server rejected."""
-    from ps.journal.persist import read_journal, recover
+    from ps.journal.recovery import recover
+    from ps.journal.segments import read_journal
 
     core, pers, feed, tick, held, factory, restore, problem = _persisted_run(tmp_path)
     feed("w1", Hello(worker_id="w1", boot=1, credit=1, run_id=7), 0.0)

@@ -187,7 +187,7 @@ def test_the_jobs_batch_size_is_the_problems_own_unless_serve_says_another(caplo
 def test_serve_without_batch_size_records_the_problems_in_run_json(tmp_path):
     from ps.cli.main import training_spec
     from ps.drivers.server import ServeOptions, StateOptions, make_daemon
-    from ps.journal.persist import read_run
+    from ps.journal.runfile import read_run
 
     spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
                          default_algorithm="asgd")

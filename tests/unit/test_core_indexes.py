@@ -320,7 +320,7 @@ def test_checkpoint_columns_restore_bit_for_bit_and_read_format_1():
     """The ledger, worker table and closed ids go into a checkpoint as columns (arrays) and
     come back exactly; a format-1 snapshot (lists of rows) still restores to the same core."""
     from ps.core.server_core import _column, _uncolumn, _untable
-    from ps.journal.persist import pack_tree, unpack_tree
+    from ps.journal.checkpoints import pack_tree, unpack_tree
 
     core = _hoarded_core()
     assert core.outstanding == 40 * MAX_CREDIT + 1

@@ -61,7 +61,7 @@ def test_a_new_state_directory_pins_its_restart_grace(tmp_path):
     that a later change of the protocol's backoff constants cannot change how the run replays."""
     from ps.drivers.server import StateOptions, TrainingSpec
     from ps.drivers.server import open_state as _open_state
-    from ps.journal.persist import read_run
+    from ps.journal.runfile import read_run
 
     d = str(tmp_path / "state")
     spec = TrainingSpec(problem="quadratic", problem_options={"d": 8}, algorithm="asgd", settings={"lr": 0.1})

@@ -18,7 +18,8 @@ import algorithms
 from problems.trust import Allowed
 from ps.cli.main import main
 from ps.core.server_core import CoreConfig, ServerCore
-from ps.journal.persist import write_checkpoint, write_run
+from ps.journal.checkpoints import write_checkpoint
+from ps.journal.runfile import write_run
 from ps.ops.export import load_state_dict, locate, state_dict
 
 torch.set_num_threads(1)

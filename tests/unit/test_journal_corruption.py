@@ -13,17 +13,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from ps.journal.persist import (
-    REC_HEADER,
-    Journal,
-    JournalDamaged,
-    StateError,
-    cut_torn_tail,
-    read_journal,
-    recover,
-    repair_journal,
-    write_checkpoint,
-)
+from ps.journal.checkpoints import write_checkpoint
+from ps.journal.records import REC_HEADER
+from ps.journal.recovery import recover
+from ps.journal.repair import repair_journal
+from ps.journal.segments import JournalDamaged, cut_torn_tail, read_journal
+from ps.journal.statedir import StateError
+from ps.journal.wal import Journal
 
 
 def rec(lsn: int, op: str = "tick", **body) -> bytes:

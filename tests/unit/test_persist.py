@@ -8,15 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from ps.journal.persist import (
-    Journal,
-    latest_checkpoint,
-    pack_tree,
-    read_checkpoint,
-    read_journal,
-    unpack_tree,
-    write_checkpoint,
-)
+from ps.journal.checkpoints import latest_checkpoint, pack_tree, read_checkpoint, unpack_tree, write_checkpoint
+from ps.journal.segments import read_journal
+from ps.journal.wal import Journal
 
 
 def tricky():
@@ -100,7 +94,7 @@ def test_journal_rejects_a_bad_fsync_policy(tmp_path):
 def test_run_json_records_the_wire_dtype_and_defaults_to_f32(tmp_path):
     import json
 
-    from ps.journal.persist import read_run, run_wire_dtype, write_run
+    from ps.journal.runfile import read_run, run_wire_dtype, write_run
 
     d = str(tmp_path)
     write_run(d, {"problem": "quadratic"})
@@ -132,7 +126,7 @@ def _core(d=16, workers=2):
 def test_recomputed_reply_under_bf16_is_the_roundtrip_of_the_float32_gradient():
     from protocol.messages import Hello, Job, Ready
     from protocol.wire import roundtrip
-    from ps.journal.persist import recompute_reply
+    from ps.journal.replies import recompute_reply
     from worker.compute import run_job
 
     factory, _, problem = _core(workers=1)
@@ -165,7 +159,9 @@ def test_recovery_of_a_reduced_precision_run_is_bit_exact(tmp_path, wire, payloa
     from protocol.messages import Hello, Job, Ready, Reply
     from protocol.wire import from_wire, to_wire
     from ps.core.server_core import Send
-    from ps.journal.persist import Persistence, read_run, recover, write_run
+    from ps.journal.persistence import Persistence
+    from ps.journal.recovery import recover
+    from ps.journal.runfile import read_run, write_run
     from worker.compute import run_job
 
     d = str(tmp_path)
@@ -254,7 +250,8 @@ def test_messages_are_journaled_as_decoded_not_with_their_padding(tmp_path):
 
     from protocol.codec import decode, encode
     from protocol.messages import Heartbeat, Hello
-    from ps.journal.persist import Persistence, apply_record
+    from ps.journal.persistence import Persistence
+    from ps.journal.recovery import apply_record
 
     factory, _, problem = _core()
     core = factory()
@@ -283,7 +280,6 @@ def test_messages_are_journaled_as_decoded_not_with_their_padding(tmp_path):
 def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch):
     import errno
 
-    import ps.journal.persist as persist
 
     d = str(tmp_path)
     j = Journal(d, next_lsn=0, fsync="never")
@@ -296,11 +292,11 @@ def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch
             return real_write(fd, bytes(data[:len(data) // 2]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(persist.os, "write", half_then_full)
+    monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(OSError, match="No space"):
         j.append("tick", now=1.0, pad="x" * 100)
     assert os.path.getsize(j.path) == size, "cut back to the record's start"
-    monkeypatch.setattr(persist.os, "write", real_write)
+    monkeypatch.setattr(os, "write", real_write)
     j.append("tick", now=2.0)
     j.close()
     assert [(r.lsn, r.body["now"]) for r in read_journal(d)] == [(0, 0.0), (1, 2.0)]
@@ -309,8 +305,8 @@ def test_a_write_the_disk_refuses_leaves_no_partial_record(tmp_path, monkeypatch
 def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeypatch, caplog):
     import errno
 
-    import ps.journal.persist as persist
-    from ps.journal.persist import Persistence, recover
+    from ps.journal.persistence import Persistence
+    from ps.journal.recovery import recover
 
     d = str(tmp_path)
     factory, restore, problem = _core()
@@ -322,14 +318,14 @@ def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeyp
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(persist.os, "write", full)
+    monkeypatch.setattr(os, "write", full)
     version = core.version
     with caplog.at_level(logging.ERROR, logger="latecomer.persist"):
         now = _drive(pers, core, problem, 5, after_batch=True, now0=now)
     assert pers.paused and "No space left on device" in pers.paused and "issuing no jobs" in caplog.text
     assert core.version == version, "nothing reached the core while paused"
     assert pers.status()["paused"] == pers.paused and not pers.append("tick", now=now)
-    monkeypatch.setattr(persist.os, "write", real_write)
+    monkeypatch.setattr(os, "write", real_write)
     pers.next_probe = 0.0
     pers.after_batch(core, now)  # the probe: space is back
     assert pers.paused is None and any(r.op == "resume" for r in read_journal(d))
@@ -341,7 +337,9 @@ def test_a_full_disk_pauses_persistence_and_it_resumes_exactly(tmp_path, monkeyp
 
 
 def test_the_journal_stays_within_its_bound_and_recovery_and_replay_still_work(tmp_path):
-    from ps.journal.persist import Persistence, first_journal_lsn, recover
+    from ps.journal.persistence import Persistence
+    from ps.journal.recovery import recover
+    from ps.journal.segments import first_journal_lsn
 
     d = str(tmp_path)
     factory, restore, problem = _core()
@@ -374,7 +372,7 @@ def _segment(d, number, records):
 
     import msgpack
 
-    from ps.journal.persist import REC_HEADER
+    from ps.journal.records import REC_HEADER
 
     out = b""
     for body in records:
@@ -387,7 +385,8 @@ def _segment(d, number, records):
 
 
 def test_damaged_journals_are_errors_naming_file_and_offset(tmp_path, caplog):
-    from ps.journal.persist import StateError, cut_torn_tail
+    from ps.journal.segments import cut_torn_tail
+    from ps.journal.statedir import StateError
 
     d = str(tmp_path)
     ticks = [{"lsn": i, "op": "tick", "now": float(i)} for i in range(4)]
@@ -428,7 +427,7 @@ def test_damaged_journals_are_errors_naming_file_and_offset(tmp_path, caplog):
 
 
 def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
-    from ps.journal.persist import recover
+    from ps.journal.recovery import recover
 
     d = str(tmp_path)
     path = write_checkpoint(d, 5, {"x": np.ones(3)})
@@ -439,7 +438,7 @@ def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
     # a checkpoint whose snapshot verifies but does not restore is skipped for the previous one
     factory, restore, problem = _core()
     core = factory()
-    from ps.journal.persist import Persistence
+    from ps.journal.persistence import Persistence
 
     pers = Persistence(d, Journal(d, next_lsn=0, fsync="never"), checkpoint_every=0, checkpoint_interval_s=0)
     now = _drive(pers, core, problem, 10)
@@ -455,7 +454,8 @@ def test_damaged_checkpoints_are_refused_or_skipped(tmp_path, caplog):
 
 
 def test_run_json_that_does_not_read_is_one_line(tmp_path):
-    from ps.journal.persist import StateError, read_run
+    from ps.journal.runfile import read_run
+    from ps.journal.statedir import StateError
 
     d = str(tmp_path)
     (tmp_path / "run.json").write_text("{nope")
@@ -481,7 +481,8 @@ def test_run_json_that_does_not_read_is_one_line(tmp_path):
 def test_the_state_lock_refuses_a_second_server_and_names_only_its_holder(tmp_path):
     import psutil
 
-    from ps.journal.persist import StateError, StateLock, locked_server
+    from ps.journal.lock import StateLock, locked_server
+    from ps.journal.statedir import StateError
 
     d = str(tmp_path)
     with pytest.raises(StateError, match="no server.pid"):
@@ -510,8 +511,7 @@ def test_the_state_lock_refuses_a_second_server_and_names_only_its_holder(tmp_pa
 def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeypatch, caplog):
     import errno
 
-    import ps.journal.persist as persist
-    from ps.journal.persist import EventLog
+    from ps.journal.events import EventLog
 
     path = str(tmp_path / "events.jsonl")
     ev = EventLog(path)
@@ -526,11 +526,11 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
             return real_write(fd, bytes(data[:3]))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(persist.os, "write", partial_then_full)
+    monkeypatch.setattr(os, "write", partial_then_full)
     ev.write('{"ev": 2}\n{"ev": 3}\n')
     with caplog.at_level(logging.WARNING, logger="latecomer.persist"):
         ev.flush()
-        monkeypatch.setattr(persist.os, "write", real_write)
+        monkeypatch.setattr(os, "write", real_write)
         ev.write('{"ev": 4}\n')
         ev.close()
     assert open(path).read() == '{"ev": 1}\n{"ev": 4}\n' and ev.dropped == 2
@@ -538,7 +538,7 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
 
 
 def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
-    from ps.journal.persist import write_run
+    from ps.journal.runfile import write_run
     from ps.ops.export import locate
 
     d = str(tmp_path)

@@ -12,12 +12,14 @@ import os
 import numpy as np
 import pytest
 
-import ps.journal.persist as persist
-from ps.journal.persist import BATCH_FSYNC_S, Journal, Persistence, read_journal
+from ps.journal import recovery, repair, runfile, segments
+from ps.journal.persistence import Persistence
+from ps.journal.segments import read_journal
+from ps.journal.wal import BATCH_FSYNC_S, Journal
 
 
 class FsyncLog:
-    """Wraps ``os.fsync`` (and ``os.replace``, for the order) as ps.journal.persist calls them: what was
+    """Wraps ``os.fsync`` (and ``os.replace``, for the order) as ps/journal's modules call them: what was
     synced, by path (a directory ends with ``/``)."""
 
     def __init__(self, monkeypatch) -> None:
@@ -33,8 +35,8 @@ class FsyncLog:
             self.events.append(("replace", f"{os.path.basename(src)} -> {os.path.basename(dst)}"))
             return real_replace(src, dst)
 
-        monkeypatch.setattr(persist.os, "fsync", fsync)
-        monkeypatch.setattr(persist.os, "replace", replace)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
 
     def synced(self, path: str) -> int:
         return sum(1 for ev, p in self.events if ev == "fsync" and p == path)
@@ -214,7 +216,7 @@ def test_pruning_syncs_the_directory_after_removing_segments(tmp_path, fsyncs, m
         fsyncs.events.append(("remove", os.path.basename(path)))
         return real_remove(path)
 
-    monkeypatch.setattr(persist.os, "remove", remove)
+    monkeypatch.setattr(os, "remove", remove)
     fsyncs.clear()
     assert j.prune(covered_lsn=1, budget=0) == 2
     assert fsyncs.events == [("remove", "wal-000001.log"), ("remove", "wal-000002.log"), ("fsync", d + "/")]
@@ -230,13 +232,13 @@ def test_cutting_a_torn_tail_syncs_the_segment(tmp_path, fsyncs):
     with open(j.path, "r+b") as f:
         f.truncate(os.path.getsize(j.path) - 2)
     fsyncs.clear()
-    assert persist.cut_torn_tail(d) is not None
+    assert segments.cut_torn_tail(d) is not None
     assert fsyncs.events == [("fsync", j.path)]
 
 
 def test_run_json_is_synced_then_renamed_then_its_directory(tmp_path, fsyncs):
     d = str(tmp_path)
-    persist.write_run(d, {"problem": "quadratic"})
+    runfile.write_run(d, {"problem": "quadratic"})
     path = os.path.join(d, "run.json")
     assert fsyncs.events == [("fsync", path + ".tmp"), ("replace", "run.json.tmp -> run.json"), ("fsync", d + "/")]
 
@@ -251,7 +253,7 @@ def test_repair_syncs_what_it_moves_and_cuts(tmp_path, fsyncs):
     data[len(data) // 4 + 20] ^= 0xFF  # the second record's body (four of the same size)
     open(j.path, "wb").write(bytes(data))
     fsyncs.clear()
-    report = persist.repair_journal(d)
+    report = repair.repair_journal(d)
     copy = os.path.join(report.moved_to, "wal-000001.log")
     assert fsyncs.events == [("fsync", copy), ("fsync", j.path), ("fsync", report.moved_to + "/"), ("fsync", d + "/")]
 
@@ -366,7 +368,7 @@ def assert_same_core(live, restored) -> None:
     ("storm-vr", {"lr": 0.2, "a": 0.2, "B_init": 4, "tau_lost": 1000}, 2.5),
 ])
 def test_a_checkpoint_round_trip_restores_the_whole_core(tmp_path, algorithm, settings, round_period):
-    from ps.journal.persist import read_checkpoint, write_checkpoint
+    from ps.journal.checkpoints import read_checkpoint, write_checkpoint
 
     factory, restore, problem = _core(algorithm=algorithm, settings=settings, round_period=round_period)
     core = factory(now=0.5)
@@ -390,7 +392,8 @@ def test_a_checkpoint_round_trip_restores_the_whole_core(tmp_path, algorithm, se
 # --------------------------------------------------------------------------- recovery: checkpoint + tail
 
 def test_recovery_resumes_right_after_the_checkpoints_lsn(tmp_path, monkeypatch):
-    from ps.journal.persist import checkpoint_files, recover
+    from ps.journal.checkpoints import checkpoint_files
+    from ps.journal.recovery import recover
 
     factory, restore, problem = _core()
     core = factory()
@@ -405,13 +408,13 @@ def test_recovery_resumes_right_after_the_checkpoints_lsn(tmp_path, monkeypatch)
     assert [lsn for lsn, _ in checkpoint_files(d)] == [ckpt_lsn]
     assert [r.op for r in read_journal(d, from_lsn=ckpt_lsn)][:2] == ["checkpoint", "reply"]
     applied = []
-    real = persist.apply_checked
+    real = recovery.apply_checked
 
     def spy(c, rec, *a, **kw):
         applied.append(rec.lsn)
         return real(c, rec, *a, **kw)
 
-    monkeypatch.setattr(persist, "apply_checked", spy)
+    monkeypatch.setattr(recovery, "apply_checked", spy)
     rec_core, last, n = recover(factory, restore, d, problem)
     assert applied == list(range(ckpt_lsn + 1, last_lsn + 1)), "from the checkpoint's LSN + 1, each once"
     assert (last, n) == (last_lsn, last_lsn - ckpt_lsn)
@@ -429,7 +432,8 @@ def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
     from ps.drivers.replay import replay_run
     from ps.drivers.server import StateOptions, TrainingSpec
     from ps.drivers.server import open_state as _open_state
-    from ps.journal.persist import recover, run_start
+    from ps.journal.recovery import recover
+    from ps.journal.segments import run_start
 
     d = str(tmp_path / "state")
     spec = TrainingSpec(problem="quadratic", problem_options={"d": 16}, algorithm="storm-vr",

@@ -18,7 +18,8 @@ from protocol.codec import encode
 from protocol.messages import Error, ErrorCode, Fetch, Hello, Job, Ready, Reply
 from ps.drivers.server import StateOptions, TrainingSpec, _new_run
 from ps.journal.inputs import CoreInputs
-from ps.journal.persist import Persistence, read_journal
+from ps.journal.persistence import Persistence
+from ps.journal.segments import read_journal
 from ps.sharded.control import ControlError, pack, unpack
 from ps.sharded.hub import ShardHub
 from ps.sharded.shard import Shard
@@ -403,7 +404,7 @@ def test_the_hub_gives_the_reply_its_blocks_squared_norms_in_shard_order(run, hu
 
 
 def test_a_journaled_reply_keeps_its_block_norms_and_a_damaged_bsq_does_not_read():
-    from ps.journal.persist import _check_record
+    from ps.journal.records import check_record as _check_record
 
     reply = {"job_id": 1, "created_at": 0, "loss": 0.5, "count": 0, "compute_s": 0.1, "holds": []}
     assert _check_record({"lsn": 3, "op": "reply", "wid": "w", "now": 1.0, "reply": {**reply, "bsq": [1.0, 0]}}) is None

@@ -29,7 +29,8 @@ from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
 from ps.drivers.server import StateOptions, TrainingSpec, _new_run
 from ps.journal.inputs import CoreInputs
-from ps.journal.persist import Persistence, read_journal
+from ps.journal.persistence import Persistence
+from ps.journal.segments import read_journal
 from ps.sharded.shard import Shard
 from tests.unit.shard_links import fetch_whole, pump
 from worker.shards import ShardLinks

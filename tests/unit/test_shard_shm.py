@@ -29,7 +29,8 @@ from protocol.shm import SHM_DIR, host_id, shm_dir_usable
 from protocol.wire import roundtrip, to_wire
 from ps.drivers.server import StateOptions, TrainingSpec, _new_run
 from ps.journal.inputs import CoreInputs
-from ps.journal.persist import Persistence, read_journal
+from ps.journal.persistence import Persistence
+from ps.journal.segments import read_journal
 from ps.sharded.shard import Shard
 from tests.unit.shard_links import WAIT_S, fetch_whole, pump
 from worker.shards import ShardLinks

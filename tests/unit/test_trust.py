@@ -27,7 +27,8 @@ from problems.trust import (
 from protocol.messages import ErrorCode, Welcome
 from ps.cli.main import main
 from ps.core.server_core import CoreConfig, ServerCore
-from ps.journal.persist import write_checkpoint, write_run
+from ps.journal.checkpoints import write_checkpoint
+from ps.journal.runfile import write_run
 
 
 @pytest.mark.parametrize("pattern, spec, expected", [

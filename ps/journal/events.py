@@ -1,0 +1,58 @@
+"""The daemon's event log (JSON lines, :class:`EventLog`): written a batch of whole lines at a
+time, and never the reason a server stops (a full disk drops events, counted)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
+
+
+class EventLog:
+    """The daemon's event log (JSON lines), appended a batch of whole lines at a time. A write the
+    OS refuses (disk full) is cut back to the last whole line and its events dropped: counted, one
+    warning when it starts and one when the log is written again. Never raises on a write."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.pending: list[str] = []
+        self.dropped = 0
+        self.failing = False
+
+    def write(self, text: str) -> None:
+        self.pending.append(text)
+
+    def flush(self) -> None:
+        if not self.pending or self.fd < 0:
+            return
+        data = "".join(self.pending).encode()
+        self.pending = []
+        start = -1
+        try:
+            start = os.fstat(self.fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            if start >= 0:
+                try:
+                    os.ftruncate(self.fd, start)
+                except OSError:
+                    pass
+            self.dropped += data.count(b"\n")
+            if not self.failing:
+                self.failing = True
+                log.error("cannot write the event log %s (%s): events are dropped until it can be written",
+                          self.path, e.strerror or e)
+            return
+        if self.failing:
+            self.failing = False
+            log.warning("the event log %s is written again (%d events were dropped)", self.path, self.dropped)
+
+    def close(self) -> None:
+        self.flush()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
