@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.journal.persist import (
     StateError,
     apply_checked,

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from benchmarks.fake_workers import FakePool
-from ps.core.server_core import MAX_CREDIT
+from ps.core.config import MAX_CREDIT
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
@@ -83,7 +83,7 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     joining 13-28 s), the repeats of connections with a message in the backlog were queued: the
     backlog stayed full (4,096) for the whole attack, 0.21-0.43, and RSS +290 to +364 MiB (the
     messages waiting in libzmq hold its decoder buffers); with them dropped there too and the
-    shared-memory copies swept by eviction (ps.core.server_core.EvictionCursor), 0.52-0.62 and +140 to +156 MiB.
+    shared-memory copies swept by eviction (ps.core.iterates.EvictionCursor), 0.52-0.62 and +140 to +156 MiB.
 
     RSS bound 250 MiB: each connection costs libzmq its pipe and stream buffers (tens of KiB),
     plus the worker's record and its job; 4,000 of them measured at about 140 MiB."""
