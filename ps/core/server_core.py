@@ -39,8 +39,6 @@ import numpy as np
 
 from algorithms.base import Algorithm, JobSpec, Result
 from protocol.messages import (
-    PROTOCOL_VERSION,
-    PROTOCOL_VERSION_MIN,
     Bye,
     Error,
     ErrorCode,
@@ -49,28 +47,27 @@ from protocol.messages import (
     Job,
     Ready,
     Reply,
-    Welcome,
 )
+from ps.core import membership, replies
 from ps.core.commands import Command, Send
 from ps.core.config import CoreConfig
 from ps.core.dispatch import dispatch_jobs, job_message
-from ps.core.faults import on_error, on_missing, quarantine_worker, unbench
+from ps.core.faults import on_error, on_missing
 from ps.core.iterates import index_iterates, sweep
-from ps.core.ledger import Counters, LedgerEntry, Outstanding, mark_received, skip_job_ids
-from ps.core.replies import check_grads, checked_apply, in_run_dtype, result_of
-from ps.core.settlement import apply_results, clock_round, settle, write_off
+from ps.core.ledger import Counters, LedgerEntry, Outstanding
+from ps.core.replies import check_grads, in_run_dtype
+from ps.core.settlement import clock_round
 from ps.core.snapshot import restore_into, snapshot_of
 from ps.core.workers import (
     WorkerInfo,
-    add,
     alive_top,
     expired,
-    forget,
     grant,
     index_workers,
     rebase_liveness,
     reindex,
     seen,
+    trusted_holds,
 )
 
 
@@ -221,7 +218,7 @@ class ServerCore:
         ``refusal``: the transport already found a reply unusable (e.g. a gradient frame in another
         dtype than the wire's): it is refused with this code and text, like a failed check."""
         if isinstance(msg, Hello):
-            return self.on_hello(worker_id, msg, now, key)
+            return membership.on_hello(self, worker_id, msg, now, key)
         w = self.workers.get(worker_id)
         if w is None:  # never joined, or declared dead (it may come back: it must say hello again)
             if isinstance(msg, Bye):
@@ -237,13 +234,13 @@ class ServerCore:
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
         seen(self, w, now)
         if isinstance(msg, Reply):
-            return self.on_reply(w, msg, now, refusal)
+            return replies.on_reply(self, w, msg, now, refusal)
         if isinstance(msg, Heartbeat):
-            return self.on_heartbeat(w, msg, now)
+            return membership.on_heartbeat(self, w, msg, now)
         if isinstance(msg, Ready):
             if msg.credit:
                 w.credit = grant(self, msg.credit)
-            w.holds = self._trusted_holds(msg.holds)
+            w.holds = trusted_holds(self, msg.holds)
             if not w.ready:
                 w.ready = True
                 self.round_blocked = False
@@ -259,151 +256,6 @@ class ServerCore:
             return on_error(self, w, msg, now)
         self.counters.invalid += 1
         return [Send(worker_id, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for the server"))]
-
-
-    def on_hello(self, worker_id: str, hello: Hello, now: float, key: str = "") -> list[Command]:
-        if hello.vmax < PROTOCOL_VERSION_MIN or hello.vmin > PROTOCOL_VERSION:
-            self.counters.invalid += 1
-            return [Send(worker_id, Error(ErrorCode.UNSUPPORTED_VERSION,
-                                          f"server speaks {PROTOCOL_VERSION_MIN}..{PROTOCOL_VERSION}"))]
-        if self.quarantine.get(worker_id, -math.inf) > now:
-            self.counters.refused += 1
-            return [Send(worker_id, Error(ErrorCode.REFUSED, "quarantined"))]
-        self.quarantine.pop(worker_id, None)
-        out: list[Command] = []
-        old = self.workers.get(worker_id)
-        if old is None and len(self.workers) >= self.cfg.max_workers:
-            self.counters.refused += 1
-            return [Send(worker_id, Error(ErrorCode.REFUSED, f"too many workers ({self.cfg.max_workers})"))]
-        if old is not None and old.boot != hello.boot:
-            out += self.remove_worker(worker_id, now, reason="restarted")  # new incarnation = new join
-            old = None
-        same_run = hello.run_id == self.cfg.run_id  # else its cache and jobs belong to another run
-        # An iterate id names the iterate of that version: one above ours (or a job id above our
-        # next) came from an old server process whose last records were never journaled; this
-        # process makes those ids again, with other values. Such iterates are not trusted, and the
-        # job ids skip past what the worker saw, so no new job shares an id with one it holds.
-        holds = self._trusted_holds(hello.holds) if same_run else set()
-        if same_run:
-            skip_job_ids(self, max([hello.seen, *hello.busy]))
-        if old is None:
-            w = WorkerInfo(
-                worker_id=worker_id, boot=hello.boot, credit=grant(self, hello.credit), device=hello.device,
-                host_id=hello.host_id, joined_at=now, last_seen=now, holds=holds, key=key)
-            add(self, w)
-            self.counters.workers_joined += 1
-            self.round_blocked = False
-            self.events.append({"ev": "joined", "worker_id": worker_id, "device": hello.device, "key": key, "t": now})
-        else:  # same incarnation saying hello again (after a reconnect or a server restart)
-            old.credit, old.holds = grant(self, hello.credit), holds
-            seen(self, old, now)
-            if old.benched:  # a hello brings a benched worker back (a new incarnation is a new join anyway)
-                unbench(self, old, "hello", now)
-            busy = set(hello.busy)
-            if same_run:
-                # Only what it holds survives. A worker says hello again on a new connection (its
-                # own reconnect, or after a server restart); a job sent on the old one that it had
-                # not seen yet died with that connection, and keeping it (as "in flight") left a
-                # worker with credit 1 waiting for it for good, heartbeating, never given a job.
-                gone = sorted(j for j in old.outstanding if j not in busy)
-                write_off(self, old, gone, "server_restart" if old.reconnecting else "vanished", now)
-            else:  # it worked for another run: on our welcome it drops everything it holds
-                write_off(self, old, sorted(old.outstanding), "other_run", now)
-            old.reconnecting = False
-            reindex(self, old)
-        out.append(Send(worker_id, Welcome(
-            server_boot=self.server_boot, run_id=self.cfg.run_id, version=PROTOCOL_VERSION, problem=self.cfg.problem,
-            problem_options=dict(self.cfg.problem_options),
-            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
-            liveness_timeout_s=self.cfg.liveness_timeout_s)))
-        return out + self.dispatch(now)
-
-
-    def _trusted_holds(self, ids: Any) -> set[int]:
-        """The iterates a worker says it caches that are this process's: ids up to our version."""
-        v = self.version
-        return {i for i in ids if i <= v}
-
-    def on_reply(self, w: WorkerInfo, reply: Reply, now: float,
-                 refusal: tuple[ErrorCode, str] | None = None) -> list[Command]:
-        entry = self.ledger.get(reply.job_id)
-        if entry is None or entry.received:
-            how = self.closed.get(reply.job_id)
-            if how is not None or (entry is not None and entry.received):
-                self.counters.late += 1
-                self.events.append({"ev": "late", "job_id": reply.job_id, "worker_id": w.worker_id,
-                                    "was": how or "duplicate"})
-                return self.dispatch(now)
-            self.counters.unknown += 1
-            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job id not outstanding", job_id=reply.job_id))]
-        if entry.worker_id != w.worker_id or entry.created_at != reply.created_at:
-            self.counters.unknown += 1
-            return [Send(w.worker_id, Error(ErrorCode.UNKNOWN_JOB, "job was given to another worker"
-                                            if entry.worker_id != w.worker_id else "created_at does not match the job",
-                                            job_id=reply.job_id))]
-        grads = self._in_run_dtype(reply)
-        fused = refusal is None and self.alg.checks_finite and self.alg.mode != "round"
-        problem = refusal or self._check_grads(entry, reply, grads, deferred=fused)
-        pre = None
-        if problem is None and fused:
-            result = result_of(entry, w.worker_id, reply, grads)
-            pre, problem = checked_apply(self.alg, self.state, result)
-        if problem is not None:
-            code, text = problem
-            out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
-            settle(self, entry, "rejected")
-            self.counters.rejected += 1
-            self.state = self.alg.on_lost(self.state, [entry.job_id])
-            self._sweep_store()
-            self.events.append({"ev": "rejected", "job_id": entry.job_id, "worker_id": w.worker_id,
-                                "code": int(code), "message": text})
-            w.bad_in_a_row += 1
-            if self.cfg.max_bad_replies and w.bad_in_a_row >= self.cfg.max_bad_replies:
-                out += quarantine_worker(self, w, now)
-            return out + self.dispatch(now)
-        w.bad_in_a_row = 0
-        w.failed_in_a_row = 0
-        w.resends_in_a_row = 0
-        if w.benched:  # not every job of it fails after all
-            unbench(self, w, "success", now)
-        w.jobs_done += 1
-        w.compute_s += reply.compute_s
-        if reply.holds:
-            w.holds = self._trusted_holds(reply.holds)
-        w.outstanding.discard(entry.job_id)
-        reindex(self, w)
-        if pre is None:
-            result = result_of(entry, w.worker_id, reply, grads)
-        if self.alg.mode == "round":
-            mark_received(self, entry)
-            self.buffer.append(result)
-            self.round_blocked = False
-            return self.dispatch(now)
-        return apply_results(self, [result], now, pre) + self.dispatch(now)
-
-
-    def on_heartbeat(self, w: WorkerInfo, hb: Heartbeat, now: float) -> list[Command]:
-        """Refresh credit and reconcile: a job the worker has seen but neither holds nor answered
-        was lost in transit (messages on one connection arrive in order, so its reply would have
-        come before this heartbeat). Write it off."""
-        if hb.credit:
-            w.credit = grant(self, hb.credit)
-            reindex(self, w)
-        busy = set(hb.busy)
-        write_off(self, w, sorted(j for j in w.outstanding if j <= hb.seen and j not in busy), "vanished",
-                                  now)
-        return self.dispatch(now)
-
-    def reply_verdict(self, worker_id: str, reply: Reply) -> str:
-        """Without changing anything: ``"ok"`` if ``reply`` answers an outstanding job of this
-        worker with valid gradients, ``"bad"`` if it answers one with invalid gradients,
-        ``"other"`` if it would be ignored (late, unknown, another worker's)."""
-        entry = self.ledger.get(reply.job_id)
-        if worker_id not in self.workers or entry is None or entry.received or entry.worker_id != worker_id \
-                or entry.created_at != reply.created_at:
-            return "other"
-        grads = self._in_run_dtype(reply)
-        return "ok" if self._check_grads(entry, reply, grads) is None else "bad"
 
     def on_tick(self, now: float) -> list[Command]:
         """Expire silent workers and run clock-driven rounds. Call at ``next_deadline()``."""
@@ -426,15 +278,12 @@ class ServerCore:
 
     def remove_worker(self, worker_id: str, now: float, *, reason: str) -> list[Command]:
         """Forget a worker; its outstanding jobs are written off as lost and the algorithm told."""
-        w = forget(self, worker_id)
-        if w is None:
-            return []
-        if reason not in ("bye", "restarted"):  # it did not leave of its own accord
-            self.counters.workers_lost += 1
-        lost = sorted(w.outstanding)
-        write_off(self, w, lost, reason, now)
-        self.events.append({"ev": "left", "worker_id": worker_id, "reason": reason, "lost": len(lost), "t": now})
-        return self.dispatch(now)
+        return membership.remove_worker(self, worker_id, now, reason=reason)
+
+    def reply_verdict(self, worker_id: str, reply: Reply) -> str:
+        """Without changing anything: ``"ok"``, ``"bad"`` or ``"other"`` (see
+        :func:`ps.core.replies.reply_verdict`)."""
+        return replies.reply_verdict(self, worker_id, reply)
 
     # ------------------------------------------------------------------ the parts, as drivers and shards use them
     def dispatch(self, now: float) -> list[Command]:

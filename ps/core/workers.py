@@ -58,6 +58,12 @@ def grant(core: Any, credit: int) -> int:
     return min(credit, core.cfg.max_credit)
 
 
+def trusted_holds(core: Any, ids: Any) -> set[int]:
+    """The iterates a worker says it caches that are this process's: ids up to our version."""
+    v = core.version
+    return {i for i in ids if i <= v}
+
+
 def add(core: Any, w: WorkerInfo) -> None:
     """Put a new worker at the end of the table."""
     core.workers[w.worker_id] = w
