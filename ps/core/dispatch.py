@@ -60,6 +60,7 @@ def dispatch_jobs(core: Any, now: float) -> list[Command]:
             out.append(Send(w.worker_id, issue_job(core, spec, w, now)))
     return out
 
+
 def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
     """Give ``spec`` to ``w``: a new ledger entry, and the job message for it."""
     if len(spec.iterate_ids) != len(spec.points):
@@ -79,6 +80,7 @@ def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
         core.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
                             "created_at": spec.created_at, "seed": entry.seed, "t": now})
     return job_message(core, entry, w)
+
 
 def job_message(core: Any, entry: LedgerEntry, w: WorkerInfo) -> Job:
     """The job of ``entry`` as sent to ``w``: with the points of the iterates it does not hold."""

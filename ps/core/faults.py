@@ -20,7 +20,7 @@ from ps.core.workers import WorkerInfo, reindex
 
 def on_error(core: Any, w: WorkerInfo, err: Error, now: float) -> list[Command]:
     """An ``err`` from a joined worker (other than MISSING_ITERATE). COMPUTE_FAILED for a job
-    outstanding at it: the job is settled as failed (:meth:`fail`). PROBLEM_UNAVAILABLE: the
+    outstanding at it: the job is settled as failed (:func:`fail_job`). PROBLEM_UNAVAILABLE: the
     worker cannot load the problem (it is leaving; an event carries its reason). Any other
     code naming a job outstanding at it: the job is written off as lost, and it counts toward
     the worker's failures in a row like a failed job (so an err per job cannot make the server
@@ -45,6 +45,7 @@ def on_error(core: Any, w: WorkerInfo, err: Error, now: float) -> list[Command]:
     w.last_error = f"{err.code.name}: {err.message}"
     return maybe_bench(core, w, w.last_error, now) + core.dispatch(now)
 
+
 def fail_job(core: Any, w: WorkerInfo, entry: LedgerEntry, message: str, now: float) -> list[Command]:
     """``w`` could not compute this job: settled as failed, the algorithm told (on_lost, as for
     any write-off). After ``max_failed_jobs`` failures in a row the worker is benched: it keeps
@@ -63,8 +64,9 @@ def fail_job(core: Any, w: WorkerInfo, entry: LedgerEntry, message: str, now: fl
                         "worker_failed": w.failed, "in_a_row": w.failed_in_a_row, "t": now})
     return maybe_bench(core, w, message, now)
 
+
 def maybe_bench(core: Any, w: WorkerInfo, message: str, now: float) -> list[Command]:
-    """Bench ``w`` if it has failed ``max_failed_jobs`` jobs in a row (see :meth:`fail`)."""
+    """Bench ``w`` if it has failed ``max_failed_jobs`` jobs in a row (see :func:`fail_job`)."""
     k = core.cfg.max_failed_jobs
     if not k or w.benched or w.failed_in_a_row < k:
         return []
@@ -76,12 +78,14 @@ def maybe_bench(core: Any, w: WorkerInfo, message: str, now: float) -> list[Comm
     return [Send(w.worker_id, Error(ErrorCode.REFUSED, f"benched: {w.failed_in_a_row} jobs in a row failed; "
                                     "no more jobs until this worker says hello again (restart it)"))]
 
+
 def unbench(core: Any, w: WorkerInfo, why: str, now: float) -> None:
     w.benched = False
     w.failed_in_a_row = 0
     reindex(core, w)
     core.round_blocked = False
     core.events.append({"ev": "unbenched", "worker_id": w.worker_id, "reason": why, "t": now})
+
 
 def on_missing(core: Any, w: WorkerInfo, err: Error, now: float) -> list[Command]:
     """The worker lacks iterates a job references: send the job again with those points,
@@ -102,6 +106,7 @@ def on_missing(core: Any, w: WorkerInfo, err: Error, now: float) -> list[Command
     w.resends_in_a_row += 1
     w.holds.difference_update(err.iterate_ids)
     return [Send(w.worker_id, job_message(core, entry, w))]
+
 
 def quarantine_worker(core: Any, w: WorkerInfo, now: float) -> list[Command]:
     """``w`` sent ``max_bad_replies`` invalid replies in a row: refused for ``quarantine_s``."""

@@ -27,6 +27,7 @@ def settle(core: Any, entry: LedgerEntry, how: str) -> None:
         reindex(core, w)
     release(core, entry.iterate_ids)
 
+
 def apply_results(core: Any, results: list[Result], now: float, pre: tuple | None = None) -> list[Command]:
     """The algorithm applies ``results`` (or did already: ``pre`` = (the version before,
     what its apply returned)), then the ledger, events and cancellations follow."""
@@ -65,6 +66,7 @@ def apply_results(core: Any, results: list[Result], now: float, pre: tuple | Non
     core._sweep_store()
     return out
 
+
 def cancel_jobs(core: Any, now: float) -> list[Command]:
     """The jobs the algorithm cancels now (``Algorithm.cancel`` of the outstanding view)."""
     ids = core.alg.cancel(core.state, core.jobs)
@@ -82,10 +84,12 @@ def cancel_jobs(core: Any, now: float) -> list[Command]:
                             "created_at": entry.created_at, "t": now})
     return [Send(wid, Cancel(tuple(jids))) for wid, jids in by_worker.items() if wid in core.workers]
 
+
 def run_round(core: Any, now: float) -> list[Command]:
     """One round of a round-mode algorithm: apply everything buffered (maybe nothing)."""
     results, core.buffer = core.buffer, []
     return apply_results(core, results, now)
+
 
 def clock_round(core: Any, now: float) -> list[Command]:
     """A round on the driver's clock (``round_period_s``); the algorithm's next job is queued."""
@@ -94,6 +98,7 @@ def clock_round(core: Any, now: float) -> list[Command]:
     if spec is not None:
         core.pending_specs.append(spec)
     return out
+
 
 def write_off(core: Any, w: WorkerInfo, job_ids: list[int], reason: str, now: float) -> None:
     """These outstanding jobs of ``w`` will never be answered: lost; the algorithm is told."""
