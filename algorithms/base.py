@@ -141,7 +141,7 @@ def publish(x: np.ndarray) -> np.ndarray:
 
 def jobs_created_at_most(outstanding: Sequence[Any], created_at: int) -> list[int]:
     """Ids of the jobs among ``outstanding`` created at version ``created_at`` or before, in
-    their order. The core passes an index (``ps.core.server_core.Outstanding``) that answers this at the
+    their order. The core passes an index (``ps.core.ledger.Outstanding``) that answers this at the
     cost of what it returns; any other sequence is scanned."""
     indexed = getattr(outstanding, "created_at_most", None)
     if indexed is not None:
@@ -248,7 +248,7 @@ class Algorithm:
         """Job ids among ``outstanding`` (objects with job_id, created_at, kind, iterate_ids) to stop now.
 
         The core calls it after every apply with a read-only view of its outstanding jobs in
-        job-id order (``ps.core.server_core.Outstanding``), valid during the call. Iterating it costs its
+        job-id order (``ps.core.ledger.Outstanding``), valid during the call. Iterating it costs its
         length, which job hoarders can make large; its indexed queries (``created_at_most``,
         ``count_like``, ``oldest_created_at``; see :func:`jobs_created_at_most`) cost what they
         return. Tests may pass a plain list."""

@@ -28,7 +28,7 @@ LR = 0.002  # lr * L * (max delay ~ 2 n) < 1: no divergence, hence no rejected r
 def run(updates: int = UPDATES, *, d: int = D, workers: int = WORKERS, warm: int = WARM_UPDATES) -> Row:
     import algorithms
     from problems import load_problem
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.sim import DelayModel, Simulator
 
     problem = load_problem("quadratic", {"d": d})

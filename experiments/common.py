@@ -19,7 +19,7 @@ import numpy as np
 import algorithms
 from algorithms.base import Algorithm
 from problems.base import Problem
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import DelayModel, Simulator
 
 DPI = 80

@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments import common
 from problems import load_problem
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import DelayModel
 
 METRIC = "grad_norm_sq"

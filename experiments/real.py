@@ -29,7 +29,7 @@ from experiments import common
 from experiments.sync_sgd import SyncSGD
 from problems import load_problem
 from problems.trust import is_user_problem
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import DelayModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -78,7 +78,7 @@ def make_simulator(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: str
     from ``seed + 2``.
     """
     from problems import load_problem
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.sim import Crash, DelayModel, Simulator
 
     opts = dict(DEFAULT_OPTIONS.get(problem, {}) if problem_options is None else problem_options)

@@ -23,7 +23,7 @@ LIVENESS_TIMEOUT_S = 3.0
 # The reference worker's reconnect backoff (PROTOCOL.md 8.10): a hello at once, then after
 # HELLO_BACKOFF_S doubling to HELLO_BACKOFF_MAX_S; libzmq's own reconnect attempts after
 # RECONNECT_IVL_S doubling to RECONNECT_IVL_MAX_S. A resumed server gives its restored workers
-# the sum of the two caps on top of a liveness timeout to say hello again (ps.core.server_core.restart_grace_s).
+# the sum of the two caps on top of a liveness timeout to say hello again (ps.core.config.restart_grace_s).
 HELLO_BACKOFF_S = 0.25
 HELLO_BACKOFF_MAX_S = 4.0
 RECONNECT_IVL_S = 0.1

@@ -170,7 +170,7 @@ class ShmArena:
         """Release what the core no longer needs: copies of iterates gone from the store,
         gradient slots of jobs gone from the ledger (back to their worker, or unlinked if
         the worker left). ``gone``: the iterate ids that left the store since the last sweep
-        (ps.core.server_core.EvictionCursor), so that only their copies are looked at; None: all of them."""
+        (ps.core.iterates.EvictionCursor), so that only their copies are looked at; None: all of them."""
         for iid in [i for i in (self.copies if gone is None else gone) if i in self.copies and i not in store]:
             self.free_copy_slots.append(self.copies.pop(iid))
         for jid in [j for j in self.lent if j not in ledger]:

@@ -697,7 +697,7 @@ def _run_summary(daemon, spec: TrainingSpec, workers: int, delays: list[float], 
 def simulate(problem, problem_opt, algorithm, settings, config, workers, delay_model, noise, max_time, max_steps,
              batch_size, crashes, loss_prob, liveness_timeout, eval_every, wire_dtype, shards, seed, out) -> None:
     """Run the same server core against simulated workers (deterministic, seeded)."""
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.sim import Crash, DelayModel, Simulator
 
     spec = training_spec(problem, problem_opt, algorithm, settings, config, default_problem="quadratic",

@@ -35,7 +35,8 @@ from protocol.messages import (
     Reply,
     Status,
 )
-from ps.core.server_core import Disconnect, Send, ServerCore
+from ps.core.commands import Disconnect, Send
+from ps.core.server_core import ServerCore
 from ps.drivers.evaluator import EvalLog, Evaluator
 from ps.journal.events import EventLog
 from ps.journal.inputs import CoreInputs

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.journal.recovery import apply_checked, restore_checkpoint
 from ps.journal.runfile import read_run, run_wire_dtype
 from ps.journal.segments import first_journal_lsn, read_journal, run_start

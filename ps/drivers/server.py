@@ -172,7 +172,8 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     ``state`` the run its directory holds (new or resumed)."""
     import zmq
 
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
     from ps.drivers.daemon import Daemon, StopCondition
 
     persistence, boot = None, secrets.randbits(63)
@@ -253,7 +254,7 @@ def read_run_checked(state_dir: str) -> dict[str, Any]:
 
 
 def core_config(run: dict[str, Any]):
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.journal.statedir import StateError
 
     try:
@@ -318,7 +319,8 @@ def _build(spec: TrainingSpec, shards: int):
 
 def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict, shards: int = 0):
     """run.json, then the core and the journal's start record (with the core's creation time)."""
-    from ps.core.server_core import ServerCore, restart_grace_s
+    from ps.core.config import restart_grace_s
+    from ps.core.server_core import ServerCore
     from ps.journal.runfile import write_run
     from ps.journal.wal import Journal
 

@@ -25,7 +25,9 @@ from algorithms.sharding import Sharded
 from problems.base import Problem
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
 from protocol.wire import check_wire, roundtrip
-from ps.core.server_core import CoreConfig, Disconnect, Send, ServerCore
+from ps.core.commands import Disconnect, Send
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from worker.compute import run_job
 
 DelayName = Literal["sqrt", "sqrt1", "linear", "uniform", "mixture", "fixed"]

@@ -56,7 +56,7 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.wire import to_wire
-from ps.core.server_core import EvictionCursor
+from ps.core.iterates import EvictionCursor
 from ps.journal.replies import reply_from_wire
 from ps.net.connections import (
     DEFAULT_MAX_WORKERS,

@@ -6,7 +6,7 @@ The daemon (ps/drivers/daemon.py) calls every observer in ``Daemon.observers`` f
   its hyper-parameters, batch size, seed, ...), a flat JSON-able dict, for a logger's
   hyper-parameters.
 - ``on_events(events, now)`` with each batch of core events (the dicts ``--events`` writes, see
-  ps/core/server_core.py, where each is appended): ``issued`` (when an observer's ``wants_issued`` is True), ``applied``
+  ps/core/, where each is appended): ``issued`` (when an observer's ``wants_issued`` is True), ``applied``
   (with its ``age``), ``lost``, ``failed``, ``joined``, ``left``, ...
 - ``on_evaluation(ev)`` with each evaluation's figures (``version``, ``t``, ``loss``, ...).
 - ``on_tick(snapshot, now)`` about every :data:`TICK_S` seconds: :func:`snapshot` of the

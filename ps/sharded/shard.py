@@ -64,7 +64,7 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.wire import roundtrip, to_wire
-from ps.core.server_core import EvictionCursor
+from ps.core.iterates import EvictionCursor
 from ps.journal.checkpoints import checkpoint_files, verified_checkpoints, write_checkpoint
 from ps.journal.inputs import CoreInputs
 from ps.journal.records import Record, journaled_norms

@@ -1,7 +1,7 @@
 """Issue 13 points 5 and 6 against a real server: thousands of joined workers heartbeating, and
 job hoarders, must not slow the real workers.
 
-Before the core's indexes (ps/core/server_core.py: free workers, a liveness heap, outstanding jobs indexed
+Before the core's indexes (ps/core/: free workers, a liveness heap, outstanding jobs indexed
 for cancel(), the store's sweep) every message scanned the worker table and the ledger: 4,000
 heartbeating fake workers took the rate from 1,935/s to 0, and 160 hoarders of 256 jobs each
 from 1,980/s to 553/s. The fakes here are benchmarks/fake_workers.py (raw ZMTP, one
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from benchmarks.fake_workers import FakePool
-from ps.core.server_core import MAX_CREDIT
+from ps.core.config import MAX_CREDIT
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
@@ -63,7 +63,7 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     each that they never answer) and heartbeat every 0.4 s, faster than the 0.5 s they were told:
     10,000 heartbeats/s, against a server at its defaults (heartbeat interval 0.5 s; the Victim's
     liveness timeout is 3 s). This used to take the real workers from 1,935/s to 0: each message
-    cost a free-worker search and deadline scans over the whole table (now indexes, ps/core/server_core.py),
+    cost a free-worker search and deadline scans over the whole table (now indexes, ps/core/workers.py),
     every heartbeat was decoded, journaled and handed to the core, and the server sent each
     worker a heartbeat every 0.5 s in one burst of 4,000. Now a heartbeat that repeats the one
     handed on less than a third of the liveness timeout ago is dropped unread, before it is
@@ -83,7 +83,7 @@ def test_thousands_of_heartbeating_workers_do_not_slow_the_real_ones(procs, tmp_
     joining 13-28 s), the repeats of connections with a message in the backlog were queued: the
     backlog stayed full (4,096) for the whole attack, 0.21-0.43, and RSS +290 to +364 MiB (the
     messages waiting in libzmq hold its decoder buffers); with them dropped there too and the
-    shared-memory copies swept by eviction (ps.core.server_core.EvictionCursor), 0.52-0.62 and +140 to +156 MiB.
+    shared-memory copies swept by eviction (ps.core.iterates.EvictionCursor), 0.52-0.62 and +140 to +156 MiB.
 
     RSS bound 250 MiB: each connection costs libzmq its pipe and stream buffers (tens of KiB),
     plus the worker's record and its job; 4,000 of them measured at about 140 MiB."""

@@ -9,7 +9,7 @@ import pytest
 
 import algorithms
 from problems import load_problem
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import DelayModel, simulate
 from tests.integration.util import read_events, wait_events, wait_exit, wait_line
 

@@ -2,7 +2,7 @@
 start it again from its state directory on the same endpoint, and the replies to exactly those
 jobs are applied when the workers come back, not written off as lost.
 
-The restored workers get ``ps.core.server_core.restart_grace_s(liveness)`` to say hello again, which covers
+The restored workers get ``ps.core.config.restart_grace_s(liveness)`` to say hello again, which covers
 the worker's reconnect backoff (protocol/messages.py: ZMQ_RECONNECT_MAX_S + HELLO_BACKOFF_MAX_S);
 with only a liveness timeout (3 s) a worker whose reconnect attempt and hello backoff fall late
 is written off with its job."""

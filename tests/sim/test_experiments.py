@@ -173,7 +173,7 @@ def test_ordered_momentum_quick_covers_both_objectives(quick_run):
 def test_sync_sgd_waits_for_every_worker_once_per_round():
     from experiments.sync_sgd import SyncSGD
     from problems import load_problem
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.sim import DelayModel, simulate
 
     n = 4

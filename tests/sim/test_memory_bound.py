@@ -33,7 +33,7 @@ import pytest
 
 import algorithms
 from problems import load_problem
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import Crash, DelayModel, Simulator
 
 N_WORKERS = 6

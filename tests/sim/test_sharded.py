@@ -24,7 +24,7 @@ import algorithms
 from algorithms.base import Algorithm, bind_layout
 from algorithms.sharding import ShardDisagreement, Sharded, plan_shards
 from problems.digits import make_digits
-from ps.core.server_core import CoreConfig
+from ps.core.config import CoreConfig
 from ps.drivers.sim import Crash, DelayModel, Simulator
 
 N_WORKERS = 5

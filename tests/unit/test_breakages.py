@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import algorithms
-import ps.core.server_core
+import ps.core.ledger
 from algorithms.base import Result
 from algorithms.ordered import OrderedMomentum
 from protocol.codec import decode, encode
@@ -25,7 +25,9 @@ from protocol.messages import (
     Ready,
     Reply,
 )
-from ps.core.server_core import CoreConfig, Send, ServerCore
+from ps.core.commands import Send
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 
 D = 4
 
@@ -139,7 +141,7 @@ def test_the_closed_job_memory_forgets_its_oldest_entries(monkeypatch):
     """Catches: the closed-job memory (``ServerCore.closed``, bounded by MAX_CLOSED_REMEMBERED)
     evicting its newest entries instead of its oldest: then a reply to a job settled a moment
     ago is answered UNKNOWN_JOB instead of being dropped as late."""
-    monkeypatch.setattr(ps.core.server_core, "MAX_CLOSED_REMEMBERED", 3)
+    monkeypatch.setattr(ps.core.ledger, "MAX_CLOSED_REMEMBERED", 3)
     core = make_core()
     job = jobs_in(join(core, "w1"))[0]
     answered = []

@@ -115,7 +115,7 @@ def test_muon_run_gives_embeddings_and_head_the_fallback_step(lm, name):
     from algorithms.base import Result
     from algorithms.lmo import POLAR_EXPRESS_NS5, newton_schulz
     from protocol.messages import JobKind
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.sim import DelayModel, Simulator
 
     mask = dict(zip((n for n, _ in lm.layout), lm.lmo_mask, strict=True))

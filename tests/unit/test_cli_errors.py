@@ -425,7 +425,8 @@ def test_cli_errors_two_workers_under_one_id_knock_each_other_out():
 
     import algorithms
     from protocol.messages import Hello, Ready
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
 
     core = ServerCore(algorithms.build("asgd", {"lr": 0.1}), np.ones(4, np.float32), CoreConfig())
     for t, boot in enumerate((1, 2, 1, 2)):  # two processes both calling themselves gpu7

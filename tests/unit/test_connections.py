@@ -257,7 +257,7 @@ def test_a_repeated_heartbeat_is_dropped_only_while_it_says_nothing_new():
 
 
 def test_the_server_heartbeats_three_times_per_liveness_timeout_at_most():
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from ps.drivers.daemon import server_heartbeat_period
 
     assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=0.5, liveness_timeout_s=3.0)) == 1.0

@@ -10,7 +10,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import algorithms
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Heartbeat, Hello, Job, Ready, Reply, Welcome
-from ps.core.server_core import CoreConfig, Disconnect, Send, ServerCore, _untable
+from ps.core.columns import _untable
+from ps.core.commands import Disconnect, Send
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 
 D = 4
 

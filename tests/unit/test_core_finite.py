@@ -12,7 +12,9 @@ import pytest
 import algorithms
 from algorithms.baselines import VanillaASGD
 from protocol.messages import Error, ErrorCode, Hello, Job, Ready, Reply
-from ps.core.server_core import CoreConfig, Send, ServerCore
+from ps.core.commands import Send
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 
 
 @dataclasses.dataclass(frozen=True)

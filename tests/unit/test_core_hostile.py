@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 import algorithms
 from algorithms.base import state_arrays_equal
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Hello, Job, JobKind, Ready, Reply, Welcome
-from ps.core.server_core import CoreConfig, Send, ServerCore
+from ps.core.commands import Send
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 
 D = 6
 ids = st.integers(0, 50)
@@ -87,7 +89,7 @@ def test_errs_naming_its_own_jobs_bench_a_worker_like_failures():
     job, iterate and all, for every 50-byte err without bound. Such errs count toward the
     failures in a row: after max_failed_jobs (5) the worker is benched and gets no more jobs."""
     from protocol.messages import Error, ErrorCode
-    from ps.core.server_core import CoreConfig
+    from ps.core.config import CoreConfig
     from tests.unit.test_core import jobs_in, make_core
 
     core: ServerCore = make_core()

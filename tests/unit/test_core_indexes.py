@@ -17,16 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import algorithms
 from protocol.messages import Cancel, Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Reply
-from ps.core.server_core import (
-    EVICTED_KEPT,
-    MAX_CREDIT,
-    CoreConfig,
-    EvictionCursor,
-    LedgerEntry,
-    Outstanding,
-    Send,
-    ServerCore,
-)
+from ps.core.commands import Send
+from ps.core.config import MAX_CREDIT, CoreConfig
+from ps.core.iterates import EVICTED_KEPT, EvictionCursor
+from ps.core.ledger import LedgerEntry, Outstanding
+from ps.core.server_core import ServerCore
 
 D = 4
 
@@ -319,7 +314,7 @@ def _hoarded_core() -> ServerCore:
 def test_checkpoint_columns_restore_bit_for_bit_and_read_format_1():
     """The ledger, worker table and closed ids go into a checkpoint as columns (arrays) and
     come back exactly; a format-1 snapshot (lists of rows) still restores to the same core."""
-    from ps.core.server_core import _column, _uncolumn, _untable
+    from ps.core.columns import _column, _uncolumn, _untable
     from ps.journal.checkpoints import pack_tree, unpack_tree
 
     core = _hoarded_core()

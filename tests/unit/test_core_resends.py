@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.messages import Bye, Cancel, Error, ErrorCode, Job, Ready
-from ps.core.server_core import Send
+from ps.core.commands import Send
 from tests.unit.test_core import jobs_in, join, make_core, reply_for
 
 

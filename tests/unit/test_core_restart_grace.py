@@ -1,5 +1,5 @@
 """A resumed server's restored workers get a grace that covers the worker's reconnect backoff
-(issue 14, restart without loss): ps.core.server_core.restart_grace_s, from the protocol's backoff caps."""
+(issue 14, restart without loss): ps.core.config.restart_grace_s, from the protocol's backoff caps."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from protocol.messages import (
     Hello,
     Ready,
 )
-from ps.core.server_core import CoreConfig, ServerCore, restart_grace_s
+from ps.core.config import CoreConfig, restart_grace_s
+from ps.core.server_core import ServerCore
 from tests.unit.test_core import D, jobs_in, reply_for
 from worker.link import WorkerConfig
 

@@ -9,7 +9,9 @@ import numpy as np
 
 import algorithms
 from protocol.messages import Heartbeat, Hello, Ready
-from ps.core.server_core import MAX_JOB_ID_SKIP, CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.ledger import MAX_JOB_ID_SKIP
+from ps.core.server_core import ServerCore
 from tests.unit.test_core import D, jobs_in, reply_for
 
 

@@ -8,7 +8,8 @@ import numpy as np
 
 import algorithms
 from problems import load_problem
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.drivers.daemon import Daemon
 
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 import algorithms
 from problems.trust import Allowed
 from ps.cli.main import main
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.journal.checkpoints import write_checkpoint
 from ps.journal.runfile import write_run
 from ps.ops.export import load_state_dict, locate, state_dict

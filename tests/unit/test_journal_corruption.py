@@ -75,7 +75,8 @@ def files_bytes(d: str) -> dict[str, bytes]:
 
 def _factory():
     import algorithms
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
 
     alg = algorithms.build("asgd", {"lr": 0.1})
     cfg = CoreConfig()

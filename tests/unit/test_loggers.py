@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ps.observe import loggers
 from ps.observe.loggers import (
     SPEC_FORMS,
     ScalarLogger,
@@ -22,7 +23,6 @@ from ps.observe.loggers import (
     parse_spec,
     tick_scalars,
 )
-from ps.observe import loggers
 
 
 def test_specs_accepted_forms(tmp_path, monkeypatch):

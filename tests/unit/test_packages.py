@@ -75,7 +75,7 @@ def imports(path: pathlib.Path, name: str, known: dict[str, pathlib.Path]) -> li
                 out.append((sub if sub in known else base, node.lineno))
     resolved = []
     for mod, line in dict.fromkeys(out):
-        while mod and mod not in known:  # ``import ps.journal.persist.os``-like attribute paths
+        while mod and mod not in known:  # ``import ps.journal.wal.os``-like attribute paths
             mod = mod.rpartition(".")[0]
         if mod:
             resolved.append((mod, line))

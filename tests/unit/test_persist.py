@@ -112,7 +112,8 @@ def test_run_json_records_the_wire_dtype_and_defaults_to_f32(tmp_path):
 def _core(d=16, workers=2):
     import algorithms
     from problems import load_problem
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
 
     problem = load_problem("quadratic", {"d": d})
     cfg = CoreConfig(problem="quadratic", problem_options={"d": d}, min_workers=workers, liveness_timeout_s=1e9,
@@ -158,7 +159,7 @@ def test_recovery_of_a_reduced_precision_run_is_bit_exact(tmp_path, wire, payloa
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
     from protocol.wire import from_wire, to_wire
-    from ps.core.server_core import Send
+    from ps.core.commands import Send
     from ps.journal.persistence import Persistence
     from ps.journal.recovery import recover
     from ps.journal.runfile import read_run, write_run
@@ -216,7 +217,7 @@ def _drive(pers, core, problem, steps, *, after_batch=False, now0=0.0):
 
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
-    from ps.core.server_core import Send
+    from ps.core.commands import Send
     from worker.compute import run_job
 
     todo: deque = deque()

@@ -94,7 +94,8 @@ def test_batch_fsync_wakes_the_daemon_within_its_window_not_one_poll(tmp_path, m
     import algorithms
     import ps.drivers.daemon
     from problems.quadratic import make_quadratic
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
     from ps.drivers.daemon import Daemon
 
     d = str(tmp_path)
@@ -263,7 +264,8 @@ def test_repair_syncs_what_it_moves_and_cuts(tmp_path, fsyncs):
 def _core(d=8, workers=2, algorithm="asgd", settings=None, round_period=None):
     import algorithms
     from problems import load_problem
-    from ps.core.server_core import CoreConfig, ServerCore
+    from ps.core.config import CoreConfig
+    from ps.core.server_core import ServerCore
 
     problem = load_problem("quadratic", {"d": d})
     cfg = CoreConfig(problem="quadratic", problem_options={"d": d}, min_workers=workers, liveness_timeout_s=1e9,
@@ -281,7 +283,7 @@ def _drive(pers, core, problem, steps, *, now0=0.0, bad=(), ticks=False, dt=1.0)
 
     from protocol.codec import encode
     from protocol.messages import Hello, Job, Ready, Reply
-    from ps.core.server_core import Send
+    from ps.core.commands import Send
     from worker.compute import run_job
 
     todo: deque = deque()

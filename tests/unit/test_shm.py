@@ -54,7 +54,7 @@ def test_a_copied_iterate_is_shared_and_released_with_the_store(arena, tmp_path)
 
 
 def test_a_sweep_told_what_left_the_store_looks_at_those_copies_only(arena):
-    """``gone`` (ps.core.server_core.EvictionCursor): the copies of those iterates are released, where they
+    """``gone`` (ps.core.iterates.EvictionCursor): the copies of those iterates are released, where they
     are gone from the store; the others are not looked at."""
     for iid in (1, 2, 3):
         arena.iterate_slot(iid, np.full(D, iid, np.float32))

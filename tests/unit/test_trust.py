@@ -26,7 +26,8 @@ from problems.trust import (
 )
 from protocol.messages import ErrorCode, Welcome
 from ps.cli.main import main
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.journal.checkpoints import write_checkpoint
 from ps.journal.runfile import write_run
 

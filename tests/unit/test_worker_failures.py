@@ -14,7 +14,8 @@ import algorithms
 from problems.base import GradResult
 from protocol.codec import decode
 from protocol.messages import Error, ErrorCode, Hello, Job, JobKind, Ready, Status
-from ps.core.server_core import CoreConfig, ServerCore
+from ps.core.config import CoreConfig
+from ps.core.server_core import ServerCore
 from ps.observe.metrics import SnapshotCollector
 from ps.ops.report import render_markdown, worker_table
 from ps.ops.status import render_status

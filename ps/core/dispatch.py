@@ -1,0 +1,92 @@
+"""Dispatch: free credit becomes jobs. Every worker with credit left, in join order, gets the
+jobs the algorithm makes (``Algorithm.make_job``, or the specs queued: init jobs, clock-made round
+jobs); each job gets a ledger entry, references to its iterates in the store and a sample seed,
+and goes out as a :class:`protocol.messages.Job` with the points its worker does not hold yet.
+
+The ``core`` argument below is a :class:`ps.core.server_core.ServerCore`, whose tables,
+algorithm state, seed generator, counters and events these functions update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from algorithms.base import JobSpec
+from protocol.messages import Job
+from ps.core.commands import Command, Send
+from ps.core.iterates import reference
+from ps.core.ledger import LedgerEntry, add_entry, new_job_id
+from ps.core.settlement import run_round
+from ps.core.workers import WorkerInfo, free_in_join_order, reindex
+
+
+def dispatch_jobs(core: Any, now: float) -> list[Command]:
+    """Give jobs to every worker with free credit, in join order (the free workers are an
+    index: a pass costs the workers served, not the workers connected)."""
+    if not core.issuing or core.held:
+        return []
+    if not core.started:
+        if len(core._eligible) < core.cfg.min_workers:
+            return []
+        core.started = True
+    out: list[Command] = []
+    round_mode = core.alg.mode == "round"
+    clock_rounds = round_mode and bool(core.cfg.round_period_s)
+
+    def idle() -> bool:
+        # Nothing queued and no round to run: no worker gets a job in this pass (neither
+        # condition changes within it), so stop rather than look at every free worker.
+        return not core.pending_specs and (clock_rounds or (round_mode and core.round_blocked))
+
+    if not core._free or idle():
+        return out
+    for wid in free_in_join_order(core):
+        if idle():
+            break
+        w = core.workers[wid]
+        while len(w.outstanding) < w.credit and w.worker_id in core.workers:
+            if core.pending_specs:
+                spec = core.pending_specs.popleft()
+            elif clock_rounds:
+                break
+            else:
+                if core.alg.mode == "round":
+                    if core.round_blocked:
+                        break
+                    out += run_round(core, now)
+                core.state, spec = core.alg.make_job(core.state, w.worker_id)
+                if spec is None:
+                    core.round_blocked = core.alg.mode == "round"
+                    break
+            out.append(Send(w.worker_id, issue_job(core, spec, w, now)))
+    return out
+
+
+def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
+    """Give ``spec`` to ``w``: a new ledger entry, and the job message for it."""
+    if len(spec.iterate_ids) != len(spec.points):
+        raise ValueError(f"{core.alg.name}: JobSpec has {len(spec.iterate_ids)} ids and {len(spec.points)} points")
+    reference(core, spec.iterate_ids, spec.points)
+    jid = new_job_id(core)
+    entry = LedgerEntry(job_id=jid, worker_id=w.worker_id, kind=spec.kind, created_at=spec.created_at,
+                        iterate_ids=tuple(spec.iterate_ids), seed=int(core.rng.integers(0, 2**63)),
+                        batch_size=spec.batch_size or core.cfg.batch_size, shard=spec.shard,
+                        deadline=spec.deadline, issued_at=now)
+    add_entry(core, entry)
+    core.state = core.alg.on_issued(core.state, jid, spec)  # the algorithm learns the job's id
+    w.outstanding.add(jid)
+    reindex(core, w)
+    core.counters.issued += 1
+    if core.record_issued:
+        core.events.append({"ev": "issued", "job_id": jid, "worker_id": w.worker_id, "kind": int(spec.kind),
+                            "created_at": spec.created_at, "seed": entry.seed, "t": now})
+    return job_message(core, entry, w)
+
+
+def job_message(core: Any, entry: LedgerEntry, w: WorkerInfo) -> Job:
+    """The job of ``entry`` as sent to ``w``: with the points of the iterates it does not hold."""
+    missing = tuple(dict.fromkeys(i for i in entry.iterate_ids if i not in w.holds))
+    w.holds.update(missing)
+    return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
+               iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
+               shard=entry.shard, deadline=entry.deadline, point_ids=missing,
+               points=tuple(core.store[i] for i in missing))
