@@ -65,6 +65,7 @@ from protocol.messages import (
 )
 from protocol.wire import roundtrip, to_wire
 from ps.core.server_core import EvictionCursor
+from ps.core.spec import TrainingSpec, core_config, recorded_settings
 from ps.journal.inputs import CoreInputs
 from ps.journal.persist import (
     Journal,
@@ -328,7 +329,6 @@ class Shard:
         restored from a checkpoint's snapshot."""
         from problems.trust import Allowed, UntrustedError, check_run
         from ps.core.server_core import ServerCore
-        from ps.drivers.server import TrainingSpec, core_config, recorded_settings
         from ps.journal.persist import run_wire_dtype
 
         shards = int(run.get("shards", 0))

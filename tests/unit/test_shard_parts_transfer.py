@@ -27,7 +27,8 @@ import worker.shards as links_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
-from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.core.spec import TrainingSpec
+from ps.drivers.server import StateOptions, _new_run
 from ps.journal.inputs import CoreInputs
 from ps.journal.persist import Persistence, read_journal
 from ps.sharded.shard import Shard
