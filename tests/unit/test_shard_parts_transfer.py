@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
-import ps.sharded.shard as shard_mod
+import ps.net.transport as shard_mod
 import worker.shards as links_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
