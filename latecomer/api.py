@@ -446,7 +446,8 @@ class _ThreadServer:
     def __init__(self, plan: _Plan, feed: _Feed) -> None:
         import click
 
-        from ps.drivers.server import ServeOptions, StateOptions, TrainingSpec, make_daemon
+        from ps.core.spec import TrainingSpec
+        from ps.drivers.server import ServeOptions, StateOptions, make_daemon
 
         spec = TrainingSpec(problem=plan.problem, problem_options=dict(plan.problem_options),
                             algorithm=plan.algorithm, settings=dict(plan.settings), max_steps=plan.steps)

@@ -24,11 +24,11 @@ from problems.loader import BUILTIN_PROBLEMS
 from problems.trust import ENV_ALLOW_PROBLEM
 from protocol.messages import ID_IN_USE
 from ps.cli.paths import check_output_file, output_dir, output_file, usage_check
+from ps.core.spec import TrainingSpec
 from ps.drivers.server import (
     ServeBar,
     ServeOptions,
     StateOptions,
-    TrainingSpec,
     log_progress,
     make_daemon,
     serve_until_stopped,

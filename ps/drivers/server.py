@@ -20,60 +20,10 @@ from typing import Any, Callable
 
 import click
 
+from ps.core.spec import TrainingSpec
+from ps.journal.runfile import core_config, recorded_settings
+
 log = logging.getLogger("latecomer.server")
-
-
-@dataclass
-class TrainingSpec:
-    """What to train: problem, algorithm and their settings (from flags and an optional TOML file)."""
-
-    problem: str
-    problem_options: dict[str, Any] = field(default_factory=dict)
-    algorithm: str = "ordered-momentum"
-    settings: dict[str, Any] = field(default_factory=dict)
-    max_steps: int | None = None  # the run's step limit: the default decay_steps of an lr schedule
-
-    def build(self, device: str = "cpu"):
-        """Load the problem and build (and bind) the algorithm; user errors become ClickExceptions.
-
-        ``settings`` is completed with what the run's context provides (``decay_steps`` from
-        ``max_steps``), so that recording it lets resume and replay rebuild the same algorithm.
-        """
-        import algorithms
-        from algorithms.registry import complete_settings
-        from problems import load_problem
-
-        try:
-            problem = load_problem(self.problem, self.problem_options, device=device)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--problem/--problem-opt") from None
-        try:
-            self.settings = complete_settings(algorithms.ALGORITHMS, self.algorithm, self.settings,
-                                              max_steps=self.max_steps)
-            alg = algorithms.build(self.algorithm, self.settings)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--algorithm/--set") from None
-        bind = getattr(alg, "bind", None)
-        if bind is not None:  # the problem's lmo_mask, if any, says which blocks get LMO steps
-            alg = algorithms.base.bind_layout(alg, problem.layout, getattr(problem, "lmo_mask", None))
-        return problem, alg
-
-
-    def build_sharded(self, shards: int, device: str = "cpu"):
-        """The problem and the algorithm as :class:`algorithms.sharding.Sharded` over ``shards``
-        shards (algorithms/sharding.py), bound to the problem's layout: its ``coordinator`` runs on
-        the coordinator, ``parts[i]`` on shard i (docs/ALGORITHMS.md §14)."""
-        import algorithms
-        from algorithms.base import bind_layout
-        from algorithms.sharding import Sharded
-
-        problem, _ = self.build(device)  # loads the problem and completes the settings
-        try:
-            alg = bind_layout(Sharded(algorithms.build(self.algorithm, self.settings), n_shards=shards),
-                              problem.layout, getattr(problem, "lmo_mask", None))
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--shards") from None
-        return problem, alg
 
 
 @dataclass(frozen=True)
@@ -253,16 +203,6 @@ def read_run_checked(state_dir: str) -> dict[str, Any]:
     return read_run(state_dir, complete=True) or {}
 
 
-def core_config(run: dict[str, Any]):
-    from ps.core.config import CoreConfig
-    from ps.journal.statedir import StateError
-
-    try:
-        return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
-    except (KeyError, TypeError, ValueError) as e:
-        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None
-
-
 def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype: str = "f32", allowed=None,
                shards: int = 0, **core_kw):
     """Start a new run in an empty state directory, or resume the one it holds. Returns the
@@ -292,19 +232,6 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
                               max_journal_bytes=state.max_journal_bytes, lock=lock)
     persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
     return core, problem, persistence, spec
-
-
-def recorded_settings(run: dict) -> dict[str, Any]:
-    """The settings the recorded ``run`` ran (algorithms/registry.py ``recorded_settings``): a key
-    its run.json predates (``momentum_start``) means the value it ran then. Where the algorithm
-    cannot be resolved, the settings as they are (building it reports why)."""
-    import algorithms
-    from algorithms.registry import recorded_settings as fill
-
-    try:
-        return fill(algorithms.ALGORITHMS, run["algorithm"], run["settings"])
-    except ValueError:
-        return dict(run["settings"])
 
 
 def _build(spec: TrainingSpec, shards: int):

@@ -79,3 +79,25 @@ def read_run(state_dir: str, *, complete: bool = False) -> dict[str, Any] | None
     except ValueError as e:
         raise StateError(f"{path}: {e}") from None
     return run
+
+
+def recorded_settings(run: dict) -> dict[str, Any]:
+    """The settings the recorded ``run`` ran (algorithms/registry.py ``recorded_settings``): a key
+    its run.json predates (``momentum_start``) means the value it ran then. Where the algorithm
+    cannot be resolved, the settings as they are (building it reports why)."""
+    import algorithms
+    from algorithms.registry import recorded_settings as fill
+
+    try:
+        return fill(algorithms.ALGORITHMS, run["algorithm"], run["settings"])
+    except ValueError:
+        return dict(run["settings"])
+
+
+def core_config(run: dict[str, Any]):
+    from ps.core.config import CoreConfig
+
+    try:
+        return CoreConfig(**{**run["core"], "problem_options": dict(run["core"]["problem_options"])})
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"run.json: its core settings do not fit this version ({type(e).__name__}: {e})") from None

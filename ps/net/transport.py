@@ -1,7 +1,10 @@
 """The server's end of the wire: frames in, validated messages with their peer out, and back.
 
 ps-lite's ``Van`` is the model: the core and the algorithms never see it. :class:`ServerTransport`
-owns the ROUTER socket and everything that is about connections rather than training:
+owns the ROUTER socket and everything that is about connections rather than training. It is the
+one server-side transport: the daemon's (the default) and a shard's data path (configured with a
+:class:`~ps.net.routed.ShardRole`, PROTOCOL.md §12.1) share the socket's setup and its bounds,
+parts in and out, the same-host path and the wire dtype:
 
 * decoding, with the protocol's limits, and large arrays that come in ``part`` messages
   (reassembled per connection, bounded: ps/net/connections.py);
@@ -12,13 +15,19 @@ owns the ROUTER socket and everything that is about connections rather than trai
 * the same-host path (iterates and gradients in shared memory slots, protocol/shm.py) and the
   wire dtype (iterates converted for sending, replies converted back);
 * rate-limited answers to what never reaches the core (errors, ``status?``);
-* the server's heartbeats, a slice per pass of the loop.
+* the server's heartbeats, a slice per pass of the loop;
+* hello: a daemon binds a connection with it (its rules: ps/net/admission.py) and answers with
+  ``welcome``; a shard knows a connection by its routing id (ps/net/routed.py), answers a hello
+  only to offer its shared memory, and tells a connection that it takes parts with a welcome
+  after the first job it sends it.
 
 :meth:`ServerTransport.receive` turns one ROUTER message into at most one :class:`Inbound`
 (what the core is to be fed, with what the journal keeps) or a :class:`Count` (a message the
 core never sees, which still counts); :meth:`ServerTransport.send` turns a core command's message
 into frames for its worker. The transport reads the core (its worker table, its iterate store)
-but never changes it: the daemon journals and feeds the core (ps/drivers/daemon.py).
+but never changes it: the daemon journals and feeds the core (ps/drivers/daemon.py). A shard's
+:meth:`ServerTransport.receive_routed` hands the shard a fetch or a reply (its block as the frames
+the journal keeps) and :meth:`ServerTransport.send_routed` sends its answers.
 """
 
 from __future__ import annotations
@@ -35,20 +44,20 @@ import zmq
 
 from algorithms._pool import POOL
 from protocol.chunks import split
-from protocol.codec import decode, encode
+from protocol.codec import DEFAULT_MAX_ARRAY_BYTES, decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
+    CHUNK_BYTES,
     CHUNK_THRESHOLD,
-    ID_IN_USE,
     MAX_HEADER_BYTES,
     MAX_PARTS,
     Bye,
     Error,
     ErrorCode,
+    Fetch,
     Heartbeat,
     Hello,
     Job,
-    JobKind,
     Part,
     Ready,
     Reply,
@@ -58,6 +67,7 @@ from protocol.messages import (
 from protocol.wire import to_wire
 from ps.core.iterates import EvictionCursor
 from ps.journal.replies import reply_from_wire
+from ps.net.admission import Admission
 from ps.net.connections import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_MAX_WORKERS_PER_KEY,
@@ -67,15 +77,19 @@ from ps.net.connections import (
     RateLimitedLog,
 )
 from ps.net.endpoints import needs_ipv6
+from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
+from ps.net.sameshost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
-MAX_SUPERSEDED = 4096  # replaced (worker id, boot) pairs remembered (ps/net/transport.py _hello_refusal)
 MAX_SHM_LISTED = 1024  # summary.json lists at most this many workers that used shared memory
 SMALL_MESSAGE = 512  # a message of one frame at most this long may be a heartbeat repeat
+SHARD_HWM = 256  # a shard's data socket: its send and receive high-water marks (messages)
+TRANSFER_TIMEOUT_S = 10.0  # a shard: an unfinished transfer from a worker that got no part for this long is dropped
+TRANSFER_TOTAL_MIN = 64 << 20  # a shard: all unfinished transfers together, four blocks' worth, at least this
 
 
 @dataclass
@@ -104,17 +118,32 @@ class Count:
     kind: str
 
 
-def server_socket(ctx: zmq.Context, bind: str, max_array_bytes: int, security: Any = None) -> zmq.Socket:
-    """The ROUTER socket, its options (protocol/PROTOCOL.md §2) and its bind."""
+def router_socket(ctx: zmq.Context, security: Any, sndhwm: int, rcvhwm: int) -> zmq.Socket:
+    """A server's ROUTER (protocol/PROTOCOL.md §2): an unroutable send fails rather than vanishing,
+    under CurveZMQ if the server runs it."""
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.sndhwm = 4 * MAX_PARTS  # a job in parts is up to MAX_PARTS + 1 messages
-    sock.rcvhwm = 8 * MAX_PARTS
-    # Largest legal frame: one float64 gradient (libzmq applies MAXMSGSIZE per frame); the
-    # header frame is far smaller. A peer sending more is disconnected by libzmq.
+    sock.sndhwm, sock.rcvhwm = sndhwm, rcvhwm
+    if security is not None:
+        security.apply(sock)
+    return sock
+
+
+def bind_router(sock: zmq.Socket, bind: str, max_array_bytes: int) -> None:
+    """Bind ``sock``, its largest frame one float64 array of ``max_array_bytes`` (libzmq applies
+    MAXMSGSIZE per frame, and copies a socket's options into the listener when it binds); the
+    header frame is far smaller. A peer sending more is disconnected by libzmq."""
     sock.setsockopt(zmq.MAXMSGSIZE, max(max_array_bytes, MAX_HEADER_BYTES) + 4096)
+    sock.ipv6 = needs_ipv6(bind)  # IPv6 literals only: IPv4 binds keep their plain endpoint
+    sock.bind(bind)
+
+
+def server_socket(ctx: zmq.Context, bind: str, max_array_bytes: int, security: Any = None) -> zmq.Socket:
+    """The daemon's ROUTER socket, its options (protocol/PROTOCOL.md §2) and its bind."""
+    # A job in parts is up to MAX_PARTS + 1 messages.
+    sock = router_socket(ctx, security, 4 * MAX_PARTS, 8 * MAX_PARTS)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     # No ZMTP heartbeats: libzmq 4.3.5 aborts when the heartbeat timer fires on a connection
     # that was reset while its receive pipe was full (SECURITY.md, "the libzmq abort"); the
     # protocol's own heartbeats and the liveness timeout tell a silent worker, and TCP
@@ -124,35 +153,50 @@ def server_socket(ctx: zmq.Context, bind: str, max_array_bytes: int, security: A
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
     sock.setsockopt(zmq.BACKLOG, 1024)  # the front connects once per client: bursts of them
-    if security is not None:
-        security.apply(sock)
-    sock.ipv6 = needs_ipv6(bind)  # IPv6 literals only: IPv4 binds keep their plain endpoint
-    sock.bind(bind)
+    bind_router(sock, bind, max_array_bytes)
     return sock
 
 
-def _open_arena(dim: int, boot: int) -> tuple[Any, str]:
-    """The same-host path's shared memory (protocol/shm.py), or (None, "") where unusable."""
-    from protocol import shm as shm_mod
-
-    if not shm_mod.shm_dir_usable():
-        return None, ""
-    try:
-        shm_mod.remove_stale()
-        arena = shm_mod.ShmArena(dim, boot)
-        POOL.factory = arena.allocate  # new iterates are born in shared memory
-        return arena, shm_mod.host_id()
-    except OSError as e:
-        log.warning("shared memory unavailable (%s): TCP only", e)
-        return None, ""
+def vector_limits(core: Any) -> ConnectionLimits:
+    """The daemon's connection table: an idle connection forgotten after twice the liveness
+    timeout, a transfer of at most two float64 gradients per connection and four such transfers'
+    worth (at least 64 MiB) in all, heartbeat repeats dropped within a third of the liveness timeout."""
+    xfer = 2 * core.dim * 8
+    return ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
+                            transfer_total_bytes=max(64 << 20, 4 * xfer),
+                            hb_refresh_s=core.cfg.liveness_timeout_s / 3)
 
 
-def _remember(table: collections.OrderedDict, key: Any) -> None:
-    """``key`` as the newest entry of a bounded table (the oldest dropped past MAX_SUPERSEDED)."""
-    table[key] = None
-    table.move_to_end(key)
-    while len(table) > MAX_SUPERSEDED:
-        table.popitem(last=False)
+def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
+    """The bounds on workers' unfinished transfers (parts of gradient blocks), the daemon's
+    (:func:`vector_limits`) for this slice: one transfer per connection of at most two float64
+    blocks, four such transfers' worth (at least ``TRANSFER_TOTAL_MIN``) over all
+    connections, a transfer dropped after ``TRANSFER_TIMEOUT_S`` without a part. A record
+    holds nothing but its transfer, so it is forgotten as soon as that could be dropped."""
+    lo, hi = span
+    xfer = 2 * max(hi - lo, 1) * 8
+    return ConnectionLimits(idle_s=TRANSFER_TIMEOUT_S, max_idle=MAX_PARTS_PEERS, transfer_bytes=xfer,
+                            transfer_total_bytes=max(TRANSFER_TOTAL_MIN, 4 * xfer),
+                            transfer_timeout_s=TRANSFER_TIMEOUT_S)
+
+
+def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float, clock: Callable[[], float],
+               max_array_bytes: int, send: Callable[[bytes, Any], bool]) -> None:
+    """Wait (until ``deadline``) for the acknowledging bye of each connection in ``pending``; what
+    else one sends is answered with ``bye`` again (it missed it: it was reconnecting)."""
+    while pending and clock() < deadline:
+        if not sock.poll(max(1, int((deadline - clock()) * 1000)), zmq.POLLIN):
+            break
+        frames = sock.recv_multipart(copy=False)
+        rid = frames[0].bytes
+        try:
+            msg = decode(frames[1:], max_array_bytes=max_array_bytes)
+        except RemoteProtocolError:
+            continue
+        if isinstance(msg, Bye):
+            pending.discard(rid)
+        else:
+            send(rid, bye)
 
 
 class ServerTransport:
@@ -160,8 +204,8 @@ class ServerTransport:
 
     Args:
         core: read only: its worker table (``workers``), iterate store, ledger, dimension, boot
-            and configuration.
-        bind: the endpoint to bind.
+            and configuration. A shard's is set once its run starts (None before).
+        bind: the endpoint to bind (a shard's: None, bound with :meth:`bind_slice`).
         clock: the daemon's monotonic clock.
         keys_dir: CurveZMQ keys (ps/net/security.py); None: no security.
         shm: ``auto`` (same-host workers that ask), ``any`` (every worker that asks) or ``off``.
@@ -170,57 +214,63 @@ class ServerTransport:
         limits: the connection table's bounds; None: derived from the core's configuration.
         journaled: the daemon journals what the core is fed (a reply whose arrays came in parts
             or in shared memory is then re-encoded, so the journal holds them).
+        shard: a shard's data path (ps/net/routed.py); None: the daemon's.
+        security: a shard's CurveZMQ (its owner's, which its control channel shares).
     """
 
-    def __init__(self, ctx: zmq.Context, core: Any, bind: str, *, clock: Callable[[], float],
+    def __init__(self, ctx: zmq.Context, core: Any, bind: str | None, *, clock: Callable[[], float],
                  keys_dir: str | None = None, shm: str = "auto", wire_dtype: str = "f32",
                  max_workers: int = DEFAULT_MAX_WORKERS, max_workers_per_key: int = DEFAULT_MAX_WORKERS_PER_KEY,
-                 limits: ConnectionLimits | None = None, journaled: bool = False) -> None:
+                 limits: ConnectionLimits | None = None, journaled: bool = False,
+                 shard: ShardRole | None = None, security: Any = None) -> None:
         if shm not in ("auto", "any", "off"):
             raise ValueError(f"shm must be auto, any or off, got {shm!r}")
-        self.core = core
-        self.clock = clock
+        self.core, self.clock = core, clock
         self.journaled = journaled  # a reply whose arrays the transport changed is re-encoded for the journal
-        self.max_array_bytes = max(core.dim, 1) * 8  # a sharded coordinator (dim 0) takes empty arrays
-        self.security = None
+        self.shard = shard
+        self.security, self.own_security = security, keys_dir is not None
         if keys_dir is not None:
             from ps.net.security import ServerSecurity
 
             self.security = ServerSecurity(ctx, keys_dir)
+        self.wire_dtype = wire_dtype
+        self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
+        self.send_failures = self.invalid_messages = self.bytes_in = 0
+        if shard is None:
+            self._init_daemon(ctx, bind, shm, limits, max_workers, max_workers_per_key)
+        else:
+            self._init_shard(ctx, shm, shard)
+
+    def _init_daemon(self, ctx: zmq.Context, bind: str, shm: str, limits: ConnectionLimits | None,
+                     max_workers: int, max_workers_per_key: int) -> None:
+        core = self.core
+        self.max_array_bytes = max(core.dim, 1) * 8  # a sharded coordinator (dim 0) takes empty arrays
         self.sock = server_socket(ctx, bind, self.max_array_bytes, self.security)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.conns = Connections(limits or self.default_limits(core), now=clock(),
+        self.conns = Connections(limits or vector_limits(core), now=self.clock(),
                                  alloc=lambda n: POOL.empty((n,), np.uint8))
         self.max_workers, self.max_workers_per_key = max_workers, max_workers_per_key
         self.banned_keys: set[str] = set()  # keys of quarantined or revoked workers
-        self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
-        # (worker id, boot) of incarnations a newer boot replaced: if one speaks again, two live
-        # processes share the id (PROTOCOL.md 8.1). Oldest dropped past MAX_SUPERSEDED.
-        self.superseded: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
-        # Ids proven shared that way: a new boot of one is refused while its holder is live (a twin
-        # that restarts, e.g. under Restart=always, cannot take the id back and forth).
-        self.contested: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.admission = Admission(self, Count)  # the hello rules
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
-        self.wire_dtype = wire_dtype
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
         self.evictions = EvictionCursor()  # which iterates left the core's store (sweep)
         self.shm_any = shm == "any"  # offer it to every worker that asks: its probe decides
-        self.arena, self.host_id = _open_arena(core.dim, core.server_boot) if shm != "off" else (None, "")
+        self.arena, self.host_id = open_arena(core.dim, core.server_boot) if shm != "off" else (None, "")
         self.shm_used: set[str] = set()  # got at least one job through it (summary.json; MAX_SHM_LISTED)
-        self.next_xfer = 0
         self.shards_map: Callable[[], tuple] = tuple  # a sharded server's Welcome.shards (ps/sharded/hub.py)
-        self.parts_in = self.parts_out = 0
-        self.send_failures = self.invalid_messages = self.bytes_in = 0
 
-    @staticmethod
-    def default_limits(core: Any) -> ConnectionLimits:
-        """An idle connection forgotten after twice the liveness timeout, a transfer of at most
-        two float64 gradients per connection and four such transfers' worth (at least 64 MiB) in
-        all, heartbeat repeats dropped within a third of the liveness timeout."""
-        xfer = 2 * core.dim * 8
-        return ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
-                                transfer_total_bytes=max(64 << 20, 4 * xfer),
-                                hb_refresh_s=core.cfg.liveness_timeout_s / 3)
+    def _init_shard(self, ctx: zmq.Context, shm: str, shard: ShardRole) -> None:
+        """A shard's data path: the socket made now, bound once the slice is known (:meth:`bind_slice`);
+        the connections told (a welcome after the first job sent to them) and those whose hello
+        said they take parts (PROTOCOL.md §6.13, §12.1); its same-host path."""
+        self.sock = router_socket(ctx, self.security, SHARD_HWM, SHARD_HWM)
+        self.endpoint = ""
+        self.max_array_bytes = DEFAULT_MAX_ARRAY_BYTES  # the decoder's; libzmq's is the slice's (bind_slice)
+        self.data_log = RateLimitedLog(shard.logger)
+        self.parts: PartsIn | None = None  # workers' unfinished transfers (bounded for the slice: bind_slice)
+        self.same_host = SliceSameHost(shm, shard.boot, shard.logger)
+        self.peers = ShardPeers(shard, self.same_host)
 
     # ------------------------------------------------------------------ inbound
     def pending(self) -> Iterator[list]:
@@ -255,11 +305,11 @@ class ServerTransport:
                 self.send_frames(rid, status(msg.token))
             return None
         key = self._key(frames[1])
-        wid = self._identify(conn, msg, key, now)
+        wid = self.admission.identify(conn, msg, key, now)
         if wid is None or isinstance(wid, Count):
             return wid
         if isinstance(msg, Ready):
-            self._ready(conn, msg)
+            conn.shm_ready = opened_shm(conn.shm_capable, msg.shm, conn.wid)
         inbound = Inbound(conn, wid, msg, key, frames[1:], body=body)
         return self._reply_arrays(inbound) if isinstance(msg, Reply) else inbound
 
@@ -290,72 +340,9 @@ class ServerTransport:
         user = frame.get("User-Id")
         return fingerprint(user) if user else ""
 
-    def _identify(self, conn: Conn, msg: Any, key: str, now: float) -> str | Count | None:
-        """The worker a message is from: a hello binds its connection (or is refused), anything
-        else must come over a bound connection with the same key."""
-        if isinstance(msg, Hello):
-            refused = self._hello_refusal(conn, msg, key, now)
-            if refused:
-                return self._refuse(conn, msg.worker_id, refused[1], now, kind=refused[0])
-            self.conns.bind(conn, msg.worker_id, key)  # a record bound to wid before loses it
-            conn.parts = msg.parts
-            if self.arena is not None:
-                self.arena.forget_worker(msg.worker_id)
-                conn.shm_capable = bool(msg.shm and (self.shm_any or msg.host_id == self.host_id))
-            return msg.worker_id
-        if conn.wid is None:
-            if isinstance(msg, Bye):
-                return None
-            self.answer_error(conn, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))
-            return Count("stray" if isinstance(msg, (Heartbeat, Ready)) else "invalid")
-        if conn.key != key:  # another key took this routing id over
-            self.answer_error(conn, Error(ErrorCode.REFUSED, "key does not match the worker's"))
-            return Count("invalid")
-        return conn.wid
-
-    def _hello_refusal(self, conn: Conn, hello: Hello, key: str, now: float) -> tuple[str, str] | None:
-        """Why the transport refuses this hello, as (kind for the log or "", text), or None."""
-        wid = hello.worker_id
-        if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
-            return "", "routing id already bound to another worker"
-        if key and key in self.banned_keys:
-            return "", "this key is quarantined"
-        w = self.core.workers.get(wid)
-        if (wid, hello.boot) in self.superseded or (  # a replaced incarnation speaks again: not a restart
-                wid in self.contested and w is not None and w.boot != hello.boot
-                and now - w.last_seen < self.core.cfg.liveness_timeout_s):  # a proven twin's next boot
-            _remember(self.contested, wid)
-            return "id_in_use", (f"{ID_IN_USE}: {wid[:64]} belongs to another live process (a newer boot took it); "
-                                 "give each worker its own --worker-id")
-        if w is not None:
-            if w.key != key:
-                return "", "worker id in use with another key"
-            if w.boot != hello.boot:  # a new incarnation replaces w: a restart, unless w speaks again
-                _remember(self.superseded, (wid, w.boot))
-            return None
-        # A new join: the caps.
-        if len(self.core.workers) >= self.max_workers:
-            return "max_workers", f"too many workers ({self.max_workers}; serve --max-workers)"
-        if key and self.conns.workers_of_key(key) >= self.max_workers_per_key:
-            return "max_workers_per_key", (f"key {key} already has {self.max_workers_per_key} workers "
-                                           "(serve --max-workers-per-key)")
-        return None
-
-    def _refuse(self, conn: Conn, wid: str, refusal: str, now: float, kind: str = "") -> Count:
-        """A refused hello: answered ``err REFUSED`` and, for a ``kind`` of refusal an operator
-        should hear of, logged at most once per 10 s; it counts as ``refused``."""
-        if kind:
-            self.refusals.warning(kind, now, "refused hello from worker %s: %s", wid[:64], refusal)
-        self.answer_error(conn, Error(ErrorCode.REFUSED, refusal))
-        return Count("refused")
-
-    def _ready(self, conn: Conn, msg: Ready) -> None:
-        if msg.shm and conn.shm_capable:
-            conn.shm_ready = True
-            return
-        if conn.shm_capable:
-            log.info("worker %s cannot open the shared memory: TCP for it", conn.wid)
-        conn.shm_ready = False
+    def offers_shm(self, hello: Hello) -> bool:
+        """Whether the daemon offers its shared memory to the worker of ``hello`` (it has an arena)."""
+        return offers_shm(hello, "any" if self.shm_any else "auto", self.host_id)
 
     def _reply_arrays(self, inb: Inbound) -> Inbound:
         """A reply's gradients as the core takes them (float32 or float64 arrays in the message),
@@ -405,9 +392,7 @@ class ServerTransport:
         if isinstance(msg, Job):
             msg = self._job_arrays(conn, msg)
             if conn.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
-                self.next_xfer += 1
-                messages = split(msg, self.next_xfer)  # large arrays: parts, then the job
-                self.parts_out += len(messages) - 1
+                messages = self._parts_out(msg)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
@@ -418,13 +403,9 @@ class ServerTransport:
         """Transport of a job's iterates: shared-memory slots for same-host workers, else the
         frames the core chose, converted to the wire dtype."""
         if conn.shm_ready:
-            store = self.core.store
-            refs = tuple(self.arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
-            n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
             if len(self.shm_used) < MAX_SHM_LISTED:
                 self.shm_used.add(conn.wid)
-            return Job(job.job_id, job.kind, job.created_at, job.iterate_ids, job.seed, job.batch_size, job.shard,
-                       job.deadline, (), (), refs, self.arena.lend(conn.wid, job.job_id, n), job.xfer)
+            return lend_job(self.arena, conn.wid, job, self.core.store)
         if self.wire_dtype != "f32" and job.points:
             return dataclasses.replace(job, points=tuple(self._wire_iterate(i, p)
                                                          for i, p in zip(job.point_ids, job.points, strict=True)))
@@ -456,6 +437,9 @@ class ServerTransport:
     def sweep(self) -> None:
         """After the core's commands: shared-memory slots and wire copies of iterates the core no
         longer holds are released."""
+        if self.shard is not None:
+            self.same_host.sweep(self.shard.core(), self.shard.live)
+            return
         core = self.core
         gone = self.evictions.take(core)  # only these left the store since the last sweep (None: unknown)
         if self.arena is not None and (self.arena.lent or self.arena.copies or self.arena.free_grad):
@@ -464,6 +448,103 @@ class ServerTransport:
             for iid in [i for i in (self.wire_cache if gone is None else gone)
                         if i in self.wire_cache and i not in core.store]:
                 del self.wire_cache[iid]
+
+    # ------------------------------------------------------------------ a shard's data path
+    def bind_slice(self, bind: str, span: tuple[int, int]) -> str:
+        """Bind a shard's socket, its largest frame a float64 block of the slice ``span`` (a restored
+        shard knows it, a new one learns it from the coordinator's welcome); the bounds on its
+        workers' transfers are the slice's. Returns the endpoint bound."""
+        lo, hi = span
+        try:
+            bind_router(self.sock, bind, (hi - lo) * 8)
+        except zmq.ZMQError as e:
+            raise OSError(f"cannot bind {bind}: {e}") from None
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.parts = PartsIn(slice_limits(span), self.clock, self.data_log)
+        return self.endpoint
+
+    def receive_routed(self, frames: list, now: float) -> tuple[bytes, Any, list] | None:
+        """One ROUTER message to a shard: (its routing id, a fetch or a reply, the frames the
+        journal keeps of it: a block from parts or from shared memory as one message), or None:
+        handled here (a part, a hello, a ready, an answer of error)."""
+        rid, role = frames[0].bytes, self.shard
+        try:
+            msg = decode(frames[1:], max_array_bytes=self.max_array_bytes,
+                         payload=lambda xfer, n: self.parts.take(rid, xfer, n))
+            if type(msg) is Part:
+                self.parts.add(rid, msg, now, role.live(rid))
+                self.parts_in += 1
+                return None
+        except RemoteProtocolError as e:
+            role.answer(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
+            return None
+        if role.core() is None:
+            role.answer(rid, Error(ErrorCode.REFUSED, "this shard has not started"))
+            return None
+        if type(msg) is Fetch:
+            return rid, msg, frames
+        if type(msg) is Reply:
+            if msg.in_shm:  # its gradients are in the slots lent for the job: read as the frames they stand for
+                got = self.same_host.block(rid, msg, self.wire_dtype, role.holds(msg.job_id), role.answer,
+                                           lambda kind, *args: self.data_log.warning(kind, self.clock(), *args))
+                return None if got is None else (rid, *got)
+            if msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
+                msg = dataclasses.replace(msg, xfer=0)
+                frames = [rid, *encode(msg)]
+            return rid, msg, frames
+        if type(msg) is Hello:
+            self.peers.hello(rid, msg, self._send_now)
+        elif type(msg) is Ready:
+            self.same_host.opened(rid, msg.shm, worker_of(rid))
+        else:
+            role.answer(rid, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for a shard"))
+        return None
+
+    def routed_job(self, rid: bytes, entry: Any, point_ids: tuple) -> Job:
+        """A shard's answer to a fetch of the job ``entry`` of the ledger: over the same-host path
+        to a connection that opened it, else its slices of ``point_ids`` in the wire dtype."""
+        store = self.shard.core().store
+        if rid in self.same_host.ready:
+            job = self.same_host.job(rid, entry, store, self.wire_dtype, self.shard.live(rid))
+            if job is not None:
+                return job
+        wire = self.wire_dtype
+        points = tuple(store[i] if wire == "f32" else to_wire(store[i], wire) for i in point_ids)
+        return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
+                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline,
+                   point_ids=tuple(point_ids), points=points)
+
+    def send_routed(self, rid: bytes, msg: Any) -> None:
+        """``msg`` to a shard's worker at ``rid``: a ``job`` whose slices pass the threshold goes in
+        parts, then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it
+        takes them; the first job to a connection is followed by a welcome that says the shard
+        takes parts."""
+        if type(msg) is Job and rid in self.peers.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
+            messages = self._parts_out(msg)
+        else:
+            messages = [encode(msg)]
+        if type(msg) is Job and self.peers.first_job(rid):  # the first job to this connection (that we remember)
+            messages.append(encode(self.shard.welcome("")))  # after it: a peer's first answer is its fetch's
+        try:
+            for frames in messages:
+                self.sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
+        except (zmq.Again, zmq.ZMQError):
+            pass  # the worker is gone, or its pipe is full: it asks again (a transfer cut short is dropped there)
+
+    def _send_now(self, rid: bytes, msg: Any) -> bool:
+        """``msg`` to a shard's worker at once, in one message; False: it could not be sent."""
+        try:
+            self.sock.send_multipart([rid, *encode(msg)], flags=zmq.NOBLOCK, copy=False)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def _parts_out(self, msg: Any) -> list:
+        """The messages that carry ``msg`` in parts, then its header (a new transfer id)."""
+        self.next_xfer += 1
+        messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+        self.parts_out += len(messages) - 1
+        return messages
 
     # ------------------------------------------------------------------ heartbeats
     def start_heartbeats(self) -> None:
@@ -494,21 +575,13 @@ class ServerTransport:
         for rid in list(pending):
             if not self.send_message(rid, bye):
                 pending.discard(rid)
-        while pending and self.clock() < deadline:
-            if not self.sock.poll(max(1, int((deadline - self.clock()) * 1000)), zmq.POLLIN):
-                break
-            frames = self.sock.recv_multipart(copy=False)
-            rid = frames[0].bytes
-            try:
-                msg = decode(frames[1:], max_array_bytes=self.max_array_bytes)
-            except RemoteProtocolError:
-                continue
-            if isinstance(msg, Bye):
-                pending.discard(rid)
-            else:
-                self.send_message(rid, bye)
+        await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message)
 
     def close(self) -> None:
+        if self.shard is not None:
+            self.sock.close(linger=0)
+            self.same_host.close()
+            return
         if self.arena is not None:
             if POOL.factory == self.arena.allocate:
                 POOL.factory = None
@@ -517,7 +590,7 @@ class ServerTransport:
         # A short linger lets the final Bye messages reach the workers; everything else the
         # server would have sent is re-derivable from the job ledger.
         self.sock.close(linger=1000)
-        if self.security is not None:
+        if self.security is not None and self.own_security:
             self.security.stop()
 
     def figures(self) -> dict[str, Any]:

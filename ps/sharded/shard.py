@@ -7,15 +7,19 @@ feed a core (:class:`ps.journal.inputs.CoreInputs`): the ledger, ages, rounds, w
 decision of the algorithm come out the same, and the vector work is this shard's. The one
 difference is where a reply's gradients come from: the coordinator's records hold none
 (its iterate is empty), so an accepted reply gets this shard's gradient *block*, which the
-worker sent here directly (:class:`ShardInputs`).
+worker sent here directly (:class:`~ps.sharded.state.ShardInputs`).
 
-Data path (the ROUTER at ``--bind``): a worker asks ``fetch`` {job, iterate ids} and gets a
+Data path (the ROUTER at ``--bind``: the server's one transport, :class:`~ps.net.transport.ServerTransport`
+configured for a shard, which owns the socket, hello and ready, parts, the same-host path and the
+wire dtype): a worker asks ``fetch`` {job, iterate ids} and gets a
 ``job`` whose points are this shard's slices of those iterates (waiting, bounded, until the
 record that issued the job is applied here); it sends a ``reply`` whose gradients are its
 slices. A block is checked as the core checks a reply (the job outstanding for that worker,
 shape, dtype, finite, in the run's wire dtype), journaled (``blocks/``, ps/journal/wal.py's
 journal), and once durable under the fsync policy the coordinator is told ``have``; the
-coordinator hands the reply to its core only when every shard has it (ps/sharded/hub.py).
+coordinator hands the reply to its core only when every shard has it (ps/sharded/hub.py). The
+core, the blocks and the checkpoints are the shard's state (ps/sharded/state.py); this module is
+the loop, the control channel's side of it, and the fetches waiting for their job's record.
 
 State directory (``--state``): ``shard.json`` (run id, index, endpoint), ``run.json`` (the run
 description from the ``start`` record), ``ckpt-<lsn>.bin`` (the core's snapshot after the
@@ -27,7 +31,6 @@ because the coordinator accepted it only after this shard's block was durable.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -36,45 +39,26 @@ import resource
 import secrets
 import signal
 import time
-from collections import OrderedDict
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
 
-from algorithms.wrappers import block_sq_sums, needs_block_norms, needs_step_norms
-from protocol.chunks import split
-from protocol.codec import decode, encode
-from protocol.errors import RemoteProtocolError
 from protocol.messages import (
-    CHUNK_BYTES,
-    CHUNK_THRESHOLD,
-    MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     Error,
     ErrorCode,
     Fetch,
-    Hello,
-    Job,
-    JobKind,
-    Part,
-    Ready,
-    Reply,
     Welcome,
 )
-from protocol.wire import roundtrip, to_wire
-from ps.core.iterates import EvictionCursor
-from ps.journal.checkpoints import checkpoint_files, verified_checkpoints, write_checkpoint
-from ps.journal.inputs import CoreInputs
-from ps.journal.records import Record, journaled_norms
-from ps.journal.replies import reply_from_wire
-from ps.journal.runfile import write_run
-from ps.journal.segments import cut_torn_tail, last_lsn, read_journal
+from ps.journal.records import Record
 from ps.journal.statedir import StateError
 from ps.journal.wal import Journal
-from ps.net.connections import ConnectionLimits, Connections, RateLimitedLog
+from ps.net.routed import ShardRole, worker_of
+from ps.net.transport import ServerTransport
 from ps.sharded.control import ControlError, pack, unpack
+from ps.sharded.state import ShardInputs, ShardState, step_sq_of
 
 log = logging.getLogger("latecomer.shard")
 
@@ -85,9 +69,6 @@ CHECKPOINT_S = 30.0  # ... or this long, whichever first
 MAX_PARKED = 4096  # fetches waiting for their job to be issued here
 PARKED_S = 30.0  # ... for at most this long (the worker asks again)
 SHARD_FILE = "shard.json"
-MAX_PARTS_PEERS = 4096  # connections remembered (told, taking parts, holding a transfer): the least recent go
-TRANSFER_TIMEOUT_S = 10.0  # an unfinished transfer from a worker that got no part for this long is dropped
-TRANSFER_TOTAL_MIN = 64 << 20  # all unfinished transfers together: four blocks' worth, at least this
 
 
 
@@ -107,65 +88,6 @@ def saved_shard(state_dir: str) -> dict | None:
     except (OSError, ValueError) as e:
         raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
 
-class ShardInputs(CoreInputs):
-    """The coordinator's records fed to this shard's core: a reply the coordinator accepted
-    (journaled without gradients) gets the gradient block this shard holds for its job."""
-
-    def __init__(self, core: Any, blocks: dict[int, tuple], norms: tuple | None = None,
-                 step_norms: tuple | None = None) -> None:
-        super().__init__(core)
-        self.blocks = blocks
-        self.norms = norms  # (this shard's sub-layout, its first block's index, the layout's blocks) or None
-        self.step_norms = step_norms  # (its first block's index, the layout's blocks) or None (lmo='l2')
-
-    def recompute(self, core: Any, wid: str, fields: dict, problem: Any, wire: str) -> Any:
-        jid = fields["job_id"]
-        entry = core.ledger.get(jid)
-        grads: tuple = ()
-        if entry is not None and entry.worker_id == wid and not entry.received \
-                and entry.created_at == fields["created_at"]:
-            grads = self.blocks.pop(jid, None)
-            if grads is None:
-                raise StateError(f"the coordinator accepted job {jid}, and this shard holds no gradient block for "
-                                 f"it (its blocks journal lost a record?)")
-        block_sq, step_sq = journaled_norms(fields)
-        if grads and self.norms is not None and entry.kind != JobKind.FULL_GRAD:
-            layout, first, n = self.norms
-            mine = block_sq_sums(grads[0], layout)
-            if block_sq is None or len(block_sq) != n or block_sq[first:first + len(mine)] != mine:
-                raise StateError(f"job {jid}: the coordinator's block norms {block_sq!r:.200} are not this shard's "
-                                 f"{mine!r:.200} at blocks {first}.. of {n}")
-        if grads and self.step_norms is not None:
-            first, n = self.step_norms
-            mine = step_sq_of(core, entry, grads, block_sq)
-            if mine is not None and (step_sq is None or len(step_sq) != n
-                                     or step_sq[first:first + len(mine)] != mine):
-                raise StateError(f"job {jid}: the coordinator's step norms {step_sq!r:.200} are not this shard's "
-                                 f"{mine!r:.200} at blocks {first}.. of {n}")
-        return Reply(job_id=jid, created_at=fields["created_at"], grads=grads, loss=fields["loss"],
-                     count=fields["count"], compute_s=fields["compute_s"], holds=tuple(fields["holds"]),
-                     block_sq=block_sq, step_sq=step_sq)
-
-
-def step_sq_of(core: Any, entry: Any, grads: tuple, block_sq: tuple | None) -> tuple | None:
-    """This shard's blocks' figures for the step a reply of ``entry`` with these gradient blocks
-    would make on the core's state now (``Algorithm.step_sq``; lmo='l2': its blocks of ‖u‖²)."""
-    from algorithms.base import Result
-
-    r = Result(job_id=entry.job_id, worker_id=entry.worker_id, created_at=entry.created_at, kind=entry.kind,
-               iterate_ids=entry.iterate_ids, grads=grads, seed=entry.seed, shard=entry.shard, block_sq=block_sq)
-    got = core.alg.step_sq(core.state, r)
-    return None if got is None else tuple(got)
-
-
-class _LiveRids:
-    """``rid in`` it: ``rid`` is a live worker's connection (ShmArena.sweep's ``workers``)."""
-
-    def __init__(self, shard: Any) -> None:
-        self.shard = shard
-
-    def __contains__(self, key: str) -> bool:
-        return bool(key) and self.shard._live(key.encode("ascii", "replace"))
 
 
 def rss_bytes() -> int:
@@ -186,7 +108,7 @@ def _server_security(ctx: zmq.Context, keys_dir: str | None) -> Any:
     return ServerSecurity(ctx, keys_dir)
 
 
-class Shard:
+class Shard(ShardState):
     """One shard process's loop. ``run()`` returns why it stopped.
 
     Args:
@@ -201,16 +123,11 @@ class Shard:
         fsync: the blocks journal's policy (ps/journal/wal.py).
     """
 
-    norms: tuple | None = None  # set by _build where the algorithm needs block norms (clip_norm)
-    step_norms: tuple | None = None  # likewise, norms of its state (lmo='l2')
-
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
                  keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic,
                  shm: str = "auto") -> None:
-        if shm not in ("auto", "any", "off"):
-            raise ValueError(f"shm must be auto, any or off, got {shm!r}")
         self.coordinator = coordinator
         self.state_dir = state_dir
         self.allowed = allowed
@@ -228,7 +145,6 @@ class Shard:
         self.blocks: dict[int, tuple] = {}  # job id -> its gradient blocks (run dtype), journaled
         self.applied = -1  # the coordinator's last record applied here
         self.ckpt_lsn = -1  # the oldest checkpoint kept (the coordinator keeps its records after it)
-        self.wire = "f32"
         self.parked: dict[tuple[bytes, int], tuple[float, Fetch]] = {}
         self.haves: list[tuple[int, list]] = []  # (block record's LSN, have) not yet durable
         self.params_asked: list[tuple[int, int]] = []  # (token, lsn)
@@ -241,8 +157,8 @@ class Shard:
         self.records_n, self.rate_t, self.records_s = 0, clock(), 0.0
         self.journal: Journal | None = None
         self.span = (0, 0)  # the values the coordinator's welcome gives this shard
-        self._init_parts()
-        self._init_shm(shm)
+        self.transport = ServerTransport(self.ctx, None, None, clock=clock, shm=shm, security=self.security,
+                                         shard=self._role())
         self.lock = None
         if state_dir:
             from ps.journal.lock import StateLock
@@ -254,7 +170,6 @@ class Shard:
             self._restore(saved)
             bind = saved.get("bind", bind)
             advertise = advertise or saved.get("endpoint")
-        self.data = self._data_socket()
         self.bind_to, self.advertise, self.bound = bind, advertise, ""
         self.endpoint = advertise or ""  # told the coordinator once bound
         if self.core is not None:
@@ -263,44 +178,6 @@ class Shard:
         if state_dir:
             os.makedirs(os.path.join(state_dir, "blocks"), exist_ok=True)
             self._save_info()
-
-    def _init_parts(self) -> None:
-        """Large messages in parts (PROTOCOL.md §6.13, §12.1): the connections told (a welcome after
-        the first job sent to them), those whose hello said they take parts, and the workers'
-        unfinished transfers (the server's bounded table, built when the slice is known: one
-        transfer per connection, all of them bounded, 10 s stale)."""
-        self.told: OrderedDict[bytes, None] = OrderedDict()
-        self.parts_peers: OrderedDict[bytes, None] = OrderedDict()
-        self.transfers: Connections | None = None
-        self.next_xfer = 0
-        self.parts_in = self.parts_out = 0
-        self.data_log = RateLimitedLog(log)
-
-    def _init_shm(self, shm: str) -> None:
-        """The same-host path (PROTOCOL.md §6.11, §12.1): this shard's own shared memory, made when
-        the first worker on its host asks; the connections it was offered to (their hello said
-        shm from this host) and those that opened it (ready shm)."""
-        self.shm_mode = shm
-        self.arena: Any = None
-        self.evictions = EvictionCursor()  # which iterates left the core's store (_shm_sweep)
-        self.shm_capable: OrderedDict[bytes, None] = OrderedDict()
-        self.shm_ready: OrderedDict[bytes, None] = OrderedDict()
-        self.shm_jobs_out = self.shm_blocks_in = 0  # fetches answered with refs, blocks read from shared memory
-        if shm != "off":
-            from protocol import shm as shm_mod
-
-            if shm_mod.shm_dir_usable():
-                shm_mod.remove_stale()  # files of servers and shards of our PID namespace that died
-
-    def _data_socket(self) -> zmq.Socket:
-        """The ROUTER workers reach (bound once the slice is known), under CurveZMQ if the server runs it."""
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.linger = 0
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.sndhwm = sock.rcvhwm = 256
-        if self.security is not None:
-            self.security.apply(sock)
-        return sock
 
     # ------------------------------------------------------------------ state
     def _saved(self) -> dict | None:
@@ -316,102 +193,6 @@ class Shard:
             os.fsync(f.fileno())
         os.replace(path + ".tmp", path)
 
-    def _build(self, run: dict, now: float | None, snap: dict | None = None) -> None:
-        """This shard's core for ``run``: new (at the coordinator's creation time ``now``) or
-        restored from a checkpoint's snapshot."""
-        from problems.trust import Allowed, UntrustedError, check_run
-        from ps.core.server_core import ServerCore
-        from ps.drivers.server import TrainingSpec, core_config, recorded_settings
-        from ps.journal.runfile import run_wire_dtype
-
-        shards = int(run.get("shards", 0))
-        if not 0 <= self.index < shards:
-            raise StateError(f"this shard has slot {self.index}, and the run has {shards} shards")
-        try:
-            check_run(run, self.allowed or Allowed(), "the coordinator's run",
-                      problem_hint="--allow-problem {spec}", algorithm_hint="--allow-algorithm {spec}")
-        except UntrustedError as e:
-            raise StateError(str(e)) from None
-        spec = TrainingSpec(problem=run["problem"], problem_options=run["problem_options"],
-                            algorithm=run["algorithm"], settings=recorded_settings(run))
-        problem, sharded = spec.build_sharded(shards)
-        alg = sharded.parts[self.index]
-        lo, hi = sharded.plan.ranges[self.index]
-        cfg = core_config(run)
-        if snap is None:
-            x0 = np.asarray(problem.init_params(cfg.seed))[lo:hi]
-            self.core = ServerCore(alg, x0, cfg, server_boot=0, now=now)
-        else:
-            self.core = ServerCore.restore(alg, snap, cfg, server_boot=0)
-        self.core.record_issued = False
-        self.range = (lo, hi)
-        self.wire = run_wire_dtype(run)
-        # clip_norm: the have of a block says its blocks' squared norms (algorithms/sharding.py)
-        self.norms = (sharded.plan.sub_layout(self.index), sharded.plan.blocks[self.index][0],
-                      len(sharded.plan.layout)) if needs_block_norms(alg) else None
-        self.step_norms = (sharded.plan.blocks[self.index][0], len(sharded.plan.layout)) \
-            if needs_step_norms(alg) else None
-        self.inputs = ShardInputs(self.core, self.blocks, self.norms, self.step_norms)
-        log.info("shard %d of %d: %s, values [%d, %d) (%.1f MB of float32)", self.index, shards,
-                 ", ".join(name for name, _ in sharded.plan.sub_layout(self.index)), lo, hi, (hi - lo) * 4 / 1e6)
-
-    def _restore(self, info: dict) -> None:
-        """A restarted shard: its checkpoint, then the blocks journaled after it."""
-        from ps.journal.runfile import read_run
-
-        self.run_id, self.index, self.n_shards = info["run_id"], info["index"], info.get("shards", 0)
-        run = read_run(self.state_dir, complete=True)
-        blocks_dir = os.path.join(self.state_dir, "blocks")
-        journal_next = 0
-        if run is not None:
-            for lsn, snap, path in verified_checkpoints(self.state_dir):
-                extra = snap.pop("shard", None)
-                try:
-                    self._build(run, None, snap)
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("skipping %s: it does not restore (%s)", os.path.basename(path), e)
-                    continue
-                self.applied = lsn
-                self.blocks.update({int(k): tuple(v) for k, v in extra["blocks"].items()})
-                journal_next = int(extra["journal_next"])
-                break
-        if os.path.isdir(blocks_dir):
-            cut_torn_tail(blocks_dir)
-            for rec in read_journal(blocks_dir, from_lsn=journal_next):
-                if rec.op == "block":
-                    grads, why = reply_from_wire(decode(rec.body["frames"]), rec.body.get("wire", "f32"))
-                    if why is None:
-                        self.blocks[rec.body["job_id"]] = grads.grads
-        ckpts = checkpoint_files(self.state_dir)
-        self.ckpt_lsn = ckpts[0][0] if ckpts else -1
-        log.info("shard %d resumed after record %d with %d blocks held", self.index, self.applied, len(self.blocks))
-
-    def _open_journal(self) -> None:
-        if self.state_dir and self.journal is None:
-            d = os.path.join(self.state_dir, "blocks")
-            os.makedirs(d, exist_ok=True)
-            cut_torn_tail(d)
-            self.journal = Journal(d, next_lsn=last_lsn(d) + 1, fsync=self.fsync, clock=self.clock)
-
-    def checkpoint(self) -> None:
-        if not self.state_dir or self.core is None:
-            return
-        if self.journal is not None:
-            self.journal.sync()
-        snap = self.core.snapshot()
-        live = {j: g for j, g in self.blocks.items() if not self._settled(j)}
-        snap["shard"] = {"blocks": {j: list(g) for j, g in live.items()},
-                         "journal_next": self.journal.next_lsn if self.journal is not None else 0}
-        write_checkpoint(self.state_dir, self.applied, snap)
-        kept = checkpoint_files(self.state_dir)
-        self.ckpt_lsn = kept[0][0] if kept else self.applied
-        if self.journal is not None:  # blocks before the oldest kept checkpoint are in it, or were applied
-            self.journal.rotate()
-            oldest = next(verified_checkpoints(self.state_dir, newest_first=False), None)
-            if oldest is not None:
-                self.journal.prune(int(oldest[1]["shard"]["journal_next"]) - 1, 0)
-        self.since_ckpt, self.ckpt_at = 0, self.clock()
-
     # ------------------------------------------------------------------ sockets
     def _control_socket(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -424,33 +205,26 @@ class Shard:
         s.connect(self.coordinator)
         return s
 
-    def _bind_data(self, span: tuple[int, int]) -> None:
-        """Bind the data socket, its largest message a float64 block of the slice ``span`` (libzmq
-        copies a socket's options into the listener when it binds, so the slice must be known first:
-        a restored shard knows it, a new one learns it from the coordinator's welcome)."""
-        lo, hi = span
-        self.data.setsockopt(zmq.MAXMSGSIZE, max((hi - lo) * 8, MAX_HEADER_BYTES) + 4096)
-        try:
-            self.data.bind(self.bind_to)
-        except zmq.ZMQError as e:
-            raise OSError(f"cannot bind {self.bind_to}: {e}") from None
-        self.bound = self.data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.endpoint = self.advertise or self.bound
-        self.transfers = Connections(self.transfer_limits(span), now=self.clock())
-        log.info("shard data on %s", self.endpoint)
+    # The data path's state is the transport's (ps/net/transport.py); these name it as the shard sees it.
+    data = property(lambda self: self.transport.sock)  # the ROUTER workers reach
+    wire = property(lambda self: self.transport.wire_dtype)  # the run's wire dtype
+    transfers = property(lambda self: self.transport.parts.transfers if self.transport.parts else None)
+    told = property(lambda self: self.transport.peers.told)  # connections sent the welcome that says parts
+    parts_peers = property(lambda self: self.transport.peers.parts)  # connections whose hello said parts
+    parts_in = property(lambda self: self.transport.parts_in)
+    parts_out = property(lambda self: self.transport.parts_out)
+    arena = property(lambda self: self.transport.same_host.arena)  # None until a worker on this host asks
+    shm_capable = property(lambda self: self.transport.same_host.capable)  # offered the same-host path
+    shm_ready = property(lambda self: self.transport.same_host.ready)  # opened it
+    shm_jobs_out = property(lambda self: self.transport.same_host.jobs_out)
+    shm_blocks_in = property(lambda self: self.transport.same_host.blocks_in)
 
-    @staticmethod
-    def transfer_limits(span: tuple[int, int]) -> ConnectionLimits:
-        """The bounds on workers' unfinished transfers (parts of gradient blocks), the server's
-        (ps/net/transport.py) for this slice: one transfer per connection of at most two float64
-        blocks, four such transfers' worth (at least ``TRANSFER_TOTAL_MIN``) over all
-        connections, a transfer dropped after ``TRANSFER_TIMEOUT_S`` without a part. A record
-        holds nothing but its transfer, so it is forgotten as soon as that could be dropped."""
-        lo, hi = span
-        xfer = 2 * max(hi - lo, 1) * 8
-        return ConnectionLimits(idle_s=TRANSFER_TIMEOUT_S, max_idle=MAX_PARTS_PEERS, transfer_bytes=xfer,
-                                transfer_total_bytes=max(TRANSFER_TOTAL_MIN, 4 * xfer),
-                                transfer_timeout_s=TRANSFER_TIMEOUT_S)
+    def _bind_data(self, span: tuple[int, int]) -> None:
+        """Bind the data socket for the slice ``span`` (a restored shard knows it, a new one learns
+        it from the coordinator's welcome)."""
+        self.bound = self.transport.bind_slice(self.bind_to, span)
+        self.endpoint = self.advertise or self.bound
+        log.info("shard data on %s", self.endpoint)
 
     def _send_ctl(self, header: bytes, frames: tuple = ()) -> None:
         try:
@@ -459,23 +233,9 @@ class Shard:
             pass  # the coordinator is not there: everything is said again (shello, progress, haves on welcome)
 
     def _send_data(self, rid: bytes, msg: Any) -> None:
-        """``msg`` to the worker at ``rid``: a ``job`` whose slices pass the threshold goes in parts,
-        then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it takes them; the
-        first job to a connection is followed by a welcome that says this shard takes parts."""
-        if type(msg) is Job and rid in self.parts_peers and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
-            self.next_xfer += 1
-            messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
-            self.parts_out += len(messages) - 1
-        else:
-            messages = [encode(msg)]
-        if type(msg) is Job and rid not in self.told:  # the first job to this connection (that we remember)
-            self._remember(self.told, rid)
-            messages.append(self._welcome())  # after it: a peer's first answer is the answer to its fetch
-        try:
-            for frames in messages:
-                self.data.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
-        except (zmq.Again, zmq.ZMQError):
-            pass  # the worker is gone, or its pipe is full: it asks again (a transfer cut short is dropped there)
+        """``msg`` to the worker at ``rid`` (ServerTransport.send_routed: a large job in parts, the
+        first job to a connection followed by the welcome that says this shard takes parts)."""
+        self.transport.send_routed(rid, msg)
 
     # ------------------------------------------------------------------ the loop
     def install_signal_handlers(self) -> None:
@@ -541,12 +301,8 @@ class Shard:
                                 applied_count=core.counters.applied if core else 0, rss=rss_bytes(),
                                 blocks=len(self.blocks), records_s=float(self.records_s)))
             self.next_progress = now + PROGRESS_S
-        if self.transfers is not None:
-            dropped = self.transfers.counters.transfers_dropped
-            self.transfers.expire(now)  # unfinished transfers without a part for 10 s
-            if self.transfers.counters.transfers_dropped > dropped:
-                self.data_log.warning("stale", now, "dropped %d unfinished transfers (no part for %g s)",
-                                      self.transfers.counters.transfers_dropped - dropped, TRANSFER_TIMEOUT_S)
+        if self.transport.parts is not None:
+            self.transport.parts.expire(now)  # unfinished transfers without a part for 10 s
         if self.parked:
             for key in [k for k, (t, _) in self.parked.items() if now - t > PARKED_S]:
                 del self.parked[key]
@@ -635,36 +391,10 @@ class Shard:
                 raise StateError(f"record {lsn} from the coordinator does not read")
             self._apply(Record(lsn, body["op"], body))
             lsn += 1
-        self._shm_sweep()
+        self.transport.sweep()
         self._answer_parked()
         self._answer_params()
         self._answer_reduces()
-
-    def _apply(self, rec: Record) -> None:
-        if self.core is None:
-            if rec.op != "start":
-                raise StateError(f"this shard has no state and the coordinator sent record {rec.lsn} ({rec.op}), "
-                                 f"not the run's start")
-            run = dict(rec.body["run"])
-            self._build(run, rec.body["now"])
-            if self.range != self.span:
-                raise StateError(f"the run gives this shard the values {self.range}, the coordinator said {self.span}")
-            if self.state_dir:
-                write_run(self.state_dir, run)
-        else:
-            self.inputs.apply(rec, None, self.wire)
-            self.core.drain_events()
-        self.applied = rec.lsn
-        self.since_ckpt += 1
-        self.records_n += 1
-        if len(self.blocks) > 2 * len(self.core.ledger) + 64:  # blocks of jobs settled otherwise (written off)
-            for j in [j for j in self.blocks if self._settled(j)]:
-                del self.blocks[j]
-
-    def _settled(self, job_id: int) -> bool:
-        """Whether a job is over here: issued by a record applied and no longer in the ledger. A
-        block restored from the journal may be of a job the records applied so far have not issued."""
-        return job_id < self.core.next_job_id and job_id not in self.core.ledger
 
     def _answer_params(self) -> None:
         if not self.params_asked or self.core is None:
@@ -698,167 +428,29 @@ class Shard:
 
     # ------------------------------------------------------------------ data
     def _on_data(self, frames: list) -> None:
-        rid = frames[0].bytes
         now = self.clock()
-        try:
-            msg = decode(frames[1:], payload=lambda xfer, n: self._take_transfer(rid, xfer, n))
-            if type(msg) is Part:
-                self._part(rid, msg, now)
-                return
-        except RemoteProtocolError as e:
-            self._send_data(rid, Error(ErrorCode.MALFORMED, str(e)[:200]))
-            return
-        if self.core is None:
-            self._send_data(rid, Error(ErrorCode.REFUSED, "this shard has not started"))
-            return
+        got = self.transport.receive_routed(frames, now)
+        if got is None:
+            return  # a part, a hello, a ready, or answered with an error
+        rid, msg, frames = got
         if type(msg) is Fetch:
             self._fetch(rid, msg, now)
-        elif type(msg) is Reply:
-            if msg.in_shm:  # its gradients are in the slots lent for the job: read as the frames they stand for
-                got = self._shm_block(rid, msg)
-                if got is None:
-                    return
-                msg, frames = got
-            elif msg.xfer:  # its arrays came in parts: the journal keeps them with the message, as one
-                msg = dataclasses.replace(msg, xfer=0)
-                frames = [rid, *encode(msg)]
+        else:
             self._block(rid, msg, frames[1:])
-        elif type(msg) is Hello:
-            self._hello(rid, msg)
-        elif type(msg) is Ready:
-            self._ready(rid, msg)
-        else:
-            self._send_data(rid, Error(ErrorCode.MALFORMED, f"{type(msg).__name__} is not for a shard"))
 
-    @staticmethod
-    def _remember(table: OrderedDict, rid: bytes) -> None:
-        table.pop(rid, None)
-        table[rid] = None
-        while len(table) > MAX_PARTS_PEERS:  # the least recent goes (told again / one frame: nothing breaks)
-            table.popitem(last=False)
+    def _role(self) -> ShardRole:
+        """The shard's data path as the transport serves it (ps/net/routed.py)."""
+        return ShardRole(answer=lambda rid, msg: self._send_data(rid, msg), welcome=self._welcome,
+                         holds=self.blocks.__contains__, core=lambda: self.core, boot=self.boot, logger=log)
 
-    def _welcome(self) -> list:
-        """What tells a connection that this shard takes and sends parts (PROTOCOL.md §12.1)."""
-        return encode(Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
-                              run_id=self.run_id, wire_dtype=self.wire, parts=True))
-
-    def _hello(self, rid: bytes, h: Hello) -> None:
-        """A worker's hello on its connection to this shard (its answer to our welcome): whether it
-        takes parts. Not answered; nothing else is kept."""
-        if rid != f"{h.worker_id}/{h.boot:x}".encode():
-            self._send_data(rid, Error(ErrorCode.REFUSED, "routing id is not <worker id>/<boot>"))
-            return
-        if h.parts:
-            self._remember(self.parts_peers, rid)
-        else:
-            self.parts_peers.pop(rid, None)
-        # The same-host path starts over with every hello: used only after a ready shm following
-        # the welcome that offers it; the slots this connection holds free are never lent again.
-        self.shm_capable.pop(rid, None)
-        self.shm_ready.pop(rid, None)
-        if self.arena is not None:
-            self.arena.retire_worker(rid.decode("ascii", "replace"))
-        if h.shm and self._shm_offer(h):
-            self._remember(self.shm_capable, rid)
-            welcome = Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
-                              run_id=self.run_id, wire_dtype=self.wire, parts=True, shm=self.arena.prefix)
-            try:
-                self.data.send_multipart([rid, *encode(welcome)], flags=zmq.NOBLOCK, copy=False)
-            except (zmq.Again, zmq.ZMQError):
-                self.shm_capable.pop(rid, None)  # never told: TCP
-
-    def _shm_offer(self, h: Hello) -> bool:
-        """Whether this shard offers its shared memory to the worker of hello ``h``: under the
-        server's rules (``auto``: the worker's host id is ours; ``any``; never with ``off``), once
-        its files could be made, for a float32 run."""
-        from protocol import shm as shm_mod
-
-        if self.shm_mode == "off" or (self.shm_mode == "auto" and h.host_id != shm_mod.host_id()):
-            return False
-        if self.core.dtype != np.float32 or self.range[1] <= self.range[0]:
-            return False
-        if self.arena is None:
-            if not shm_mod.shm_dir_usable():
-                self.shm_mode = "off"
-                return False
-            try:
-                self.arena = shm_mod.ShmArena(self.range[1] - self.range[0], self.boot)
-            except OSError as e:
-                log.warning("same-host path unavailable (%s): workers get slices over TCP", e)
-                self.shm_mode = "off"
-                return False
-            log.info("same-host path: slices and blocks through shared memory %s", self.arena.prefix)
-        return True
-
-    def _ready(self, rid: bytes, r: Ready) -> None:
-        """A worker's answer to the welcome that offered our shared memory: it opened it (or not)."""
-        if r.shm and rid in self.shm_capable:
-            self._remember(self.shm_ready, rid)
-            return
-        if rid in self.shm_capable:
-            log.info("worker %s cannot open this shard's shared memory: TCP for it", self._worker(rid)[:64])
-        self.shm_ready.pop(rid, None)
-
-    def _shm_block(self, rid: bytes, r: Reply) -> tuple[Reply, list] | None:
-        """An ``in_shm`` reply: the block as the frames it stands for (a copy of the lent slots,
-        in the run's wire dtype, as a TCP worker would have sent it: the journal, recovery and
-        replay see the same message), or None when refused: its slots were not lent to this
-        connection for this job (``err UNKNOWN_JOB``), or it carries frames too (``err BAD_SHAPE``).
-        A refused reply changes nothing here and is not announced."""
-        if r.job_id in self.blocks:
-            return dataclasses.replace(r, in_shm=False), []  # held: acknowledged again (no read)
-        lent = None if self.arena is None else self.arena.gradients(rid.decode("ascii", "replace"), r.job_id)
-        if lent is None or r.grads:
-            code = ErrorCode.BAD_SHAPE if lent is not None else ErrorCode.UNKNOWN_JOB
-            why = "in_shm with gradient frames" if lent is not None else "no shared-memory slots lent for this job"
-            self.data_log.warning("shm", self.clock(), "refused a reply from %r: %s (job %d)", rid[:64], why, r.job_id)
-            self._send_data(rid, Error(code, why, job_id=r.job_id))
-            return None
-        grads = tuple(to_wire(np.array(g), self.wire) for g in lent)  # a copy: the worker may write again
-        msg = Reply(job_id=r.job_id, created_at=r.created_at, grads=grads, loss=r.loss, count=r.count,
-                    compute_s=r.compute_s, holds=r.holds)
-        self.shm_blocks_in += 1
-        return msg, [rid, *encode(msg)]
-
-    def _live(self, rid: bytes) -> bool:
-        """Whether ``rid`` is the routing id of a live worker as far as this shard's records say."""
-        wid = self._worker(rid)
-        w = self.core.workers.get(wid) if self.core is not None else None
-        return w is not None and rid == f"{wid}/{w.boot:x}".encode()
-
-    def _part(self, rid: bytes, part: Part, now: float) -> None:
-        """A part of a worker's gradient block (kept, bounded), only from a live worker's connection."""
-        if self.transfers is None or not self._live(rid):
-            self.data_log.warning("peer", now, "refused a part from %r: not a live worker's connection", rid[:64])
-            raise RemoteProtocolError("part from a connection that is not a live worker's")
-        t = self.transfers
-        dropped = t.counters.transfers_dropped
-        try:
-            t.add_part(t.get(rid, now), part, now)
-        except RemoteProtocolError as e:  # one line (per kind, rate-limited); the answer says it too
-            kind = "order" if "out of order" in str(e) else "bound"
-            self.data_log.warning(kind, now, "refused a part from %r: %s (transfer dropped)", rid[:64], e)
-            raise
-        if t.counters.transfers_dropped > dropped:  # superseded by a new transfer, or evicted for this one
-            self.data_log.warning("evicted", now, "dropped %d unfinished transfers: a new one from %r, or all of "
-                                  "them past %d bytes (the least recently fed evicted)",
-                                  t.counters.transfers_dropped - dropped, rid[:64], t.limits.transfer_total_bytes)
-        self.parts_in += 1
-
-    def _take_transfer(self, rid: bytes, xfer: int, nbytes: int) -> Any:
-        """The bytes of ``rid``'s complete transfer ``xfer`` (the decoder's ``payload``)."""
-        c = self.transfers.by_rid.get(rid) if self.transfers is not None else None
-        try:
-            if c is None:
-                raise RemoteProtocolError(f"transfer {xfer}: no parts received")
-            return self.transfers.take_transfer(c, xfer, nbytes)
-        except RemoteProtocolError as e:
-            self.data_log.warning("transfer", self.clock(), "refused a message in parts from %r: %s", rid[:64], e)
-            raise
-
-    @staticmethod
-    def _worker(rid: bytes) -> str:
-        return rid.decode("ascii", "replace").rsplit("/", 1)[0]  # worker/link.py: "<worker id>/<boot>"
+    def _welcome(self, shm: str) -> Welcome:
+        """What tells a connection that this shard takes and sends parts (PROTOCOL.md §12.1), and
+        offers it the shard's shared memory (``shm``, its prefix) or not ("")."""
+        if shm:
+            return Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
+                           run_id=self.run_id, wire_dtype=self.wire, parts=True, shm=shm)
+        return Welcome(server_boot=self.boot, version=PROTOCOL_VERSION, problem=self.core.cfg.problem,
+                       run_id=self.run_id, wire_dtype=self.wire, parts=True)
 
     def _fetch(self, rid: bytes, f: Fetch, now: float) -> None:
         core = self.core
@@ -870,59 +462,12 @@ class Shard:
                 return
             self._send_data(rid, Error(ErrorCode.UNKNOWN_JOB, "job id not outstanding", job_id=f.job_id))
             return
-        if entry.worker_id != self._worker(rid) or entry.created_at != f.created_at \
+        if entry.worker_id != worker_of(rid) or entry.created_at != f.created_at \
                 or any(i not in entry.iterate_ids or i not in core.store for i in f.iterate_ids):
             self._send_data(rid, Error(ErrorCode.UNKNOWN_JOB, "not this worker's job, or not its iterates",
                                        job_id=f.job_id))
             return
-        if rid in self.shm_ready:
-            job = self._shm_job(rid, entry)
-            if job is not None:
-                self._send_data(rid, job)
-                return
-        points = tuple(core.store[i] if self.wire == "f32" else to_wire(core.store[i], self.wire)
-                       for i in f.iterate_ids)
-        self._send_data(rid, Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
-                                 iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
-                                 shard=entry.shard, deadline=entry.deadline, point_ids=tuple(f.iterate_ids),
-                                 points=points))
-
-    def _shm_job(self, rid: bytes, entry: Any) -> Job | None:
-        """The answer to a fetch over the same-host path: ``refs``, the slot of each of the job's
-        iterates (``point_ids`` empty, no frames), and ``grad_slots`` lent for its block (the same
-        ones if it is asked again). None (answered over TCP): not the live worker's connection, an
-        iterate not stored, or the job's slots lent to another connection."""
-        arena, core = self.arena, self.core
-        key = rid.decode("ascii", "replace")
-        if arena is None or not self._live(rid) or any(i not in core.store for i in entry.iterate_ids):
-            return None
-        held = arena.lent.get(entry.job_id)
-        if held is not None and held[0] != key:
-            return None
-        refs = tuple(self._iterate_slot(i) for i in entry.iterate_ids)
-        if held is not None:
-            slots = held[1]
-        else:
-            slots = arena.lend(key, entry.job_id, 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids))
-        self.shm_jobs_out += 1
-        return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at, iterate_ids=entry.iterate_ids,
-                   seed=entry.seed, batch_size=entry.batch_size, shard=entry.shard, deadline=entry.deadline,
-                   refs=refs, grad_slots=slots)
-
-    def _iterate_slot(self, iid: int) -> int:
-        """The slot of iterate ``iid``: its slice as a worker over TCP sees it (float32 values of the
-        run's wire dtype, so that both paths compute the same and replay recomputes it), copied once."""
-        held = self.arena.copies.get(iid)
-        if held is not None:
-            return held[0]
-        x = self.core.store[iid]
-        return self.arena.iterate_slot(iid, x if self.wire == "f32" else roundtrip(x, self.wire))
-
-    def _shm_sweep(self) -> None:
-        """Slots the core no longer needs: copies of iterates gone from the store, gradient slots
-        of jobs gone from the ledger (back to their connection while its worker is live, else unlinked)."""
-        if self.arena is not None and self.core is not None:
-            self.arena.sweep(self.core.store, self.core.ledger, _LiveRids(self), self.evictions.take(self.core))
+        self._send_data(rid, self.transport.routed_job(rid, entry, f.iterate_ids))
 
     def _answer_parked(self) -> None:
         if not self.parked:
@@ -931,36 +476,6 @@ class Shard:
         for key in [k for k, (_, f) in self.parked.items() if f.job_id < nxt]:
             _, f = self.parked.pop(key)
             self._fetch(key[0], f, now)
-
-    def _block(self, rid: bytes, r: Reply, frames: list) -> None:
-        core = self.core
-        entry = core.ledger.get(r.job_id)
-        if entry is None or entry.received or entry.worker_id != self._worker(rid) \
-                or entry.created_at != r.created_at:
-            return  # late (written off meanwhile), or not this worker's: the coordinator decides without it
-        if r.job_id in self.blocks:
-            self.haves.append((-1, self._have(r.job_id, r.created_at)))
-            return
-        msg, why = reply_from_wire(r, self.wire)
-        problem = why or core._check_grads(entry, msg, core._in_run_dtype(msg))
-        if problem is not None:
-            self.haves.append((-1, [r.job_id, r.created_at, int(problem[0]), problem[1][:1000]]))
-            return
-        lsn = -1
-        if self.journal is not None:
-            lsn = self.journal.append("block", job_id=r.job_id, created_at=r.created_at,
-                                      frames=[bytes(f) for f in frames], wire=self.wire)
-        self.blocks[r.job_id] = core._in_run_dtype(msg)
-        self.haves.append((lsn, self._have(r.job_id, r.created_at)))
-
-    def _have(self, job_id: int, created_at: int) -> list:
-        """The ``have`` of a block held: with its blocks' squared norms where the algorithm needs
-        them (measured on the values the core applies, in the run's dtype)."""
-        grads = self.blocks[job_id]
-        entry = self.core.ledger.get(job_id)
-        if self.norms is None or not grads or entry is None or entry.kind == JobKind.FULL_GRAD:
-            return [job_id, created_at, 0, ""]
-        return [job_id, created_at, 0, "", list(block_sq_sums(grads[0], self.norms[0]))]
 
     def close(self) -> None:
         try:
@@ -971,11 +486,7 @@ class Shard:
         if self.journal is not None:
             self.journal.close()
         self.ctl.close(linger=500)
-        self.data.close(linger=0)
-        if self.arena is not None:
-            log.info("same-host path: %d fetches answered through shared memory, %d blocks read from it",
-                     self.shm_jobs_out, self.shm_blocks_in)
-            self.arena.close()  # its files unlinked
+        self.transport.close()  # the data socket; the same-host path's files unlinked
         if self.security is not None:
             self.security.stop()
         if self.own_ctx:

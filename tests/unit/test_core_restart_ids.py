@@ -61,7 +61,8 @@ def test_a_far_fetched_seen_does_not_move_the_job_ids():
 def test_a_new_state_directory_pins_its_restart_grace(tmp_path):
     """run.json records the grace the run was created with (liveness 2 s: 2 + 5 + 4 = 11 s), so
     that a later change of the protocol's backoff constants cannot change how the run replays."""
-    from ps.drivers.server import StateOptions, TrainingSpec
+    from ps.core.spec import TrainingSpec
+    from ps.drivers.server import StateOptions
     from ps.drivers.server import open_state as _open_state
     from ps.journal.runfile import read_run
 

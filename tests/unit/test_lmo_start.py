@@ -163,7 +163,7 @@ def test_new_records_pin_the_start_and_old_records_mean_the_old_one():
 
 def test_the_places_that_rebuild_a_recorded_run_read_an_old_record_as_the_old_start():
     from ps.drivers.replay import build_from_run
-    from ps.drivers.server import recorded_settings as run_settings
+    from ps.journal.runfile import recorded_settings as run_settings
 
     core = {"problem": "quadratic", "problem_options": {"d": 8}, "batch_size": 1, "heartbeat_interval_s": 1.0,
             "liveness_timeout_s": 5.0, "min_workers": 1, "round_period_s": None, "seed": 0, "run_id": 1}

@@ -181,7 +181,7 @@ def test_each_package_of_ps_says_what_it_owns_and_may_import():
         if pkg == "ps":
             continue
         init = ROOT / pkg.replace(".", "/") / "__init__.py"
-        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        doc = " ".join((ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or "").split())
         assert "May import" in doc, f"{init.relative_to(ROOT)}: its docstring must say what it may import"
 
 

@@ -431,8 +431,9 @@ def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
     replay_run (latecomer replay) and recovery without a checkpoint must give its bits."""
     import time
 
+    from ps.core.spec import TrainingSpec
     from ps.drivers.replay import replay_run
-    from ps.drivers.server import StateOptions, TrainingSpec
+    from ps.drivers.server import StateOptions
     from ps.drivers.server import open_state as _open_state
     from ps.journal.recovery import recover
     from ps.journal.segments import run_start

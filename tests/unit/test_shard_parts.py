@@ -16,7 +16,8 @@ import zmq
 
 from protocol.codec import encode
 from protocol.messages import Error, ErrorCode, Fetch, Hello, Job, Ready, Reply
-from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.core.spec import TrainingSpec
+from ps.drivers.server import StateOptions, _new_run
 from ps.journal.inputs import CoreInputs
 from ps.journal.persistence import Persistence
 from ps.journal.segments import read_journal

@@ -22,12 +22,13 @@ import numpy as np
 import pytest
 import zmq
 
-import ps.sharded.shard as shard_mod
+import ps.net.transport as shard_mod
 import worker.shards as links_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
-from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.core.spec import TrainingSpec
+from ps.drivers.server import StateOptions, _new_run
 from ps.journal.inputs import CoreInputs
 from ps.journal.persistence import Persistence
 from ps.journal.segments import read_journal

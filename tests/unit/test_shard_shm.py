@@ -27,7 +27,8 @@ from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Job, Ready, Reply, Welcome
 from protocol.shm import SHM_DIR, host_id, shm_dir_usable
 from protocol.wire import roundtrip, to_wire
-from ps.drivers.server import StateOptions, TrainingSpec, _new_run
+from ps.core.spec import TrainingSpec
+from ps.drivers.server import StateOptions, _new_run
 from ps.journal.inputs import CoreInputs
 from ps.journal.persistence import Persistence
 from ps.journal.segments import read_journal
