@@ -82,7 +82,7 @@ class ShardedRun:
                 self.x, self.x_version = x, version
             if token == self.gathering:
                 self.gathering = None
-                self.daemon._start_evaluation(version, x)
+                self.daemon.evals.start(version, x)
 
     def sync_hold(self, now: float) -> None:
         """Hold the issuing of jobs while a shard is missing (journaled: the shards and replay follow)."""

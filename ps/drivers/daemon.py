@@ -6,8 +6,8 @@ the journal records it (ps/journal/persist.py), ``core.handle`` answers with com
 sends them (the shape of zguide ``mdbroker.py``). Which received message is handled when is the
 receive schedule's (ps/drivers/schedule.py). Between batches the clock-driven inputs
 (:meth:`Daemon._timers`). Every deadline comes from ``clock`` (monotonic). What the run tells
-the outside (events, status, metrics, summary) is ps/drivers/outputs.py; a sharded run's
-coordinator side is ps/drivers/coordinator.py.
+the outside (events, status, metrics, summary) is ps/drivers/outputs.py; its evaluations are
+ps/drivers/evaluator.py's; a sharded run's coordinator side is ps/drivers/coordinator.py.
 docs/ARCHITECTURE.md follows one reply along this path.
 """
 
@@ -27,7 +27,7 @@ from problems.base import Problem
 from protocol.messages import Bye
 from ps.core.server_core import Disconnect, Send, ServerCore
 from ps.drivers.coordinator import ShardedRun
-from ps.drivers.evaluator import EvalLog, Evaluator
+from ps.drivers.evaluator import RunEvaluations
 from ps.drivers.outputs import STATUS_ERROR_CHARS, RunOutputs
 from ps.drivers.schedule import ReceiveSchedule
 from ps.journal.inputs import CoreInputs
@@ -128,10 +128,8 @@ class Daemon:
         self.schedule = ReceiveSchedule(self)  # which received message is handled when (ps/drivers/schedule.py)
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
-        self.evaluations: list[dict[str, float]] = self._prior_evaluations()  # a resumed run's, then ours
-        self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop (ps/drivers/evaluator.py)
+        self.evals = RunEvaluations(self, problem, clock)  # off the loop, one at a time (ps/drivers/evaluator.py)
         self.observers = Observers()  # loggers, the dashboard, a Python caller (ps/observe/observer.py)
-        self.last_eval_version = -1  # the version of the evaluation started last
         self.hooks: list[Callable[[float], None]] = []  # called every pass of the loop (serve's local shards)
         # A sharded server (ps/drivers/coordinator.py, ps/sharded/hub.py): shards = {"n", "bind", "ranges",
         # "x0"}; the core is the coordinator's (an empty iterate), the parameters are the shards'.
@@ -155,6 +153,8 @@ class Daemon:
     backlog_hb = property(lambda self: self.schedule.backlog_hb)
     backlog_bytes = property(lambda self: self.schedule.backlog_bytes)
     backlog_paused_until = property(lambda self: self.schedule.paused_until)
+    # The run's evaluations, which the CLI, status and the stop condition read.
+    evaluations = property(lambda self: self.evals.evaluations)
     # The outputs' parts that the CLI and observers read.
     metrics = property(lambda self: self.outputs.metrics)
     age_counts = property(lambda self: self.outputs.age_counts)
@@ -176,59 +176,9 @@ class Daemon:
             return self.core.params()
         return self.sharded.params()
 
-    def _run_time(self) -> float:
-        """Seconds since the first job was issued (0 before): an evaluation's ``t``; a resumed run
-        goes on from its last recorded evaluation's."""
-        if self.training_started_at is None and self.core.started:
-            self.training_started_at = self.clock()
-        own = 0.0 if self.training_started_at is None else self.clock() - self.training_started_at
-        return self.t_offset + own
-
-    def _prior_evaluations(self) -> list[dict[str, float]]:
-        """With a state directory, its evaluations.jsonl (ps/drivers/evaluator.py ``EvalLog``): the
-        evaluations of the sessions before this one, of versions before the recovered one."""
-        self.eval_log, self.t_offset = None, 0.0
-        if self.persist is None:
-            return []
-        self.eval_log = EvalLog(self.persist.state_dir)
-        prior = self.eval_log.load(self.core.version)
-        if self.eval_log.skipped:
-            log.warning("%s: %d damaged lines skipped", self.eval_log.path, self.eval_log.skipped)
-        self.t_offset = float(prior[-1]["t"]) if prior else 0.0
-        return prior
-
     def evaluate(self) -> None:
-        """Start an evaluation of the current iterate, off the loop (ps/drivers/evaluator.py): the
-        figures are recorded (:meth:`_collect`) when it ends, named by the version it started
-        at, with ``t`` of its start (counted from the first job issued, 0 before). A sharded
-        server evaluates the iterate last gathered from its shards: if it has none of the
-        current version it asks for it, and starts the evaluation when it has come."""
-        version = self.core.version
-        self.last_eval_version = version
-        if self.sharded is not None and self.sharded.gather_for(version):
-            return
-        self._start_evaluation(version, self.params())
-
-    def _start_evaluation(self, version: int, x: np.ndarray) -> None:
-        if self.evaluator.busy:  # a gathered iterate came while one ran (rare): this one waits
-            self._record(self.evaluator.wait())
-        self.evaluator.submit(version, self._run_time(), x)
-
-    def _record(self, ev: dict[str, float] | None, *, progress: bool = True) -> None:
-        if ev is not None:
-            self.evaluations.append(ev)
-            if self.eval_log is not None:
-                self.eval_log.append(ev)
-            if self.observers:
-                self.observers.call("on_evaluation", ev)
-            if progress and self.on_progress:
-                self.on_progress(self, ev)
-
-    def _collect(self) -> bool:
-        """Record the evaluation that ended, if one did. Returns whether one did."""
-        ev = self.evaluator.take()
-        self._record(ev)
-        return ev is not None
+        """Start an evaluation of the current iterate, off the loop (RunEvaluations.evaluate)."""
+        self.evals.evaluate()
 
     def add_observer(self, obs: Any) -> None:
         """Add an observer (ps/observe/observer.py); before :meth:`run`."""
@@ -310,17 +260,9 @@ class Daemon:
         self.outputs.flush_event_log()
 
     def _progress(self, now: float) -> None:
-        if self._collect():
+        if self.evals.collect():
             self.next_progress = now
-        if self.eval_every and self.core.version >= self.last_eval_version + self.eval_every:
-            if not self.evaluator.busy and (self.sharded is None or self.sharded.gathering is None):
-                self.evaluate()
-            elif self.evaluator.busy and self.evaluator.late_for != self.last_eval_version:
-                self.evaluator.late_for = self.last_eval_version  # counted once per evaluation
-                self.evaluator.late += 1
-                if self.evaluator.late == 1:
-                    log.info("an evaluation is slower than %d steps of training: the next one starts when the "
-                             "last ends", self.eval_every)
+        self.evals.start_due()
         if self.on_progress and now >= self.next_progress + 0.2:
             self.on_progress(self, None)
             self.next_progress = now
@@ -345,12 +287,7 @@ class Daemon:
             self.sharded.final_gather()
         self._flush_events()
         self._drain(Bye(f"server stopping: {self.stopping}"))
-        self._record(self.evaluator.wait())  # the one running, if any
-        if self.sharded is not None and self.evaluations and self.evaluations[-1]["version"] != self.sharded.x_version:
-            self.last_eval_version = -1  # the iterate gathered last is evaluated
-        if self.last_eval_version != self.core.version or len(self.evaluations) < 2:
-            self.evaluate()
-        self._record(self.evaluator.wait(), progress=False)
+        self.evals.finish()
         self.stopped_at = self.clock()  # summary's elapsed_s: the same figure however late it is asked
         log.info("stopping: %s", self.stopping)
 
@@ -360,8 +297,7 @@ class Daemon:
         self.transport.drain(bye, self.clock() + DRAIN_S)
 
     def close(self) -> None:
-        if self.eval_log is not None:
-            self.eval_log.close()
+        self.evals.close()
         if self.observers:
             self.observers.call("on_tick", snapshot(self), self.clock())  # the final figures
             self.observers.call("close")
