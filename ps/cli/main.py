@@ -617,7 +617,7 @@ def run(problem, problem_opt, algorithm, settings, config, workers, delays, step
     finally:
         bar.n = min(daemon.core.version, steps)
         bar.close()
-        from ps.drivers.daemon import write_outputs
+        from ps.drivers.outputs import write_outputs
         write_outputs(out, daemon)
         daemon.close()
         from ps.ops.children import reap

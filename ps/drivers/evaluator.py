@@ -18,11 +18,15 @@ The problem is used by this thread only while it evaluates (the server computes 
 ``latecomer replay`` and the simulator evaluate in their own thread, synchronously). An
 exception in ``evaluate`` is raised again by :meth:`Evaluator.take`, in the loop, as a
 synchronous evaluation raised it.
+
+:class:`RunEvaluations` is the daemon's side: the earlier sessions' evaluations (``EvalLog``),
+when the next one starts, and each recorded (the log, observers, progress) when it ends.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -31,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EvalLog", "Evaluator"]
+__all__ = ["EvalLog", "Evaluator", "RunEvaluations"]
+
+log = logging.getLogger("latecomer.server")
 
 
 class Evaluator:
@@ -156,3 +162,105 @@ class EvalLog:
         if self.f is not None:
             self.f.close()
             self.f = None
+
+
+class RunEvaluations:
+    """The evaluations of the daemon's run (ps/drivers/daemon.py), from its loop's thread.
+
+    ``evaluations`` are a resumed run's recorded ones, then this session's, in order. It reads
+    the daemon's core, clock, observers, ``on_progress``, ``eval_every``, ``training_started_at``
+    and (sharded) ``sharded`` at the time of each use.
+    """
+
+    def __init__(self, daemon: Any, problem: Any, clock: Any) -> None:
+        self.daemon = daemon
+        self.evaluations: list[dict[str, float]] = self._prior()  # a resumed run's, then ours
+        self.evaluator = Evaluator(problem, clock)  # evaluations run off the loop
+        self.last_version = -1  # the version of the evaluation started last
+
+    def _prior(self) -> list[dict[str, float]]:
+        """With a state directory, its evaluations.jsonl (:class:`EvalLog`): the evaluations of the
+        sessions before this one, of versions before the recovered one."""
+        persist = self.daemon.persist
+        self.eval_log, self.t_offset = None, 0.0
+        if persist is None:
+            return []
+        self.eval_log = EvalLog(persist.state_dir)
+        prior = self.eval_log.load(self.daemon.core.version)
+        if self.eval_log.skipped:
+            log.warning("%s: %d damaged lines skipped", self.eval_log.path, self.eval_log.skipped)
+        self.t_offset = float(prior[-1]["t"]) if prior else 0.0
+        return prior
+
+    def run_time(self) -> float:
+        """Seconds since the first job was issued (0 before): an evaluation's ``t``; a resumed run
+        goes on from its last recorded evaluation's."""
+        d = self.daemon
+        if d.training_started_at is None and d.core.started:
+            d.training_started_at = d.clock()
+        own = 0.0 if d.training_started_at is None else d.clock() - d.training_started_at
+        return self.t_offset + own
+
+    def evaluate(self) -> None:
+        """Start an evaluation of the current iterate, off the loop: the figures are recorded
+        (:meth:`collect`) when it ends, named by the version it started at, with ``t`` of its
+        start (counted from the first job issued, 0 before). A sharded server evaluates the
+        iterate last gathered from its shards: if it has none of the current version it asks for
+        it, and starts the evaluation when it has come (ps/drivers/coordinator.py)."""
+        d = self.daemon
+        version = d.core.version
+        self.last_version = version
+        if d.sharded is not None and d.sharded.gather_for(version):
+            return
+        self.start(version, d.params())
+
+    def start(self, version: int, x: np.ndarray) -> None:
+        if self.evaluator.busy:  # a gathered iterate came while one ran (rare): this one waits
+            self.record(self.evaluator.wait())
+        self.evaluator.submit(version, self.run_time(), x)
+
+    def record(self, ev: dict[str, float] | None, *, progress: bool = True) -> None:
+        d = self.daemon
+        if ev is not None:
+            self.evaluations.append(ev)
+            if self.eval_log is not None:
+                self.eval_log.append(ev)
+            if d.observers:
+                d.observers.call("on_evaluation", ev)
+            if progress and d.on_progress:
+                d.on_progress(d, ev)
+
+    def collect(self) -> bool:
+        """Record the evaluation that ended, if one did. Returns whether one did."""
+        ev = self.evaluator.take()
+        self.record(ev)
+        return ev is not None
+
+    def start_due(self) -> None:
+        """Every ``eval_every`` versions: the next evaluation, unless one still runs (or waits for
+        the shards' iterate); a slow one is counted, and logged once."""
+        d, evaluator = self.daemon, self.evaluator
+        if d.eval_every and d.core.version >= self.last_version + d.eval_every:
+            if not evaluator.busy and (d.sharded is None or d.sharded.gathering is None):
+                self.evaluate()
+            elif evaluator.busy and evaluator.late_for != self.last_version:
+                evaluator.late_for = self.last_version  # counted once per evaluation
+                evaluator.late += 1
+                if evaluator.late == 1:
+                    log.info("an evaluation is slower than %d steps of training: the next one starts when the "
+                             "last ends", d.eval_every)
+
+    def finish(self) -> None:
+        """At shutdown: the evaluation still running, if any, then one of the final iterate (unless
+        the last one was of it, and there are two or more)."""
+        d = self.daemon
+        self.record(self.evaluator.wait())  # the one running, if any
+        if d.sharded is not None and self.evaluations and self.evaluations[-1]["version"] != d.sharded.x_version:
+            self.last_version = -1  # the iterate gathered last is evaluated
+        if self.last_version != d.core.version or len(self.evaluations) < 2:
+            self.evaluate()
+        self.record(self.evaluator.wait(), progress=False)
+
+    def close(self) -> None:
+        if self.eval_log is not None:
+            self.eval_log.close()

@@ -403,7 +403,7 @@ def serve_until_stopped(daemon: Any, out_dirs: list[str]) -> str:
     """Run the daemon to its end, then write summary.json and final_x.npy into each of
     ``out_dirs`` (a full disk is logged: the journal and checkpoints still hold the run) and
     close it (server.pid goes with the state lock: a clean exit). Returns why it stopped."""
-    from ps.drivers.daemon import write_outputs
+    from ps.drivers.outputs import write_outputs
 
     try:
         return daemon.run()

@@ -13,7 +13,7 @@ core of its own over its blocks and is fed that journal's records in LSN order
   that (re)joins gets the records after its own last one, from the tap or, when it is further
   behind, read back from the journal's segments; at most ``WINDOW`` records are in flight
   beyond what it has applied. The journal keeps the segments the shards' oldest checkpoints
-  still need (``Persistence.retain_from``).
+  still need (``Persistence.retain_from``). ps/sharded/hub_records.py.
 * **Replies.** A worker's reply header is held (:meth:`take_reply`) until every shard has said
   ``have`` for its job: the block journaled (durable), or refused (shape, NaN: the reply is then
   refused with that reason, as the unsharded server would refuse it). Only then does the core
@@ -33,61 +33,32 @@ core of its own over its blocks and is fed that journal's records in LSN order
 * **Agreement.** A shard that has applied the journal up to its end reports its version and
   applied count, which must be the coordinator's; else the run is held and the error logged.
 * **Parameters.** :meth:`request_params` asks every shard for its slice after a given record;
-  the concatenation is the iterate the coordinator evaluates and writes as ``final_x.npy``.
+  the concatenation is the iterate the coordinator evaluates and writes as ``final_x.npy``
+  (ps/sharded/hub_gathers.py).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-import msgpack
 import numpy as np
 import zmq
 
 from protocol.messages import ErrorCode
-from ps.journal.records import Record
-from ps.journal.segments import first_journal_lsn, read_journal
+from ps.journal.segments import first_journal_lsn
 from ps.sharded.control import ControlError, pack, unpack
+from ps.sharded.hub_gathers import ParamsGathers
+from ps.sharded.hub_records import RecordStream
+from ps.sharded.hub_table import ShardTable, Slot
 
 log = logging.getLogger("latecomer.shards")
 
-WINDOW = 4096  # records shipped to a shard beyond what it has applied, at most
-BATCH_RECORDS = 512  # records per message ...
-BATCH_BYTES = 8 << 20  # ... and bytes
-KEEPALIVE_S = 0.5  # an empty records message at least this often (the shard's liveness of us)
 BLOCK_WAIT_MAX_S = 120.0  # the longest a reply header waits for its blocks (at least 2 x liveness)
-TAP_MAX = 65536  # records held in memory for live shards; one further behind reads the journal
-SHARDS_FILE = "shards.json"  # the coordinator's record of its shards' endpoints
-
-
-@dataclass
-class Slot:
-    index: int
-    endpoint: str = ""
-    rid: bytes | None = None
-    boot: int = 0
-    connected: bool = False
-    applied: int = -1
-    ckpt: int = -1
-    next: int = 0  # next LSN to ship
-    last_seen: float = -math.inf
-    last_sent: float = -math.inf
-    version: int = 0
-    applied_count: int = 0
-    rss: int = 0
-    blocks: int = 0
-    records_s: float = 0.0
-    joins: int = 0
-    built: bool = False  # it has applied the run's start record (its data socket takes whole blocks)
-    reader: Iterator[Record] | None = None
-    peek: Record | None = None
 
 
 @dataclass
@@ -100,6 +71,12 @@ class Pending:
 
 
 class ShardHub:
+    """The coordinator's control socket to its shards and what it carries: joins, progress and
+    agreement, the haves that release held replies, the step-norm reductions, and the hold
+    reason. Its parts: the slots (:class:`ShardTable`, ps/sharded/hub_table.py), the records
+    shipped (:class:`RecordStream`, ps/sharded/hub_records.py) and the iterates gathered
+    (:class:`ParamsGathers`, ps/sharded/hub_gathers.py)."""
+
     def __init__(self, ctx: zmq.Context, bind: str, n_shards: int, *, core: Any, persist: Any,
                  ranges: tuple, clock: Any, security: Any = None) -> None:
         if persist is None:
@@ -119,14 +96,10 @@ class ShardHub:
             security.apply_shard_server(self.sock)
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.slots = [Slot(i) for i in range(n_shards)]
-        self.by_rid: dict[bytes, Slot] = {}
-        self.tap: list[tuple[int, bytes]] = []
-        persist.journal.tap = self.tap
-        persist.retain_from = 0  # every record is kept until the shards say which they still need
+        self.table = ShardTable(n_shards, self.ranges, self.state_dir)  # the slots (ps/sharded/hub_table.py)
+        self.records = RecordStream(persist, self._send)  # the journal to the shards (ps/sharded/hub_records.py)
         self.pending: dict[int, Pending] = {}
-        self.gathers: dict[int, dict] = {}
-        self.done: list[tuple[int, int, int, np.ndarray]] = []  # (token, lsn, version, x) gathered
+        self.gathers = ParamsGathers(n_shards, self.ranges, core.dtype, self._send)  # (ps/sharded/hub_gathers.py)
         self.next_token = 1
         self.disagreement = ""
         self.blocks_timed_out = 0
@@ -138,36 +111,15 @@ class ShardHub:
         self.step_norms = needs_step_norms(core.alg)
         self.reducing: dict | None = None  # {token, jid, item, after, bsq, parts: {shard: figures}}
         self.reductions = 0
-        self._load_endpoints()
+        self.table.load_endpoints()
 
-    # ------------------------------------------------------------------ endpoints
-    def _load_endpoints(self) -> None:
-        path = os.path.join(self.state_dir, SHARDS_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                eps = json.load(f)["endpoints"]
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("%s: ignored (%s): the shards tell their endpoints again", path, e)
-            return
-        for slot, ep in zip(self.slots, eps, strict=False):
-            if type(ep) is str:
-                slot.endpoint = ep
-
-    def _save_endpoints(self) -> None:
-        path = os.path.join(self.state_dir, SHARDS_FILE)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"endpoints": [s.endpoint for s in self.slots], "ranges": [list(r) for r in self.ranges]}, f)
-        os.replace(path + ".tmp", path)
+    # The table's slots, and their index by routing id, which every message handler here reads.
+    slots = property(lambda self: self.table.slots)
+    by_rid = property(lambda self: self.table.by_rid)
 
     def shards_map(self) -> tuple:
-        """What Welcome.shards tells workers: every shard's (endpoint, lo, hi); () until every shard
-        has joined and built its core (a shard's data socket takes whole blocks only from then on, and
-        libzmq fixes a connection's message size limit when it is made)."""
-        if not all(s.endpoint and s.built for s in self.slots):
-            return ()
-        return tuple((s.endpoint, lo, hi) for s, (lo, hi) in zip(self.slots, self.ranges, strict=True))
+        """What Welcome.shards tells workers (ShardTable.shards_map): () until every shard is ready."""
+        return self.table.shards_map()
 
     # ------------------------------------------------------------------ control messages
     def receive(self, now: float) -> None:
@@ -208,7 +160,7 @@ class ShardHub:
             elif m["t"] == "have":
                 self._on_haves(slot, m["jobs"], now)
             elif m["t"] == "params":
-                self._on_params(slot, m, frames[2:])
+                self.gathers.on_params(slot, m, frames[2:])
             elif m["t"] == "reduce":
                 r = self.reducing
                 if r is not None and m["token"] == r["token"] and m["job_id"] == r["jid"]:
@@ -255,7 +207,7 @@ class ShardHub:
         slot.applied, slot.ckpt, slot.next, slot.last_seen = m["applied"], m["ckpt"], start, now
         slot.reader, slot.peek, slot.joins = None, None, slot.joins + 1
         self.by_rid[rid] = slot
-        self._endpoint(slot, m["endpoint"])
+        self.table.set_endpoint(slot, m["endpoint"])
         self._rejoined(slot, now)
         log.info("shard %d joined from %s (%s): records from %d", slot.index, m["endpoint"],
                  "afresh" if m["applied"] < 0 else f"after record {m['applied']}", start)
@@ -264,9 +216,7 @@ class ShardHub:
                              **{"from": start}))
         # Questions it may not have answered, asked again after the welcome (a shard reads nothing but a
         # welcome until it is welcomed).
-        for token, g in self.gathers.items():
-            if slot.index not in g["parts"]:
-                self._send(rid, pack("params?", token=token, lsn=g["lsn"]))
+        self.gathers.ask_again(slot)
         r = self.reducing
         if r is not None:  # a restarted shard lost the question (or its answer)
             r["parts"].pop(slot.index, None)
@@ -279,19 +229,9 @@ class ShardHub:
             if slot.index not in p.haves:
                 p.rejoined = now
 
-    def _endpoint(self, slot: Slot, endpoint: str) -> None:
-        """Where workers reach the shard (a new shard says it once bound: in its progress)."""
-        if not endpoint or slot.endpoint == endpoint:
-            return
-        if slot.endpoint:
-            log.warning("shard %d moved from %s to %s: workers welcomed before must say hello again", slot.index,
-                        slot.endpoint, endpoint)
-        slot.endpoint = endpoint
-        self._save_endpoints()
-
     def _on_progress(self, slot: Slot, m: dict) -> None:
         slot.applied, slot.ckpt, slot.version = m["applied"], m["ckpt"], m["version"]
-        self._endpoint(slot, m["endpoint"])
+        self.table.set_endpoint(slot, m["endpoint"])
         slot.built = slot.built or slot.applied >= 0
         slot.applied_count, slot.rss, slot.blocks, slot.records_s = (m["applied_count"], m["rss"], m["blocks"],
                                                                      m["records_s"])
@@ -302,8 +242,7 @@ class ShardHub:
                                  f"version {slot.version} and {slot.applied_count} applied, the coordinator "
                                  f"{core.version} and {core.counters.applied}")
             log.error("%s", self.disagreement)
-        ckpts = [s.ckpt for s in self.slots]
-        self.persist.retain_from = max(0, min(ckpts)) if all(c >= 0 for c in ckpts) else 0
+        self.records.retain(self.slots)
 
     def _on_haves(self, slot: Slot, haves: list, now: float) -> None:
         ledger = self.core.ledger
@@ -326,28 +265,6 @@ class ShardHub:
                 except ValueError:
                     p.haves[slot.index] = (ErrorCode.BAD_SHAPE, f"shard {slot.index}: {text}")
 
-    def _on_params(self, slot: Slot, m: dict, frames: list) -> None:
-        g = self.gathers.get(m["token"])
-        if g is None or len(frames) != 1:
-            return
-        lo, hi = self.ranges[slot.index]
-        dt = self.core.dtype
-        buf = frames[0].buffer
-        if len(buf) != (hi - lo) * dt.itemsize:
-            log.warning("shard %d sent %d bytes of parameters, not %d", slot.index, len(buf), (hi - lo) * dt.itemsize)
-            return
-        slot.applied = max(slot.applied, m["lsn"])
-        g["parts"][slot.index] = np.frombuffer(buf, dtype=dt).copy()
-        g["versions"][slot.index] = m["version"]
-        if len(g["parts"]) == self.n:
-            del self.gathers[m["token"]]
-            versions = set(g["versions"].values())
-            if len(versions) != 1:
-                log.error("shards sent parameters of different versions %s for record %d", sorted(versions),
-                          g["lsn"])
-            x = np.concatenate([g["parts"][i] for i in range(self.n)]) if self.n > 1 else g["parts"][0]
-            self.done.append((m["token"], g["lsn"], max(versions), x))
-
     # ------------------------------------------------------------------ sending
     def _send(self, rid: bytes, header: bytes, frames: tuple | list = ()) -> bool:
         try:
@@ -366,65 +283,9 @@ class ShardHub:
                 slot.connected = False
                 log.warning("shard %d is gone (silent for %.1f s): jobs are held until it is back", slot.index,
                             now - slot.last_seen)
-            if not slot.connected:
-                continue
-            limit = min(durable, slot.applied + WINDOW)
-            frames: list = []
-            if slot.next <= limit:
-                frames = self._from_tap(slot, limit) or self._from_disk(slot, limit)
-            if frames or now - slot.last_sent >= KEEPALIVE_S:
-                if self._send(slot.rid, pack("recs", first=slot.next, count=len(frames)), frames):
-                    slot.next += len(frames)
-                    slot.last_sent = now
-                elif frames:
-                    slot.reader, slot.peek = None, None  # not sent: read again from slot.next
-        self._trim_tap()
-
-    def _from_tap(self, slot: Slot, limit: int) -> list:
-        tap = self.tap
-        if not tap or tap[0][0] > slot.next:
-            return []
-        i = slot.next - tap[0][0]
-        out, size = [], 0
-        while i < len(tap) and tap[i][0] <= limit and len(out) < BATCH_RECORDS and size < BATCH_BYTES:
-            out.append(tap[i][1])
-            size += len(tap[i][1])
-            i += 1
-        if out:
-            slot.reader, slot.peek = None, None
-        return out
-
-    def _from_disk(self, slot: Slot, limit: int) -> list:
-        out, size = [], 0
-        while len(out) < BATCH_RECORDS and size < BATCH_BYTES:
-            rec = slot.peek
-            slot.peek = None
-            if rec is None:
-                if slot.reader is None:
-                    slot.reader = read_journal(self.state_dir, from_lsn=slot.next + len(out))
-                rec = next(slot.reader, None)
-                if rec is None:
-                    slot.reader = None
-                    break
-            if rec.lsn < slot.next + len(out):
-                continue
-            if rec.lsn > limit:
-                slot.peek = rec
-                break
-            data = msgpack.packb(rec.body, use_bin_type=True)
-            out.append(data)
-            size += len(data)
-        return out
-
-    def _trim_tap(self) -> None:
-        tap = self.tap
-        if not tap:
-            return
-        live = [s.next for s in self.slots if s.connected]
-        keep_from = min(live) if live else tap[-1][0] + 1
-        cut = max(0, min(len(tap), keep_from - tap[0][0]), len(tap) - TAP_MAX)
-        if cut > 1024 or (cut and cut == len(tap)):
-            del tap[:cut]
+            if slot.connected:
+                self.records.ship_to(slot, now, durable)
+        self.records.trim(self.slots)
 
     # ------------------------------------------------------------------ replies and the hold
     def take_reply(self, item: Any, now: float) -> bool:
@@ -540,17 +401,16 @@ class ShardHub:
 
     # ------------------------------------------------------------------ parameters, stop, figures
     def request_params(self, lsn: int) -> int:
+        """Ask every shard for its slice after record ``lsn`` (ps/sharded/hub_gathers.py); the token
+        names the iterate among :meth:`take_params`."""
         token = self.next_token
         self.next_token += 1
-        self.gathers[token] = {"lsn": lsn, "parts": {}, "versions": {}}
-        for s in self.slots:
-            if s.connected:
-                self._send(s.rid, pack("params?", token=token, lsn=lsn))
+        self.gathers.request(token, lsn, self.slots)
         return token
 
     def take_params(self) -> list[tuple[int, int, int, np.ndarray]]:
-        done, self.done = self.done, []
-        return done
+        """The iterates gathered since the last call: (token, lsn, version, x)."""
+        return self.gathers.take()
 
     def stop(self, reason: str) -> None:
         for s in self.slots:
@@ -561,18 +421,11 @@ class ShardHub:
         return all(s.connected and s.applied >= lsn for s in self.slots)
 
     def figures(self) -> dict[str, Any]:
-        last = self.persist.journal.next_lsn - 1
-        return {f"shard.{s.index}": (f"{'up' if s.connected else 'GONE'} lag {max(0, last - s.applied)} "
-                                     f"rss {s.rss / 1e6:.0f}MB blocks {s.blocks} joins {s.joins}")
-                for s in self.slots}
+        return self.table.figures(self.persist.journal.next_lsn - 1)
 
     def summary(self) -> list[dict[str, Any]]:
-        last = self.persist.journal.next_lsn - 1
-        return [{"index": s.index, "endpoint": s.endpoint, "range": list(self.ranges[s.index]),
-                 "connected": s.connected, "applied_lsn": s.applied, "lag_records": max(0, last - s.applied),
-                 "version": s.version, "rss_bytes": s.rss, "blocks_held": s.blocks, "joins": s.joins,
-                 "records_per_s": s.records_s} for s in self.slots]
+        return self.table.summary(self.persist.journal.next_lsn - 1)
 
     def close(self) -> None:
-        self.persist.journal.tap = None
+        self.records.close()
         self.sock.close(linger=500)

@@ -914,7 +914,7 @@ worker_rows = st.tuples(ascii_ids, text(MAX_ID_LEN), nat, finite, finite, st.int
 @MAIN
 @given(rows=st.lists(worker_rows, max_size=8), failed=nat)
 def test_status_with_worker_failures_round_trips(rows: list, failed: int) -> None:
-    from ps.drivers.daemon import WORKER_COLUMNS
+    from ps.drivers.outputs import WORKER_COLUMNS
 
     msg = Status(token=1, info={"counter.failed": failed, "workers_benched": len(rows)}, columns=WORKER_COLUMNS,
                  rows=tuple(rows))

@@ -127,7 +127,7 @@ def test_export_cli_torch_state_dict_loads_into_a_fresh_module(tmp_path, user_mo
 
 def test_out_dir_exports_final_x_with_problem_json(tmp_path, user_module):
     from problems import load_problem
-    from ps.drivers.daemon import write_outputs
+    from ps.drivers.outputs import write_outputs
 
     problem = load_problem(f"{user_module}:make")
     x = problem.init_params(1)
