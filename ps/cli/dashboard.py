@@ -10,7 +10,7 @@ import click
 from ps.observe.log_setup import setup_logging
 
 
-def dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def _dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> str:
     from ps.ops.dashboard import check_addr
 
     try:
@@ -22,7 +22,7 @@ def dashboard_addr(ctx: click.Context, param: click.Parameter, value: str) -> st
 
 def _dashboard_meta(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     if param.name == "dashboard_addr":
-        value = dashboard_addr(ctx, param, value)
+        value = _dashboard_addr(ctx, param, value)
     ctx.meta[param.name] = value  # read by start_dashboard: the commands' signatures stay as they are
     return value
 
@@ -58,7 +58,7 @@ def start_dashboard(daemon: Any) -> Any:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--port", type=click.IntRange(0, 65535), default=8265, show_default=True,
               help="The page's port (0: any free port).")
-@click.option("--addr", default="127.0.0.1", show_default=True, callback=dashboard_addr,
+@click.option("--addr", default="127.0.0.1", show_default=True, callback=_dashboard_addr,
               help="The page's address.")
 def dashboard(run_dir, port, addr) -> None:
     """Serve the dashboard of a finished run (a serve --state or an --out directory) until Ctrl-C."""

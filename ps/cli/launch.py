@@ -7,10 +7,7 @@ import os
 
 import click
 
-from ps.cli.options import (
-    allow_patterns,
-    positive,
-)
+from ps.cli.options import allow_patterns, positive
 from ps.cli.paths import check_output_file, output_dir, usage_check
 from ps.net.endpoints import remote_server_endpoint
 

@@ -10,14 +10,7 @@ import os
 import click
 import numpy as np
 
-from ps.cli.options import (
-    allow_options,
-    allowed_from,
-    parse_pairs,
-    positive,
-    training_options,
-    training_spec,
-)
+from ps.cli.options import allow_options, allowed_from, parse_pairs, positive, training_options, training_spec
 from ps.cli.paths import output_dir
 
 

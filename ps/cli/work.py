@@ -25,12 +25,7 @@ from ps.cli.options import (
     training_spec,
 )
 from ps.cli.paths import output_dir
-from ps.drivers.server import (
-    ServeOptions,
-    TrainingSpec,
-    make_daemon,
-    waiting_for,
-)
+from ps.drivers.server import ServeOptions, TrainingSpec, make_daemon, waiting_for
 from ps.net.endpoints import server_endpoint
 from ps.observe.log_setup import setup_logging
 
