@@ -595,8 +595,9 @@ def _serve_argv(plan: _Plan, out: str) -> list[str]:
 
 
 class _ProcessServer:
-    """``latecomer serve`` as a child process: spawned for a spec string, forked for a local
-    factory. Figures through the status protocol; the summary and iterate from ``out``."""
+    """The server as a child process: ``latecomer serve`` spawned for a spec string, this process
+    forked for a local factory (:func:`_forked_serve`). Figures through the status protocol; the
+    summary and iterate from ``out``."""
 
     mode = "process"
 
