@@ -26,13 +26,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import time
 
 import click
-import psutil
 
-from benchmarks.common import Row, skipped
+from benchmarks.common import Row, machine, skipped
 from benchmarks.models import model_options
 from ps.cli.paths import output_file
 
@@ -141,31 +139,6 @@ def line(r: Row) -> str:
             f"cpu {_f(r.cpu_s_per_update * 1e3, '8.3f')} ms/upd  rtt p50 {_f(r.rtt_p50_s * 1e3, '8.3f')} ms "
             f"p99 {_f(r.rtt_p99_s * 1e3, '8.3f')} ms  rss {_f(r.peak_rss_bytes / 2**20, '7.1f')} MiB  "
             f"[{r.wall_s:.0f} s]")
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    cpu = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import numpy
-    import torch
-    import zmq
-    try:
-        import ray
-        rv = ray.__version__
-    except Exception:  # noqa: BLE001
-        rv = "not installed"
-    return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, "
-            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, pyzmq {zmq.__version__} "
-            f"(libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads by default), ray {rv}; "
-            f"load average at start {os.getloadavg()[0]:.2f}")
 
 
 def _ok(r: Row | None) -> bool:

@@ -1,4 +1,5 @@
-"""Shared measurement for ``latecomer bench``: rows, windows, server CPU/RSS, reaping.
+"""Shared measurement for ``latecomer bench``: rows, windows, server CPU/RSS, reaping, and the
+description of the machine every report opens with.
 
 Every backend runs the same workload (server holds x of d float32; each worker loops: send a
 constant g, the server applies x <- x - lr*g and sends x back) and reports, for one
@@ -10,6 +11,8 @@ of the timed interval [t0, t1].
 from __future__ import annotations
 
 import math
+import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -218,3 +221,29 @@ def run_mp_cell(backend: str, server_target, server_args: tuple, worker_target, 
     finally:
         reap_mp(procs[1:], grace=10)
         reap_mp(procs[:1], grace=server_grace)
+
+
+def machine() -> str:
+    """The machine in one line: CPU, cores, memory, OS, the versions that matter, the load at start."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import numpy
+    import torch
+    import zmq
+    try:
+        import ray
+        rv = ray.__version__
+    except Exception:  # noqa: BLE001
+        rv = "not installed"
+    return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, "
+            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, pyzmq {zmq.__version__} "
+            f"(libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, torch {torch.__version__} "
+            f"({torch.get_num_threads()} intra-op threads by default), ray {rv}; "
+            f"load average at start {os.getloadavg()[0]:.2f}")

@@ -86,7 +86,7 @@ def commit() -> str:
 
 def machine_line() -> str:
     try:
-        from benchmarks.bench import machine
+        from benchmarks.common import machine
 
         return machine()
     except Exception:  # noqa: BLE001 - the figures matter more than the description

@@ -333,23 +333,46 @@ def _forked_worker(config_kw: dict, endpoint_fd: int, log_path: str, close: tupl
         endpoint = f.readline().strip()
     if not endpoint:
         raise SystemExit(0)  # the server did not start
-    from ps.cli.main import _setup_logging
+    from ps.observe.log_setup import setup_logging
     from worker.link import WorkerConfig, run_worker
 
-    _setup_logging("warning")
+    setup_logging("warning")
     reason = run_worker(WorkerConfig(server=endpoint, **config_kw))
     sys.stderr.write(f"latecomer worker: stopped ({reason})\n")
 
 
-def _forked_serve(argv: list[str], stdout_fd: int, log_path: str, close: tuple[int, ...]) -> None:
-    """A forked ``latecomer serve ARGV`` (a local factory: the table of local names is inherited);
-    its "listening on" line goes to ``stdout_fd``."""
+def _forked_serve(plan: _Plan, out: str, stdout_fd: int, log_path: str, close: tuple[int, ...]) -> None:
+    """A local factory's server, forked (the table of local names is inherited): what ``latecomer
+    serve --no-supervise`` does with :func:`_serve_argv`'s options, through the functions that
+    command calls (ps/drivers/server.py); its "listening on" line goes to ``stdout_fd``."""
     _child_setup(log_path, close)
     os.dup2(stdout_fd, 1)
     os.close(stdout_fd)
-    from ps.cli.main import main
+    import click
 
-    main(args=argv, prog_name="latecomer")
+    from ps.core.spec import TrainingSpec
+    from ps.drivers.server import log_progress, serve_until_stopped
+    from ps.net.supervise import announce
+    from ps.observe.log_setup import setup_logging
+    from ps.observe.loggers import make_logger
+
+    setup_logging("info")
+    # the options as serve reads them back from its flags (str values), as before this process
+    # was forked instead of started as a command: the same problem.json and run.json
+    spec = TrainingSpec(problem=plan.problem, problem_options=_as_flag_pairs(plan.problem_options),
+                        algorithm=plan.algorithm, settings=_as_flag_pairs(plan.settings), max_steps=plan.steps)
+    try:
+        daemon = _make_daemon(plan, spec)
+    except click.ClickException as e:  # one line in the log, as the command prints it
+        e.show()
+        raise SystemExit(e.exit_code) from None
+    for log_spec in plan.log_to:
+        daemon.add_observer(make_logger(log_spec))
+    daemon.install_signal_handlers()
+    announce(daemon)
+    daemon.on_progress = log_progress
+    reason = serve_until_stopped(daemon, [d for d in (out, plan.state) if d])
+    click.echo(f"latecomer: stopped ({reason}) at step {daemon.core.version}")
 
 
 def _fork(target: Callable, args: tuple) -> Any:
@@ -438,6 +461,21 @@ class _Watch(Observer):
 
 # --------------------------------------------------------------------------- the servers
 
+def _make_daemon(plan: _Plan, spec: Any) -> Any:
+    """The daemon of ``plan`` training ``spec`` (ps/drivers/server.py ``make_daemon``, as ``serve``
+    makes it); a mistake it finds in them is a ``click.ClickException``."""
+    from problems.trust import Allowed
+    from ps.drivers.server import ServeOptions, StateOptions, make_daemon
+
+    caps = {k: plan.serve[k] for k in ("max_workers", "max_workers_per_key") if k in plan.serve}
+    fields = {SERVE_OPTIONS[k].field: v for k, v in plan.serve.items() if SERVE_OPTIONS[k].field}
+    opts = ServeOptions(batch_size=plan.batch_size, max_steps=plan.steps, max_time=plan.max_time,
+                        target_loss=plan.target_loss, eval_every=plan.eval_every, seed=plan.seed,
+                        caps=caps, **{"min_workers": max(1, plan.workers), **fields})
+    return make_daemon(spec, plan.bind, opts, state=StateOptions(plan.state) if plan.state else None,
+                       allowed=Allowed().naming(problem=spec.problem, algorithm=spec.algorithm))
+
+
 class _ThreadServer:
     """The daemon (ps/drivers/server.py ``make_daemon``) run in a thread of this process."""
 
@@ -447,20 +485,11 @@ class _ThreadServer:
         import click
 
         from ps.core.spec import TrainingSpec
-        from ps.drivers.server import ServeOptions, StateOptions, make_daemon
 
         spec = TrainingSpec(problem=plan.problem, problem_options=dict(plan.problem_options),
                             algorithm=plan.algorithm, settings=dict(plan.settings), max_steps=plan.steps)
-        caps = {k: plan.serve[k] for k in ("max_workers", "max_workers_per_key") if k in plan.serve}
-        fields = {SERVE_OPTIONS[k].field: v for k, v in plan.serve.items() if SERVE_OPTIONS[k].field}
-        opts = ServeOptions(batch_size=plan.batch_size, max_steps=plan.steps, max_time=plan.max_time,
-                            target_loss=plan.target_loss, eval_every=plan.eval_every, seed=plan.seed,
-                            caps=caps, **{"min_workers": max(1, plan.workers), **fields})
-        from problems.trust import Allowed
-
         try:
-            self.daemon = make_daemon(spec, plan.bind, opts, state=StateOptions(plan.state) if plan.state else None,
-                                      allowed=Allowed().naming(problem=spec.problem, algorithm=spec.algorithm))
+            self.daemon = _make_daemon(plan, spec)
         except click.ClickException as e:
             raise ValueError(e.format_message().replace("Invalid value for ", "")) from None
         self.dirs = [d for d in (plan.out, plan.state) if d]
@@ -531,6 +560,15 @@ def _flag_value(v: Any) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
 
 
+def _as_flag_pairs(values: dict[str, Any]) -> dict[str, str]:
+    """``values`` as ``serve`` reads them from ``KEY=VALUE`` flags (ps/cli/options.py ``parse_pairs``)."""
+    out = {}
+    for k, v in values.items():
+        key, _, val = f"{k}={_flag_value(v)}".partition("=")
+        out[key.strip()] = val.strip()
+    return out
+
+
 def _serve_argv(plan: _Plan, out: str) -> list[str]:
     """``latecomer serve`` options for ``plan``."""
     argv = ["serve", "--bind", plan.bind, "--problem", plan.problem, "--algorithm", plan.algorithm,
@@ -558,8 +596,9 @@ def _serve_argv(plan: _Plan, out: str) -> list[str]:
 
 
 class _ProcessServer:
-    """``latecomer serve`` as a child process: spawned for a spec string, forked for a local
-    factory. Figures through the status protocol; the summary and iterate from ``out``."""
+    """The server as a child process: ``latecomer serve`` spawned for a spec string, this process
+    forked for a local factory (:func:`_forked_serve`). Figures through the status protocol; the
+    summary and iterate from ``out``."""
 
     mode = "process"
 
@@ -568,15 +607,15 @@ class _ProcessServer:
         self.log_path = os.path.join(log_dir, "server.log")
         # A local factory's server is this process forked: unsupervised, since the supervisor's
         # daemon is a new program that could not inherit the local factory (ps/net/supervise.py).
-        argv = _serve_argv(plan, out) + (["--no-supervise"] if plan.local else [])
         rfd, wfd = os.pipe()
         if plan.local:
-            self.child = _Child("server", process=_fork(_forked_serve, (argv, wfd, self.log_path, (rfd, *close))))
+            self.child = _Child("server", process=_fork(_forked_serve, (plan, out, wfd, self.log_path, (rfd, *close))))
             os.close(wfd)
             stdout = os.fdopen(rfd, "r")
         else:
             os.close(rfd)
             os.close(wfd)
+            argv = _serve_argv(plan, out)
             with open(self.log_path, "ab") as err:
                 popen = subprocess.Popen([sys.executable, "-m", "ps", *argv], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,

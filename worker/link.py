@@ -8,7 +8,6 @@ backoff when the server goes silent, a fresh ``hello`` when the server restarts 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import signal
@@ -23,42 +22,35 @@ import zmq
 
 from algorithms._pool import POOL
 from problems.loader import is_local
-from problems.trust import Allowed, worker_refusal
+from problems.trust import Allowed
 from protocol.chunks import Reassembler, split
-from protocol.codec import decode, encode, error_text
-from protocol.errors import RemoteProtocolError
+from protocol.codec import encode
 from protocol.messages import (
     CHUNK_THRESHOLD,
     DEFAULT_MAX_ARRAY_BYTES,
     HEARTBEAT_INTERVAL_S,
     HELLO_BACKOFF_MAX_S,
     HELLO_BACKOFF_S,
-    ID_IN_USE,
     LIVENESS_TIMEOUT_S,
     RECONNECT_IVL_MAX_S,
     RECONNECT_IVL_S,
     Bye,
-    Cancel,
-    Error,
-    ErrorCode,
     Heartbeat,
     Hello,
     Job,
-    Part,
-    Ready,
     Reply,
-    Welcome,
 )
 from protocol.shm import ShmReader, host_id, shm_dir_usable
-from protocol.wire import from_wire, to_wire
-from worker.identity import BASE_MAX, claim_default_id
+from worker.identity import claim_default_id
+from worker.intake import JobIntake
+from worker.replies import ReplySender, printable
 from worker.runner import ComputeThread, DelaySpec, IterateCache
-from worker.shards import ShardLinks, header_only
+from worker.session import ServerSession
+from worker.shards import header_only
 from worker.sockio import recv_frames, send_frames
 
 # Plain ints: no enum per call.
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
-_F32 = np.dtype(np.float32)
 log = logging.getLogger("latecomer.worker")
 EXIT_PROBLEM_UNAVAILABLE = 3  # exit status of `latecomer work` when the server's problem cannot be loaded here
 
@@ -108,8 +100,11 @@ class WorkerConfig:
     local_problems: tuple[str, ...] = ()  # local names (<local>:NAME#N) of the forking process it trusts exactly
 
 
-class Worker:
-    """One worker process's I/O loop. ``run()`` returns the reason it stopped."""
+class Worker(ServerSession, JobIntake, ReplySender):
+    """One worker process's I/O loop. ``run()`` returns the reason it stopped.
+
+    Its parts: the socket, the loop and its timers here; what the server says (worker/session.py),
+    jobs in (worker/intake.py), replies out (worker/replies.py)."""
 
     def __init__(self, config: WorkerConfig, *, load_problem: Callable[..., Any] | None = None,
                  clock: Callable[[], float] = time.monotonic, context: zmq.Context | None = None) -> None:
@@ -338,7 +333,7 @@ class Worker:
     def _close(self) -> None:
         if self.sock is not None:
             if self.welcomed:  # our own leaving, or the acknowledgement of the server's bye
-                self._send(Bye(_printable(self.stopping or "exit")[:1000]))
+                self._send(Bye(printable(self.stopping or "exit")[:1000]))
             self.sock.close(linger=500)
             self.sock = None
         if self.shards is not None:
@@ -352,323 +347,6 @@ class Worker:
         if self.id_claim is not None:  # a default id is free for the next worker of this key
             self.id_claim.release()
 
-    # ------------------------------------------------------------------ inbound
-    def _on_frames(self, frames: list) -> None:
-        try:
-            msg = decode(frames, payload=self.parts.take)
-            kind = type(msg)  # the message classes are final: no isinstance needed
-            if kind is Part:
-                self.parts.add(msg)
-                return
-        except RemoteProtocolError as e:
-            log.warning("undecodable message from server: %s", e)
-            return
-        if kind is Job:  # the common case first
-            self._on_job(msg)
-        elif kind is Welcome:
-            self._on_welcome(msg)
-        elif kind is Cancel:
-            ids = set(msg.job_ids)
-            if self.shards is not None:
-                self.shards.cancel(ids)
-            for jid in ids:
-                self.jobs.pop(jid, None)
-                self.waiting.pop(jid, None)
-            if self.compute is not None:
-                self.compute.cancel(ids)
-        elif kind is Heartbeat:
-            if self.server_boot is not None and msg.boot != self.server_boot:
-                log.warning("server restarted: saying hello again")
-                self.welcomed = False
-        elif kind is Bye:
-            self.stopping = f"server said bye: {msg.reason}"
-        elif kind is Error:
-            if msg.code == ErrorCode.UNKNOWN_WORKER:
-                self.welcomed = False  # the server forgot us (restart, timeout): hello again
-            elif msg.code == ErrorCode.UNSUPPORTED_VERSION:
-                self.stopping = f"server refused: {msg.message}"
-            elif msg.code == ErrorCode.REFUSED and msg.message.startswith(ID_IN_USE) and not self.welcomed:
-                self._id_in_use(msg.message)
-            elif msg.code == ErrorCode.REFUSED:  # e.g. benched: every job failed (PROTOCOL.md 8.8)
-                log.warning("server refused: %s", msg.message)
-            else:
-                log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
-
-    def _id_in_use(self, text: str) -> None:
-        """Another live process has our worker id (two hosts or containers of one name sharing a
-        key, PROTOCOL.md 8.1): a default id becomes ``ID-BOOT`` (this process's boot, so unique),
-        and the hello goes again at once; an id the user gave stops the worker with one line."""
-        if self.id_claim is None:
-            self.stopping = f"server refused: {text}"
-            return
-        new_id = f"{self.worker_id[:BASE_MAX]}-{self.boot & 0xFFFFFF:06x}"
-        log.warning("worker id %s is taken by another live process: this worker is %s from now on",
-                    self.worker_id, new_id)
-        self.id_claim.release()
-        self.id_claim, self.worker_id = None, new_id
-        self.next_hello = self.clock()
-
-    def _on_welcome(self, w: Welcome) -> None:
-        """A welcome: load the problem it names (if allowed and not loaded yet), settle what we
-        hold against its run (another run: drop all; the same run from a new server process:
-        resend), take its transport (wire dtype, parts, shared memory) and timing, say ready."""
-        key = (w.problem, tuple(sorted(w.problem_options.items())))
-        refusal = worker_refusal(w.problem, self.allowed)
-        if refusal is not None:  # never import what a server names unless our command line allows it
-            self._close_compute()
-            self.problem_key, self.loaded, self.welcomed = key, False, True  # welcomed: bye on the way out
-            self._load_failed(refusal)
-            return
-        if key != self.problem_key:
-            self._start_loading(key, w)
-        self._settle_run(w)
-        self.server_boot = w.server_boot
-        self.wire = w.wire_dtype
-        self.parts_ok = w.parts
-        self.shm = self._open_shm(w) if w.shm else None
-        self._link_shards(w.shards)
-        self.hb_interval = w.heartbeat_interval_s
-        self.liveness = w.liveness_timeout_s
-        self.welcomed = True
-        if self.loaded:  # same problem as before (e.g. a server restart): ready at once
-            self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
-        self._send_results()
-
-    def _link_shards(self, shards: tuple) -> None:
-        """A sharded server: connect to its shards (again, if they moved), else none."""
-        if self.shards is not None and self.shards.map == tuple(shards):
-            self.shards.wire = self.wire
-            return
-        if self.shards is not None:
-            self.shards.close()
-            self.shards = None
-        if shards:  # the same-host path to a shard on this host, as to the server (--shm)
-            self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode(), curve=self.curve,
-                                     shm=self.cfg.shm == "auto" and shm_dir_usable(), wire=self.wire)
-            log.info("sharded server: %d shards", len(shards))
-
-    def _from_shard(self, i: int) -> None:
-        for what, x in self.shards.receive(i):
-            if what == "gone":  # settled at the server (written off, cancelled): drop it
-                self.jobs.pop(x, None)
-            elif x.job_id in self.jobs:
-                self._on_job(x, whole=True)
-
-    def _close_compute(self) -> None:
-        if self.compute is not None:
-            self.compute.close()
-            self.compute = None
-
-    def _start_loading(self, key: tuple, w: Welcome) -> None:
-        """A new problem: its compute thread loads it (the worker's own options merged in)."""
-        self._close_compute()
-        spec, options, device, threads = w.problem, dict(w.problem_options), self.cfg.device, self.cfg.threads
-        overrides = dict(self.cfg.problem_overrides)
-
-        def load():
-            if overrides:  # refused (a failed load) unless the factory declares them worker-local
-                from problems.loader import merge_worker_options
-                problem = self._load_problem(spec, merge_worker_options(spec, options, overrides), device=device)
-            else:
-                problem = self._load_problem(spec, options, device=device)
-            if threads and "torch" in sys.modules:  # only torch problems pay for importing torch
-                sys.modules["torch"].set_num_threads(threads)
-            return problem
-
-        self.problem_key = key
-        self.loaded = False
-        self.compute = ComputeThread(load, self.cfg.delay, finish=self._finish)
-        self.cache.items.clear()
-        self.jobs.clear()
-        self.waiting.clear()
-
-    def _settle_run(self, w: Welcome) -> None:
-        if w.run_id != self.run_id:
-            # Another run (a fresh server): nothing we hold belongs to it. A resumed run keeps its
-            # run id, and then our unanswered jobs and unsent replies are still wanted.
-            if self.jobs and self.compute is not None:
-                self.compute.cancel(set(self.jobs))
-            self.jobs.clear()
-            self.waiting.clear()
-            self.unsent.clear()
-            self.recent.clear()
-            self.cache.items.clear()  # iterate ids restart at 0 in every run
-            self.seen = -1
-            self.run_id = w.run_id
-        elif self.server_boot is not None and w.server_boot != self.server_boot:
-            # The same run, resumed by a new server process: resend what it may not have read.
-            pending = {r.job_id for r in self.unsent}
-            resend = [r for _, r in self.recent if r.job_id not in pending] + self.unsent
-            # Gradients left in the old server's shared memory travel as frames now.
-            self.unsent = [r for r in (self._detach(r, w.wire_dtype) for r in resend) if r is not None]
-            self.recent.clear()
-
-    def _open_shm(self, w: Welcome) -> ShmReader | None:
-        """The server's shared memory (the same-host path), if its probe succeeds from here."""
-        try:
-            reader = ShmReader(w.shm)
-            why = reader.probe(w.server_boot)
-        except ValueError as e:
-            why = str(e)
-        if why is None:
-            log.info("same-host path: iterates and gradients through shared memory %s", w.shm)
-            return reader
-        log.warning("same-host path unavailable (%s): using TCP", why)
-        return None
-
-    def _on_job(self, job: Job, whole: bool = False) -> None:
-        if self.compute is None:
-            return
-        if job.job_id > self.seen:
-            self.seen = job.job_id
-        if self.shards is not None and not whole:  # its iterates come from the shards
-            self.jobs[job.job_id] = job
-            need = tuple(dict.fromkeys(i for i in job.iterate_ids if self.cache.get(i) is None))
-            self.shards.fetch(job, need, self.clock())
-            return
-        if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
-            self._on_shm_job(job)
-            return
-        cache, wire = self.cache, self.wire
-        for iid, p in zip(job.point_ids, job.points, strict=True):
-            if wire == "f32" and type(p) is np.ndarray and p.dtype == _F32:  # from_wire's identity, unchecked
-                cache.put(iid, p)
-                continue
-            try:
-                cache.put(iid, from_wire(p, wire))
-            except ValueError as e:
-                log.warning("job %d: %s", job.job_id, e)
-                return  # never cached: the server's ledger writes the job off as vanished
-        self.jobs[job.job_id] = job
-        points = tuple([cache.get(i) for i in job.iterate_ids])
-        if any(p is None for p in points):
-            missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
-            self.waiting[job.job_id] = job
-            self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
-                             iterate_ids=missing))
-            return
-        if self.waiting:
-            self.waiting.pop(job.job_id, None)
-        self._run(job, points)
-        if len(cache.items) > cache.capacity:
-            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids})
-
-    def _on_shm_job(self, job: Job) -> None:
-        self.jobs[job.job_id] = job
-        self.shm_jobs[job.job_id] = [self.server_boot, None]
-        if self.shm is None or len(job.refs) != len(job.iterate_ids):
-            self.jobs.pop(job.job_id, None)
-            self._send(Error(ErrorCode.REFUSED, "shared-memory job, but no shared memory here", job_id=job.job_id))
-            return
-        try:
-            points = tuple(self.shm.view(s) for s in job.refs)
-        except (OSError, ValueError) as e:
-            self.jobs.pop(job.job_id, None)
-            self._send(Error(ErrorCode.REFUSED, _printable(f"shared memory: {e}")[:200], job_id=job.job_id))
-            return
-        self._run(job, points)
-
-    def _run(self, job: Job, points: tuple) -> None:
-        compute = self.compute
-        if compute.can_inline():
-            compute.run_inline(job, points, self.cache.ids())  # sent at once: the holds are now
-            self._send_results()
-        else:
-            compute.submit(job, points)
-
-    def _finish(self, job: Job, grads: tuple) -> tuple[tuple, bool]:
-        """On the compute side, after the gradients: put them where the server reads them.
-        Returns the reply's gradients and whether they went to shared memory."""
-        if job.grad_slots:
-            if len(grads) != len(job.grad_slots):
-                raise ValueError(f"{len(grads)} gradients for {len(job.grad_slots)} shared-memory slots")
-            for g, slot in zip(grads, job.grad_slots, strict=True):
-                dst = self.shm.view(slot, writable=True)
-                if dst.size != g.size:
-                    raise ValueError(f"gradient of {g.size} values, shared-memory slot of {dst.size}")
-                np.copyto(dst, g.reshape(-1))
-            held = self.shm_jobs.get(job.job_id)
-            if held is not None:
-                held[1] = grads  # for a resend to a restarted server
-            return (), True
-        if self.wire != "f32":
-            return tuple(to_wire(g, self.wire) for g in grads), False
-        return grads, False
-
-    # ------------------------------------------------------------------ outbound
-    def _send_results(self) -> None:
-        while True:
-            try:
-                jid, reply, error = self.compute.outbox.popleft()
-            except IndexError:
-                break
-            if jid == ComputeThread.LOAD_FAILED:
-                self._load_failed(error)
-                return
-            if jid == ComputeThread.LOADED:
-                self.loaded = True
-                if self.welcomed:
-                    self._send(Ready(credit=self.cfg.credit, holds=self.cache.ids(), shm=self.shm is not None))
-                continue
-            if self.jobs.pop(jid, None) is None:
-                continue  # cancelled meanwhile
-            if error is not None:  # the compute side logged it (FailureLog); the server records a failed job
-                self._send(Error(ErrorCode.COMPUTE_FAILED, error_text(error), job_id=jid))
-                continue
-            self.unsent.append(reply)
-        while self.unsent and self.welcomed:
-            r = self.unsent[0]
-            if r.in_shm and self.shm_jobs.get(r.job_id, (None,))[0] != self.server_boot:
-                r = self._detach(r, self.wire)  # computed for the previous server process
-                if r is None:
-                    self.unsent.pop(0)
-                    continue
-            holds = self.cache.ids()
-            if r.holds != holds:  # computed inline, the reply says it already
-                r = _with_holds(r, holds)
-            if not self._send(r):
-                break
-            self.unsent.pop(0)
-            self.replies_sent += 1
-            now = self.clock()
-            self.recent.append((now, r))
-            while self.recent and now - self.recent[0][0] > self.liveness:
-                self.recent.popleft()
-        if self.shm_jobs:  # keep only what a resend after a server restart could need
-            keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
-            for jid in [j for j in self.shm_jobs if j not in keep]:
-                del self.shm_jobs[jid]
-
-    def _load_failed(self, reason: str) -> None:
-        """The welcome's problem cannot be loaded here: tell the server why (PROBLEM_UNAVAILABLE)
-        and stop; :func:`run_worker` then prints the reason and exits with status 3."""
-        spec = self.problem_key[0] if self.problem_key else "?"
-        # The loader's one-line ValueErrors name the spec already, and so does our line.
-        reason = reason.removeprefix("ValueError: ").removeprefix(f"problem {spec!r}: ")
-        self.failure = self.stopping = f"cannot load problem {spec}: {reason}"
-        self._send(Error(ErrorCode.PROBLEM_UNAVAILABLE, error_text(reason)))
-
-    def _detach(self, r: Reply, wire: str) -> Reply | None:
-        """A shared-memory reply as a frame reply (for a new server process, which cannot read
-        the old one's slots); None if its gradients are gone, or if the wire dtype is not f32:
-        the gradient was computed at the exact float32 iterate, not at the quantized one a TCP
-        reply implies, and recovery recomputes it at the latter. The new server writes a
-        dropped job off (it is not in our busy list)."""
-        if not r.in_shm:
-            return r
-        grads = self.shm_jobs.get(r.job_id, (None, None))[1]
-        if grads is None or wire != "f32":
-            log.info("job %d: its reply went to the previous server's shared memory; dropped", r.job_id)
-            return None
-        return dataclasses.replace(r, grads=tuple(to_wire(g, wire) for g in grads), in_shm=False)
-
-
-def _with_holds(r: Reply, holds: tuple[int, ...]) -> Reply:
-    """``dataclasses.replace(r, holds=holds)``, at a third of the cost (once per reply)."""
-    return Reply(job_id=r.job_id, created_at=r.created_at, grads=r.grads, loss=r.loss, count=r.count,
-                 compute_s=r.compute_s, holds=holds, in_shm=r.in_shm)
-
-
 def _nbytes(arrays: tuple) -> int:
     return sum([a.nbytes for a in arrays])
 
@@ -678,11 +356,6 @@ def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:
     from worker.keys import client_keys
 
     return client_keys(cfg.key_secret, cfg.server_key)
-
-
-def _printable(text: str) -> str:
-    """Protocol strings are printable: tracebacks and odd bytes become spaces."""
-    return "".join(c if c.isprintable() else " " for c in text)
 
 
 def run_worker(config: WorkerConfig) -> str:

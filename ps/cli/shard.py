@@ -10,17 +10,13 @@ from typing import Any
 
 import click
 
+from ps.cli.options import allow_patterns, allowed_from
 from ps.net.endpoints import bind_endpoint, server_endpoint
+from ps.observe.log_setup import setup_logging
 
 log = logging.getLogger("latecomer.shards")
 
 RESTART_AFTER_S = 0.5  # a local shard that died is started again this long after
-
-
-def _allow(ctx, param, value):
-    from ps.cli.main import _allow_patterns
-
-    return _allow_patterns(ctx, param, value)
 
 
 @click.command("shard")
@@ -40,9 +36,9 @@ def _allow(ctx, param, value):
               help="When journaled gradient blocks reach the disk; the coordinator counts a reply once they have.")
 @click.option("--checkpoint-records", type=click.IntRange(min=1), default=5000, show_default=True,
               help="Checkpoint after this many of the coordinator's records.")
-@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", callback=_allow,
+@click.option("--allow-problem", "allow_problem", multiple=True, metavar="PATTERN", callback=allow_patterns,
               help="Trust this problem of your own where the coordinator's run names it (repeatable).")
-@click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN", callback=_allow,
+@click.option("--allow-algorithm", "allow_algorithm", multiple=True, metavar="PATTERN", callback=allow_patterns,
               help="Trust this algorithm of your own where the coordinator's run names it (repeatable).")
 @click.option("--keys", "keys_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="CurveZMQ, as the coordinator's --keys: the server's key pair (server.key_secret) and the workers' "
@@ -65,11 +61,10 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     a shard with --state may be restarted at any time and catches up. It exits when the
     coordinator's run is over.
     """
-    from ps.cli.main import _allowed, _setup_logging
     from ps.net.security import is_loopback_endpoint
     from ps.sharded.shard import Shard, saved_shard
 
-    _setup_logging(log_level)
+    setup_logging(log_level)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
         raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
                                "read the traffic: give --keys DIR (the server's) or --insecure")
@@ -83,8 +78,8 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
         os.makedirs(state_dir, exist_ok=True)
     try:
         s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
-                  allowed=_allowed(allow_problem, allow_algorithm), fsync=fsync, checkpoint_records=checkpoint_records,
-                  keys_dir=keys_dir, shm=shm)
+                  allowed=allowed_from(allow_problem, allow_algorithm), fsync=fsync,
+                  checkpoint_records=checkpoint_records, keys_dir=keys_dir, shm=shm)
     except OSError as e:  # a bind in use, an unwritable directory
         raise click.ClickException(f"cannot start the shard: {e}") from None
     except ValueError as e:  # an unreadable key pair or allow-list

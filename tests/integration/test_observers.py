@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from ps.cli.main import training_spec
+from ps.cli.options import training_spec
 from ps.drivers.server import ServeOptions, make_daemon
 from ps.observe.observer import Observer
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ps.cli.main import training_spec
+from ps.cli.options import training_spec
 from ps.drivers.evaluator import EvalLog
 from ps.drivers.outputs import write_outputs
 from ps.drivers.server import ServeOptions, StateOptions, make_daemon

@@ -54,7 +54,7 @@ def test_cli_bad_toml(cli, tmp_path):
 
 
 def test_cli_toml_and_flags_merge(tmp_path):
-    from ps.cli.main import training_spec
+    from ps.cli.options import training_spec
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[problem]\nname = "quadratic"\nd = 8\n[algorithm]\nname = "ringmaster"\nlr = 0.2\nR = 3\n')
@@ -110,7 +110,7 @@ def test_cli_simulate_wire_dtype(cli, tmp_path):
 def test_runs_progress_bar_says_what_the_first_step_waits_for():
     from types import SimpleNamespace as NS
 
-    from ps.cli.main import waiting_for
+    from ps.drivers.server import waiting_for
 
     def daemon(*ready: bool, wanted: int = 2):
         workers = {f"w{i}": NS(ready=r) for i, r in enumerate(ready)}
@@ -185,7 +185,7 @@ def test_the_jobs_batch_size_is_the_problems_own_unless_serve_says_another(caplo
 
 
 def test_serve_without_batch_size_records_the_problems_in_run_json(tmp_path):
-    from ps.cli.main import training_spec
+    from ps.cli.options import training_spec
     from ps.drivers.server import ServeOptions, StateOptions, make_daemon
     from ps.journal.runfile import read_run
 
@@ -207,7 +207,7 @@ def test_a_bind_on_a_busy_port_leaves_no_half_made_state_directory(tmp_path):
     import click
     import zmq
 
-    from ps.cli.main import training_spec
+    from ps.cli.options import training_spec
     from ps.drivers.server import ServeOptions, StateOptions, make_daemon
 
     ctx = zmq.Context()
@@ -243,7 +243,7 @@ def test_a_late_reply_is_logged_with_what_it_means(caplog):
     job was settled, how the job was settled, and that nothing was lost."""
     import logging
 
-    from ps.cli.main import training_spec
+    from ps.cli.options import training_spec
     from ps.drivers.server import ServeOptions, make_daemon
 
     spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",

@@ -304,14 +304,14 @@ def test_cli_errors_config_reads_with_tomli_where_tomllib_is_missing(tmp_path):
         fake.load, fake.loads, fake.TOMLDecodeError = real.load, real.loads, real.TOMLDecodeError
         sys.modules["tomli"], sys.modules["tomllib"] = fake, None  # None: import tomllib fails
         import click
-        import ps.cli.main
-        assert ps.cli.main.tomllib is fake
-        spec = ps.cli.main.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
+        import ps.cli.options
+        assert ps.cli.options.tomllib is fake
+        spec = ps.cli.options.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
                                     default_algorithm="asgd")
         assert spec.problem == "quadratic" and spec.problem_options == {{"d": 8}}, spec
         open({str(cfg)!r}, "w").write("[problem")
         try:
-            ps.cli.main.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
+            ps.cli.options.training_spec(None, (), None, (), {str(cfg)!r}, default_problem="digits",
                                       default_algorithm="asgd")
         except click.BadParameter as e:
             assert "not valid TOML" in str(e)

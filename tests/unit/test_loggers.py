@@ -243,7 +243,7 @@ def test_make_logger_builds_each_kind_without_touching_its_target(kind, backend,
 
 def test_loggers_say_where_they_write_under_run_s_warning_level(tmp_path, monkeypatch):
     pytest.importorskip("torch.utils.tensorboard", reason="pip install latecomer[tensorboard]")
-    from ps.cli.main import add_loggers
+    from ps.cli.options import add_loggers
 
     monkeypatch.setattr(loggers.log, "level", logging.NOTSET)
     monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)
