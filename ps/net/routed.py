@@ -70,7 +70,7 @@ class ShardPeers:
 
     def __init__(self, role: ShardRole, same_host: Any) -> None:
         self.role = role
-        self.same_host = same_host  # ps/net/sameshost.py SliceSameHost
+        self.same_host = same_host  # ps/net/samehost.py SliceSameHost
         self.told: OrderedDict[bytes, None] = OrderedDict()
         self.parts: OrderedDict[bytes, None] = OrderedDict()
 

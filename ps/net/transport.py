@@ -78,7 +78,7 @@ from ps.net.connections import (
 )
 from ps.net.endpoints import needs_ipv6
 from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
-from ps.net.sameshost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
+from ps.net.samehost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
