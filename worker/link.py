@@ -1,9 +1,11 @@
-"""The worker's link to the server: the only worker module that imports zmq.
+"""The worker's link to the server: its DEALER socket and the loop that moves messages.
 
 A DEALER socket with application heartbeats both ways, reconnection with exponential
 backoff when the server goes silent, a fresh ``hello`` when the server restarts (its
 ``server_boot`` changes), and a graceful SIGTERM (say bye, exit). Compute runs in
-:class:`worker.runner.ComputeThread`; this loop only moves messages.
+:class:`worker.runner.ComputeThread`; this loop only moves messages. ``Worker`` composes its
+parts: the session with the server (worker/session.py), jobs in (worker/intake.py) and replies
+out (worker/replies.py); a sharded server's shards are worker/shards.py's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Building a server from its options: a new run, or the run a state directory holds.
 
-The commands (ps/cli/main.py) parse their options and call :func:`make_daemon`; what it takes is
+The commands (ps/cli/serve.py, ps/cli/work.py) and the API (latecomer/api.py) parse their options
+and call :func:`make_daemon`; what it takes is
 :class:`ServeOptions` (the run's settings) and :class:`StateOptions` (``--state`` and its
 persistence). A new state directory gets its run.json and a ``start`` record; one that holds
 a run is recovered (checkpoint plus journal tail, ps/journal/recovery.py) and journals a ``restart``.

@@ -426,7 +426,7 @@ def test_recovery_resumes_right_after_the_checkpoints_lsn(tmp_path, monkeypatch)
 # --------------------------------------------------------------------------- clock rounds replay bit for bit
 
 def test_a_clock_round_run_replays_bit_for_bit(tmp_path):
-    """A run created the way serve --state creates it (ps/cli/main.py's _open_state: the core created
+    """A run created the way serve --state creates it (ps/drivers/server.py's open_state: the core created
     at time.monotonic()), storm-vr with --round-period, driven with the daemon's clock inputs;
     replay_run (latecomer replay) and recovery without a checkpoint must give its bits."""
     import time
