@@ -89,7 +89,7 @@ class WorkerConfig:
     device: str = "cpu"
     cache_size: int = 4
     backoff_s: float = HELLO_BACKOFF_S
-    backoff_max_s: float = HELLO_BACKOFF_MAX_S  # a resumed server's restart grace covers it (ps.core.server_core)
+    backoff_max_s: float = HELLO_BACKOFF_MAX_S  # a resumed server's restart grace covers it (ps.core.config)
     give_up_s: float | None = None
     max_jobs: int | None = None
     threads: int | None = None
