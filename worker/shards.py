@@ -67,7 +67,7 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.shm import ShmReader, host_id
-from protocol.wire import from_wire, to_wire
+from protocol.wire import WIRE_NUMPY, from_wire, to_wire
 from worker.sockio import recv_frames, send_frames
 
 log = logging.getLogger("latecomer.worker")
@@ -217,8 +217,8 @@ class ShardLinks:
                     msg = self._shm_piece(i, a, msg)
                     if msg is None:
                         continue
-                elif msg.point_ids != a.need:
-                    continue
+                elif msg.point_ids != a.need or not self._fits(i, msg):
+                    continue  # not the answer to what we asked: the fetch stays open (asked again)
                 a.pieces[i] = msg
                 self.answered[i] = max(self.answered[i], a.seq)
                 self.slowest = max(self.slowest, now - a.asked_at)
@@ -232,6 +232,19 @@ class ShardLinks:
                 else:
                     log.info("shard %d: %s %s (job %s)", i, msg.code.name, msg.message, msg.job_id)
         return out
+
+    def _fits(self, i: int, msg: Job) -> bool:
+        """Whether shard ``i``'s slices are what a piece must be: ``hi - lo`` values each, in the
+        frame dtype of the run's wire dtype. One that is not is dropped with one line (it would
+        fail the job here after it was taken: a job never computed, held in busy for ever)."""
+        lo, hi = self.ranges[i]
+        want = WIRE_NUMPY.get(self.wire)
+        bad = next((p for p in msg.points if p.shape != (hi - lo,) or p.dtype != want), None)
+        if bad is None:
+            return True
+        log.warning("shard %d: job %d's slice of shape %s and dtype %s, expected (%d,) of %s: dropped", i,
+                    msg.job_id, bad.shape, bad.dtype.str, hi - lo, want.str if want is not None else self.wire)
+        return False
 
     def _open_shm(self, i: int, w: Welcome) -> None:
         """Shard ``i`` offers its shared memory: probe it, and say whether we take it (ready)."""
