@@ -133,7 +133,8 @@ def test_welcome_shards_row_states_the_codecs_rules():
     ok = [(f"tcp://h:{i}", 2 * i, 2 * i + 2) for i in range(64)]
     assert decode(welcome(ok)).shards == tuple(ok)
     assert b"shards" not in bytes(welcome([])[0])  # left out while []
-    for bad in (ok + [("tcp://h:64", 128, 130)], [("tcp://h:0", 1, 2)], [("a", 0, 2), ("b", 3, 4)], [("a", 0, 2), ("b", 2, 1)]):
+    too_many, not_from_0 = ok + [("tcp://h:64", 128, 130)], [("tcp://h:0", 1, 2)]
+    for bad in (too_many, not_from_0, [("a", 0, 2), ("b", 3, 4)], [("a", 0, 2), ("b", 2, 1)], [("", 0, 2)]):
         with pytest.raises(LocalProtocolError):
             welcome(bad)
 
