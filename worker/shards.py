@@ -14,7 +14,9 @@ shard has sent this worker nothing for a while since it was asked: four times th
 shard took to answer one so far, at least ``REFETCH_MIN_S`` (before any answer,
 ``REFETCH_FIRST_S``). A shard busy sending earlier slices over a slow link is never asked
 again, so it never sends the same slices twice. A shard that answers UNKNOWN_JOB ends the job
-here (it was settled: written off, cancelled).
+here (it was settled: written off, cancelled). An answer that is not what was asked (other ids,
+or slices that are not ``hi - lo`` values in the frame dtype of the run's wire dtype) is dropped,
+with one line for a bad slice, and the fetch stays open (PROTOCOL.md §10).
 
 Large messages in parts (PROTOCOL.md §6.13, §12.1): a shard sends ``welcome`` {parts: true}
 after the first ``job`` it sends a connection (and again after it restarted); the worker
