@@ -108,17 +108,26 @@ class ServerSession:
         self._send_results()
 
     def _link_shards(self, shards: tuple) -> None:
-        """A sharded server: connect to its shards (again, if they moved), else none."""
-        if self.shards is not None and self.shards.map == tuple(shards):
-            self.shards.wire = self.wire
+        """A sharded server: connect to its shards (again, if they moved), else none. The fetches
+        still open for jobs we hold are asked of the new shards; those of jobs we dropped (another
+        run) are forgotten."""
+        old = self.shards
+        if old is not None:
+            old.cancel({j for j in old.assembling if j not in self.jobs})
+        if old is not None and old.map == tuple(shards):
+            old.wire = self.wire
             return
-        if self.shards is not None:
-            self.shards.close()
+        open_fetches = list(old.assembling.values()) if old is not None else []
+        if old is not None:
+            old.close()
             self.shards = None
         if shards:  # the same-host path to a shard on this host, as to the server (--shm)
             self.shards = ShardLinks(self.ctx, shards, f"{self.worker_id}/{self.boot:x}".encode(), curve=self.curve,
                                      shm=self.cfg.shm == "auto" and shm_dir_usable(), wire=self.wire)
             log.info("sharded server: %d shards", len(shards))
+            now = self.clock()
+            for a in open_fetches:  # the new shards are asked for every piece (the old ones' are stale)
+                self.shards.fetch(a.job, a.need, now)
 
     def _close_compute(self) -> None:
         if self.compute is not None:

@@ -239,7 +239,8 @@ def test_shard_links_queue_while_a_shard_is_unreachable_and_say_hello_with_no_ho
 
 def test_a_later_welcome_keeps_the_links_for_the_same_shards_and_replaces_them_for_others():
     """§12.1 step 2 (worker/session.py ``_link_shards``): the same list keeps the connections and
-    the fetches in progress; another list closes them and connects anew; [] closes them."""
+    the fetches in progress; another list closes them, connects anew and asks the new shards for the
+    fetches of the jobs still held; a fetch of a job no longer held is forgotten; [] closes them."""
     from worker.link import Worker, WorkerConfig
 
     w = Worker(WorkerConfig(server="tcp://127.0.0.1:9", worker_id="w1"), context=zmq.Context.instance())
@@ -248,11 +249,16 @@ def test_a_later_welcome_keeps_the_links_for_the_same_shards_and_replaces_them_f
         w._link_shards(a)
         links = w.shards
         links.fetch(coordinators_job(1), (), 0.0)
+        w.jobs[1] = coordinators_job(1)
         w.wire = "bf16"
         w._link_shards(a)
         assert w.shards is links and set(links.assembling) == {1} and links.wire == "bf16"
         w._link_shards(a[:1] + (("tcp://127.0.0.1:8", 4, 10),))
-        assert w.shards is not links and links.socks == [] and w.shards.assembling == {}
+        assert w.shards is not links and links.socks == [] and set(w.shards.assembling) == {1}
+        assert w.shards.assembling[1].pieces == {}  # asked of the new shards afresh
+        del w.jobs[1]  # dropped (a welcome of another run): its fetch is forgotten
+        w._link_shards(a[:1] + (("tcp://127.0.0.1:8", 4, 10),))
+        assert w.shards.assembling == {}
         w._link_shards(())
         assert w.shards is None
     finally:
