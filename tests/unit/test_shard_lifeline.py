@@ -48,15 +48,16 @@ class Clock:
 def test_a_shard_that_gives_up_stops_its_loop_and_closes(tmp_path, case):
     """The loop ends by itself with the reason, and closes as on ``stop``: the state lock released
     (a shard started again takes the directory), the journal closed."""
-    if case == "parent":
-        life = Lifeline(parent=os.getpid(), getppid=lambda: 1)
+    if case == "parent":  # the timeout only bounds the test should the parent check fail
+        life = Lifeline(parent=os.getpid(), coordinator_timeout=1.0, getppid=lambda: 1)
     else:
         life = Lifeline(coordinator_timeout=0.3)  # a few passes of the loop (each waits up to 100 ms)
     s = Shard(NOBODY, state_dir=str(tmp_path / "s"), clock=Clock(), lifeline=life)
     why = s.run()
     assert why == life.gave_up and why.startswith("the process that started" if case == "parent" else
                                                   "no coordinator for 0.3 s")
-    again = Shard(NOBODY, state_dir=str(tmp_path / "s"), lifeline=Lifeline(parent=os.getpid(), getppid=lambda: 1))
+    again = Shard(NOBODY, state_dir=str(tmp_path / "s"), clock=Clock(),
+                  lifeline=Lifeline(parent=os.getpid(), coordinator_timeout=1.0, getppid=lambda: 1))
     assert again.run().startswith("the process that started")  # the lock was free
 
 
@@ -132,3 +133,26 @@ def test_local_shards_are_started_watching_this_process_and_never_time_out(monke
     args = got[0]
     assert "--exit-with-parent" in args and f"--parent-pid={os.getpid()}" in args
     assert "--coordinator-timeout=0" in args
+
+
+def test_a_supervised_daemon_stops_once_its_supervisor_is_gone():
+    """The daemon's backstop for a prctl that failed (ps/net/supervise.py ``watch_supervisor``):
+    its loop's hook stops it as SIGTERM would (its local shards told to stop), once its parent is
+    no longer the supervisor; an unsupervised daemon gets no hook."""
+    from types import SimpleNamespace
+
+    import click
+
+    daemon = SimpleNamespace(stopping=None, hooks=[])
+    with click.Context(click.Command("serve")) as ctx:
+        ps.net.supervise.watch_supervisor(daemon)
+        assert daemon.hooks == []
+        ctx.meta[ps.net.supervise.META] = {"supervised_by": f"{os.getppid()}:9:ipc:///nowhere"}
+        ps.net.supervise.watch_supervisor(daemon)
+        ctx.meta[ps.net.supervise.META] = {"supervised_by": f"{os.getppid() + 1}:9:ipc:///nowhere"}
+        ps.net.supervise.watch_supervisor(daemon)
+    mine, gone = daemon.hooks
+    mine(0.0)
+    assert daemon.stopping is None  # its parent is the supervisor it names
+    gone(0.0)
+    assert daemon.stopping == f"the supervisor (pid {os.getppid() + 1}) is gone"
