@@ -1,7 +1,8 @@
 """Shards never outlive their coordinator (issue 28), with real processes:
 
 * kill -9 of a ``serve --shards 2``'s supervisor and daemon at the same moment: within 10 s no
-  local shard of that run is left (PR_SET_PDEATHSIG, the lifeline behind it);
+  local shard of that run is left (PR_SET_PDEATHSIG, the lifeline behind it); SIGTERM of the
+  daemon (``latecomer stop``): its local shards are told to stop and exit 0;
 * a local shard whose prctl failed (switched off in that process only) stops by itself, cleanly,
   once the process that started it is killed: the lifeline alone;
 * a shard started by hand with ``--coordinator-timeout 2`` against an endpoint nobody serves exits
@@ -85,33 +86,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_kill9_of_supervisor_and_daemon_together_leaves_no_local_shard(tmp_path):
-    state = str(tmp_path / "state")
+def start_sharded(state: str, shards: list) -> tuple[subprocess.Popen, psutil.Process]:
+    """``serve --shards 2`` (supervised, the default) with both local shards in their loops (joined:
+    their prctl is behind them); ``shards`` gets them as they are found. Returns the supervisor's
+    Popen and the daemon."""
     server = spawn("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--problem", "quadratic",
                    "--algorithm", "asgd", "--max-steps", "100000", "--eval-every", "0", "--shards", "2",
                    "--log-level", "info")
-    shards: list[psutil.Process] = []
-    try:
-        wait_line(server, r"listening on (\S+)", 60)
-        daemon = psutil.Process(daemon_pid(server))
-        assert daemon.pid != server.pid  # supervised (the default)
+    wait_line(server, r"listening on (\S+)", 60)
+    daemon = psutil.Process(daemon_pid(server))
+    assert daemon.pid != server.pid  # supervised
 
-        def local_shards():
-            found = [c for c in daemon.children() if "shard" in c.cmdline() and any(state in a for a in c.cmdline())]
-            return found if len(found) == 2 else None
-        shards = wait_for(local_shards, 60, "the daemon did not start 2 local shards")
-        logs = [os.path.join(state, f"shard-{i}", "shard.log") for i in range(2)]
-        wait_for(lambda: all(re.search(r"shard \d of 2", read(f)) for f in logs), 60,
-                 "the local shards did not join")  # in their loops: the prctl is behind them
+    def local_shards():
+        found = [c for c in daemon.children() if "shard" in c.cmdline() and any(state in a for a in c.cmdline())]
+        return found if len(found) == 2 else None
+    shards += wait_for(local_shards, 60, "the daemon did not start 2 local shards")
+    wait_for(lambda: all(re.search(r"shard \d of 2", read(shard_log(state, i))) for i in range(2)), 60,
+             "the local shards did not join")
+    return server, daemon
+
+
+def shard_log(state: str, i: int) -> str:
+    return os.path.join(state, f"shard-{i}", "shard.log")
+
+
+def test_kill9_of_supervisor_and_daemon_together_leaves_no_local_shard(tmp_path):
+    state, shards, server = str(tmp_path / "state"), [], None
+    try:
+        server, daemon = start_sharded(state, shards)
         os.kill(server.pid, signal.SIGKILL)  # the two pids only: the shards lead groups of their own anyway
         os.kill(daemon.pid, signal.SIGKILL)
-        t0 = time.monotonic()
         left = wait_gone(shards, GONE_S)
         assert not left, f"shards {[p.pid for p in left]} outlived their coordinator by {GONE_S} s"
-        assert time.monotonic() - t0 < GONE_S
     finally:
         kill_left(shards)
-        reap([server], grace_s=5)
+        if server is not None:
+            reap([server], grace_s=5)
+
+
+def test_sigterm_of_the_daemon_stops_its_local_shards(tmp_path):
+    """What ``latecomer stop`` does (SIGTERM to the daemon): the shards are told to stop and exit 0,
+    each having written its checkpoint, then serve exits 0."""
+    state, shards, server = str(tmp_path / "state"), [], None
+    try:
+        server, daemon = start_sharded(state, shards)
+        daemon.send_signal(signal.SIGTERM)
+        assert wait_exit(server, 60) == 0
+        assert not wait_gone(shards, GONE_S)
+        for i in range(2):
+            assert "latecomer shard: stopped (the coordinator stopped: the run is over: signal SIGTERM)" in \
+                read(shard_log(state, i))
+    finally:
+        kill_left(shards)
+        if server is not None:
+            reap([server], grace_s=5)
 
 
 PATCHED_SHARD = """
