@@ -270,6 +270,7 @@ class Shard(ShardState):
 
     def run(self) -> str:
         self._open_journal()
+        self.last_contact = self.clock()  # the coordinator's silence counts from here (a restore may take long)
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)

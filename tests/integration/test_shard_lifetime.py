@@ -4,7 +4,8 @@
   local shard of that run is left (PR_SET_PDEATHSIG, the lifeline behind it); SIGTERM of the
   daemon (``latecomer stop``): its local shards are told to stop and exit 0;
 * a local shard whose prctl failed (switched off in that process only) stops by itself, cleanly,
-  once the process that started it is killed: the lifeline alone;
+  once the process that started it is killed: the lifeline alone; one whose parent died while it
+  was starting (before its prctl) exits too;
 * a shard started by hand with ``--coordinator-timeout 2`` against an endpoint nobody serves exits
   with status 1 and one line, after 2 s and within a bound.
 
@@ -185,6 +186,41 @@ def test_a_local_shard_without_its_prctl_stops_by_itself_when_its_parent_dies(tm
     finally:
         kill_left(shard)
         reap([parent], grace_s=5)
+
+
+SPAWNER = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-m", "ps", *sys.argv[1:], f"--parent-pid={os.getpid()}"],
+                         stdin=subprocess.DEVNULL)
+print(f"shard pid {child.pid}", flush=True)
+os._exit(0)  # gone before the shard's prctl: it is init's child by then
+"""
+
+
+def test_a_local_shard_whose_parent_died_while_it_started_exits(tmp_path):
+    """The race of issue 28: the process that started a local shard dies while the shard is still
+    importing; the shard, told its parent's pid (as LocalShards does), sees a parent that is not
+    that one and exits instead of serving no one for ever (a parent read after the fact would
+    be init, and the prctl armed on init)."""
+    log = str(tmp_path / "shard.log")
+    with open(log, "ab") as out:
+        spawner = subprocess.Popen([sys.executable, "-c", SPAWNER, "shard", "--coordinator",
+                                    f"tcp://127.0.0.1:{free_port()}", "--state", str(tmp_path / "s"),
+                                    "--exit-with-parent", "--coordinator-timeout", "0"],
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    shard: list[psutil.Process] = []
+    try:
+        assert wait_exit(spawner, 30) == 0
+        pid = int(re.search(r"shard pid (\d+)", read(log)).group(1))
+        try:
+            shard = [psutil.Process(pid)]
+        except psutil.NoSuchProcess:
+            pass  # already gone
+        assert not wait_gone(shard, 60), f"the shard outlived its parent: {read(log)[-2000:]}"
+        assert f"the process that started it (pid {spawner.pid}) is gone" in read(log)
+    finally:
+        kill_left(shard)
 
 
 def test_a_remote_shard_gives_up_without_a_coordinator(tmp_path):
