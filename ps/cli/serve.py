@@ -165,6 +165,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
         problem=spec.problem, algorithm=spec.algorithm))
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
+    supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone
     if metrics_port is not None:
         start_metrics(daemon, metrics_port, metrics_addr)
     start_dashboard(daemon)

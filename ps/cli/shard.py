@@ -17,6 +17,7 @@ from ps.observe.log_setup import setup_logging
 log = logging.getLogger("latecomer.shards")
 
 RESTART_AFTER_S = 0.5  # a local shard that died is started again this long after
+COORDINATOR_TIMEOUT_S = 600.0  # a shard gives up after this long without its coordinator (--coordinator-timeout)
 
 
 @click.command("shard")
@@ -48,21 +49,28 @@ RESTART_AFTER_S = 0.5  # a local shard that died is started again this long afte
               help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
 @click.option("--exit-with-parent", is_flag=True, default=False, hidden=True,
               help="Die with the process that started this one (serve's local shards).")
+@click.option("--parent-pid", type=click.IntRange(min=1), default=None, hidden=True,
+              help="With --exit-with-parent: the pid that started this one (default: the parent at start).")
+@click.option("--coordinator-timeout", type=click.FloatRange(min=0), default=COORDINATOR_TIMEOUT_S,
+              show_default=True, metavar="SECONDS",
+              help="Give up (exit status 1) after this long without a word from the coordinator, which says "
+                   "something at least every 0.5 s while it lives; 0: wait for ever.")
 @click.option("--shm", type=click.Choice(["auto", "any", "off"]), default="auto", show_default=True,
               help="Offer workers on this host its shared memory for slices and blocks (PROTOCOL.md 6.11, 12.1), as "
                    "serve --shm: auto when the worker's host id is this host's; any: to every worker whose probe "
                    "succeeds; off: never.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
-          keys_dir, insecure, exit_with_parent, shm, log_level) -> None:
+          keys_dir, insecure, exit_with_parent, parent_pid, coordinator_timeout, shm, log_level) -> None:
     """Serve a shard of a sharded server: a contiguous range of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
     a shard with --state may be restarted at any time and catches up. It exits when the
-    coordinator's run is over.
+    coordinator's run is over, and with status 1 after --coordinator-timeout seconds without
+    the coordinator.
     """
     from ps.net.security import is_loopback_endpoint
-    from ps.sharded.shard import Shard, saved_shard
+    from ps.sharded.shard import Lifeline, Shard, saved_shard
 
     setup_logging(log_level)
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
@@ -72,14 +80,14 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     if saved and saved.get("bind") and not keys_dir and not insecure and not is_loopback_endpoint(saved["bind"]):
         # checked before the Shard binds it again
         raise click.UsageError(f"this shard's --state binds {saved['bind']}: without --keys give --insecure")
-    if exit_with_parent:  # a coordinator killed with -9 takes its local shards along (they recover from --state)
-        _exit_with_parent()
+    parent = _exit_with_parent(parent_pid) if exit_with_parent else None
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
     try:
         s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
                   allowed=allowed_from(allow_problem, allow_algorithm), fsync=fsync,
-                  checkpoint_records=checkpoint_records, keys_dir=keys_dir, shm=shm)
+                  checkpoint_records=checkpoint_records, keys_dir=keys_dir, shm=shm,
+                  lifeline=Lifeline(parent, coordinator_timeout))
     except OSError as e:  # a bind in use, an unwritable directory
         raise click.ClickException(f"cannot start the shard: {e}") from None
     except ValueError as e:  # an unreadable key pair or allow-list
@@ -92,21 +100,29 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     click.echo(f"latecomer shard: coordinator {coordinator}" + (f", data on {s.endpoint}" if s.endpoint else ""))
     reason = s.run()
     click.echo(f"latecomer shard: stopped ({reason})")
+    if s.lifeline.gave_up:
+        raise SystemExit(1)
 
 
-def _exit_with_parent() -> None:
-    import ctypes
+def _exit_with_parent(parent: int | None) -> int:
+    """A coordinator killed with -9 takes its local shards along (they recover from --state): the
+    kernel kills this process when the thread that started it ends (PR_SET_PDEATHSIG), and the
+    shard's loop stops it should its parent no longer be ``parent`` (the backstop, for a prctl that
+    failed: :class:`~ps.sharded.shard.Lifeline`). Returns the pid watched. ``parent`` is the
+    spawner's pid (LocalShards gives it): read here, after the imports, a parent that died
+    meanwhile would be init's pid already, and nothing would ever notice."""
     import signal
 
-    from ps.net.supervise import PR_SET_PDEATHSIG
+    from ps.net.supervise import set_pdeathsig
 
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return  # not Linux
+    parent = parent or os.getppid()
+    why = set_pdeathsig(signal.SIGKILL)
+    if why:
+        log.warning("%s: this shard stops within 0.5 s of its parent instead", why)
     if os.getppid() != parent:  # the parent died before the prctl
+        click.echo(f"latecomer shard: the process that started it (pid {parent}) is gone", err=True)
         raise SystemExit(1)
+    return parent
 
 
 def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any, allow_problem: tuple,
@@ -135,7 +151,9 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
 class LocalShards:
     """The shard processes ``serve --shards N`` starts on this host (slots 0..K-1, each with its
     own state directory ``<state>/shard-<i>``), started again when one dies (kill -9 included)
-    while the run goes on."""
+    while the run goes on. They are started from the daemon's loop, the main thread: the kernel's
+    kill of a shard follows the death of the *thread* that started it (PR_SET_PDEATHSIG), so a
+    thread that ends before the run must never start one."""
 
     def __init__(self, coordinator: str, state_dir: str, count: int, *, extra: tuple = (), log_level: str = "warning",
                  clock: Any = None) -> None:
@@ -157,8 +175,11 @@ class LocalShards:
         os.makedirs(d, exist_ok=True)
         out = open(os.path.join(d, "shard.log"), "ab")  # noqa: SIM115 - closed by close()
         self.logs.append(out)
+        # It lives as long as this process: killed with it (--exit-with-parent, watching this pid), never
+        # giving up on a coordinator that is alive but slow (--coordinator-timeout 0).
         self.procs[i] = spawn("shard", "--coordinator", self.coordinator, "--state", d, "--slot", str(i),
-                              "--exit-with-parent", "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
+                              "--exit-with-parent", f"--parent-pid={os.getpid()}", "--coordinator-timeout=0",
+                              "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
         self.died_at[i] = None
 
     def start(self) -> None:
@@ -183,14 +204,19 @@ class LocalShards:
                 self._start(i)
 
     def close(self, grace_s: float = 30.0) -> None:
-        """The run is over (the coordinator told the shards to stop): wait for them, bounded."""
+        """The run is over (the coordinator told the shards to stop): wait for them, ``grace_s`` in
+        all; then SIGTERM (a shard stops on it as on ``stop``: the one that missed the coordinator's
+        ``stop``, or every one when the daemon failed), and SIGKILL 5 s later."""
+        import time
+
         from ps.ops.children import reap
 
         self.stopping = True
         procs = [p for p in self.procs if p is not None]
+        deadline = time.monotonic() + grace_s
         for p in procs:
             try:
-                p.wait(timeout=grace_s)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         reap(procs, grace_s=5.0)

@@ -97,20 +97,52 @@ def is_supervisor() -> bool:
     return bool(m.get("supervise", False)) and not m.get("supervised_by")
 
 
+def set_pdeathsig(sig: int) -> str | None:
+    """Have the kernel send ``sig`` to this process when the *thread* that started it ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; the thread, not the process: a parent that starts children from a
+    thread that may end first must not rely on it). Returns None once set, else why not (not
+    Linux, or the call's error: ctypes returns -1 without raising, so it is checked here)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return "prctl(PR_SET_PDEATHSIG) is not available here"
+    ctypes.set_errno(0)
+    if prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0),
+             ctypes.c_ulong(0)) != 0:
+        return f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno() or 0)}"
+    return None
+
+
 def daemon_bind(bind: str) -> str:
     """The endpoint the daemon binds: the private one in a supervised child, else ``bind``.
-    A supervised child dies with its supervisor (PR_SET_PDEATHSIG)."""
+    A supervised child dies with its supervisor (PR_SET_PDEATHSIG); should the prctl fail, its
+    loop stops it once the supervisor is gone (:func:`watch_supervisor`)."""
     spec = _meta().get("supervised_by")
     if not spec:
         return bind
     ppid, _fd, endpoint = spec.split(":", 2)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the supervisor's process group still reaps us
+    why = set_pdeathsig(signal.SIGKILL)
+    if why:
+        log.warning("%s: this server process stops within 0.5 s of its supervisor instead", why)
     if os.getppid() != int(ppid):  # the supervisor died before the prctl
         raise SystemExit(1)
     return endpoint
+
+
+def watch_supervisor(daemon: Any) -> None:
+    """A supervised daemon whose supervisor is gone (its parent is no longer the supervisor's pid:
+    the kill of the supervisor that PR_SET_PDEATHSIG did not pass on) stops as on ``SIGTERM``,
+    its local shards with it: nobody can reach it any more (the supervisor held the endpoint).
+    Checked on every pass of the daemon's loop (at most 100 ms apart)."""
+    spec = _meta().get("supervised_by")
+    if not spec:
+        return
+    ppid = int(spec.split(":", 1)[0])
+
+    def check(now: float) -> None:
+        if daemon.stopping is None and os.getppid() != ppid:
+            daemon.stopping = f"the supervisor (pid {ppid}) is gone"
+    daemon.hooks.append(check)
 
 
 def _start_trimmer() -> None:

@@ -99,6 +99,26 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class Lifeline:
+    """When a shard gives up by itself (docs/SHARDING.md, "Faults"): the process that started it
+    is gone (``parent``: that pid, for a local shard of ``serve --shards``, which is also killed by
+    PR_SET_PDEATHSIG: this is the backstop; None: not watched), or nothing has come from the
+    coordinator for ``coordinator_timeout`` seconds (its empty ``recs`` every 0.5 s is its
+    heartbeat, PROTOCOL.md §12.3; 0: wait for ever). :meth:`check` runs on every pass of the
+    shard's loop (at most 100 ms apart while it waits) and returns why it gives up, once it does."""
+
+    def __init__(self, parent: int | None = None, coordinator_timeout: float = 0.0, getppid=os.getppid) -> None:
+        self.parent, self.coordinator_timeout, self.getppid = parent, coordinator_timeout, getppid
+        self.gave_up: str | None = None
+
+    def check(self, now: float, last_contact: float) -> str | None:
+        if self.gave_up is None and self.parent is not None and self.getppid() != self.parent:
+            self.gave_up = f"the process that started this shard (pid {self.parent}) is gone"
+        if self.gave_up is None and self.coordinator_timeout and now - last_contact > self.coordinator_timeout:
+            self.gave_up = f"no coordinator for {self.coordinator_timeout:g} s"
+        return self.gave_up
+
+
 def _server_security(ctx: zmq.Context, keys_dir: str | None) -> Any:
     """CurveZMQ: the server's key pair, the workers on the allow-list (ps/net/security.py); None without keys."""
     if not keys_dir:
@@ -121,14 +141,16 @@ class Shard(ShardState):
         allowed: what problems and algorithms the run may name (problems/trust.py); the shard
             never loads a user callable the coordinator names unless this allows it.
         fsync: the blocks journal's policy (ps/journal/wal.py).
+        lifeline: when it gives up by itself (:class:`Lifeline`; default: never).
     """
 
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
                  keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic,
-                 shm: str = "auto") -> None:
+                 shm: str = "auto", lifeline: Lifeline | None = None) -> None:
         self.coordinator = coordinator
+        self.lifeline = lifeline or Lifeline()
         self.state_dir = state_dir
         self.allowed = allowed
         self.fsync = fsync
@@ -248,6 +270,7 @@ class Shard(ShardState):
 
     def run(self) -> str:
         self._open_journal()
+        self.last_contact = self.clock()  # the coordinator's silence counts from here (a restore may take long)
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
@@ -282,6 +305,10 @@ class Shard(ShardState):
 
     def _timers(self) -> None:
         now = self.clock()
+        if self.stopping is None and self.lifeline.check(now, self.last_contact):
+            self.stopping = self.lifeline.gave_up  # run() closes as on stop: checkpoint, journal, shared memory
+            log.error("%s: stopping", self.stopping)
+            return
         if self.journal is not None:
             self.journal.maybe_sync()
         self._flush_haves()
