@@ -29,7 +29,9 @@ coordinator -> shard
                  ``reduce`` for the step the job's reply would make now (``lmo='l2'``: its
                  blocks of ‖u‖²); ``bsq``: the reply's gradient block norms ([] if none).
     ``stop``     {reason}: the run is over: checkpoint and exit.
-    ``refuse``   {message}: this shard is not wanted (wrong run, slot taken): it exits saying why.
+    ``refuse``   {message}: this shard is not wanted (no or a wrong shard token, wrong run, no free
+                 slot, its figures disagree): it exits saying why. A ``shello`` for a slot whose
+                 holder lives gets no answer (the shard says it again).
 """
 
 from __future__ import annotations
