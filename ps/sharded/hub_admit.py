@@ -32,6 +32,7 @@ TOKEN_FILE = "shard.token"  # the run's shard token, in the coordinator's state 
 TOKEN_ENV = "LATECOMER_SHARD_TOKEN"  # how a local shard (or any shard) is given it
 MAX_TOKEN = 128  # characters
 LOG_EVERY_S = 10.0  # a refusal of one kind is logged at most this often
+PROBE_EVERY_S = 0.25  # a live holder is probed at most this often (a flood of shellos is not a flood of probes)
 
 
 def _check(text: str, where: str) -> str:
@@ -90,6 +91,7 @@ class ShardGate:
         self.refused: dict[str, int] = {}  # kind -> refusals since it was last logged
         self.logged: dict[str, float] = {}  # kind -> when it was last logged
         self.counts: dict[str, int] = {"bad_token": 0, "slot_live": 0}
+        self.probed: dict[bytes, float] = {}  # holder's routing id -> when a probe last found it up
 
     def token_ok(self, given: str) -> bool:
         if self.token is None:
@@ -101,7 +103,14 @@ class ShardGate:
         liveness timeout, and its connection up (a probe to it does not fail)."""
         if slot.rid in (None, rid) or not slot.connected or now - slot.last_seen >= self.liveness_s:
             return False
-        return self.probe(slot.rid)
+        if now - self.probed.get(slot.rid, -math.inf) < PROBE_EVERY_S:
+            return True
+        if not self.probe(slot.rid):
+            return False
+        if len(self.probed) > 256:
+            self.probed.clear()
+        self.probed[slot.rid] = now
+        return True
 
     def warn(self, kind: str, now: float, fmt: str, *args: Any) -> None:
         """One warning line per ``kind`` per ``LOG_EVERY_S``, saying how many went unlogged."""
