@@ -45,6 +45,9 @@ COORDINATOR_TIMEOUT_S = 600.0  # a shard gives up after this long without its co
               help="CurveZMQ, as the coordinator's --keys: the server's key pair (server.key_secret) and the workers' "
                    "allow-list (authorized/; SIGHUP re-reads it). A coordinator with --keys admits only shards "
                    "holding its key pair.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="The run's shard token: a copy of the coordinator's <state>/shard.token (serve prints where); "
+                   "else the LATECOMER_SHARD_TOKEN environment variable. Needed unless the coordinator has --keys.")
 @click.option("--insecure", is_flag=True, default=False,
               help="Allow binding a non-loopback address without --keys (no authentication, no encryption).")
 @click.option("--exit-with-parent", is_flag=True, default=False, hidden=True,
@@ -61,7 +64,7 @@ COORDINATOR_TIMEOUT_S = 600.0  # a shard gives up after this long without its co
                    "succeeds; off: never.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
 def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_records, allow_problem, allow_algorithm,
-          keys_dir, insecure, exit_with_parent, parent_pid, coordinator_timeout, shm, log_level) -> None:
+          keys_dir, token_file, insecure, exit_with_parent, parent_pid, coordinator_timeout, shm, log_level) -> None:
     """Serve a shard of a sharded server: a contiguous range of the parameter vector.
 
     Start it before training starts (a new shard gets the run's journal from its first record);
@@ -80,6 +83,7 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     if saved and saved.get("bind") and not keys_dir and not insecure and not is_loopback_endpoint(saved["bind"]):
         # checked before the Shard binds it again
         raise click.UsageError(f"this shard's --state binds {saved['bind']}: without --keys give --insecure")
+    token = _shard_token(token_file)
     parent = _exit_with_parent(parent_pid) if exit_with_parent else None
     if state_dir:
         os.makedirs(state_dir, exist_ok=True)
@@ -87,7 +91,7 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
         s = Shard(coordinator, bind=bind, advertise=advertise, state_dir=state_dir,
                   allowed=allowed_from(allow_problem, allow_algorithm), fsync=fsync,
                   checkpoint_records=checkpoint_records, keys_dir=keys_dir, shm=shm,
-                  lifeline=Lifeline(parent, coordinator_timeout))
+                  lifeline=Lifeline(parent, coordinator_timeout), token=token)
     except OSError as e:  # a bind in use, an unwritable directory
         raise click.ClickException(f"cannot start the shard: {e}") from None
     except ValueError as e:  # an unreadable key pair or allow-list
@@ -102,6 +106,20 @@ def shard(coordinator, bind, advertise, state_dir, slot, fsync, checkpoint_recor
     click.echo(f"latecomer shard: stopped ({reason})")
     if s.lifeline.gave_up:
         raise SystemExit(1)
+
+
+def _shard_token(token_file: str | None) -> str:
+    """The shard token from --token-file, else from the environment ("" if neither: a coordinator
+    with --keys needs none)."""
+    from ps.journal.statedir import StateError
+    from ps.sharded.hub_admit import TOKEN_ENV, read_token
+
+    if token_file:
+        try:
+            return read_token(token_file)
+        except StateError as e:
+            raise click.BadParameter(str(e), param_hint="--token-file") from None
+    return os.environ.get(TOKEN_ENV, "").strip()[:128]
 
 
 def _exit_with_parent(parent: int | None) -> int:
@@ -131,7 +149,10 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
     and kept running by the daemon's loop."""
     import sys
 
-    click.echo(f"latecomer: shards connect to {daemon.hub.endpoint}")
+    from ps.sharded.hub_admit import TOKEN_FILE
+
+    click.echo(f"latecomer: shards connect to {daemon.hub.endpoint} (shard token: "
+               f"{os.path.join(state_dir, TOKEN_FILE)}, for latecomer shard --token-file)")
     sys.stdout.flush()
     extra = [f"--allow-problem={p}" for p in allow_problem] + [f"--allow-algorithm={a}" for a in allow_algorithm]
     if spec.problem and ":" in spec.problem:  # the command line names the user's problem: its shards trust it
@@ -142,7 +163,7 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
         extra.append(f"--keys={daemon.security.keys_dir}")
     extra.append(f"--shm={shm}")  # serve's --shm: the same-host path to its local shards
     local = LocalShards(daemon.hub.endpoint, state_dir, daemon.hub.n if count is None else count,
-                        extra=tuple(extra), log_level="info")
+                        extra=tuple(extra), log_level="info", token=daemon.hub.token)
     local.start()
     daemon.hooks.append(local.poll)
     return local
@@ -156,11 +177,12 @@ class LocalShards:
     thread that ends before the run must never start one."""
 
     def __init__(self, coordinator: str, state_dir: str, count: int, *, extra: tuple = (), log_level: str = "warning",
-                 clock: Any = None) -> None:
+                 clock: Any = None, token: str = "") -> None:
         import time
 
         self.coordinator, self.state_dir, self.count = coordinator, state_dir, count
         self.extra, self.log_level = tuple(extra), log_level
+        self.token = token  # given through the environment, never on the command line (ps shows it)
         self.clock = clock or time.monotonic
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.died_at: list[float | None] = [None] * count
@@ -177,9 +199,12 @@ class LocalShards:
         self.logs.append(out)
         # It lives as long as this process: killed with it (--exit-with-parent, watching this pid), never
         # giving up on a coordinator that is alive but slow (--coordinator-timeout 0).
+        from ps.sharded.hub_admit import TOKEN_ENV
+
+        env = {**os.environ, TOKEN_ENV: self.token} if self.token else None
         self.procs[i] = spawn("shard", "--coordinator", self.coordinator, "--state", d, "--slot", str(i),
                               "--exit-with-parent", f"--parent-pid={os.getpid()}", "--coordinator-timeout=0",
-                              "--log-level", self.log_level, *self.extra, stdout=out, stderr=out)
+                              "--log-level", self.log_level, *self.extra, stdout=out, stderr=out, env=env)
         self.died_at[i] = None
 
     def start(self) -> None:

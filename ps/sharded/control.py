@@ -6,9 +6,10 @@ each checked here (types, ranges, sizes) before anything reads it, so a bad peer
 :class:`ControlError` and changes nothing.
 
 shard -> coordinator
-    ``shello``   {index, run_id, boot, endpoint, applied, ckpt}: a shard (re)joins. ``index`` -1
+    ``shello``   {index, run_id, boot, endpoint, applied, ckpt, token}: a shard (re)joins. ``index`` -1
                  and ``run_id`` 0: a new shard, which takes the first free slot; ``endpoint`` ""
-                 until its data socket is bound (a new shard binds once it knows its slice).
+                 until its data socket is bound (a new shard binds once it knows its slice);
+                 ``token``: the run's shard token (ps/sharded/hub_admit.py; "" if left out).
     ``have``     {jobs: [[job_id, created_at, code, text(, bsq)], ...]}: gradient blocks journaled
                  (code 0) or refused (an ErrorCode and its text). ``bsq``, where the algorithm
                  needs a norm over every block (``clip_norm``): the squared norm of each of this
@@ -28,7 +29,9 @@ coordinator -> shard
                  ``reduce`` for the step the job's reply would make now (``lmo='l2'``: its
                  blocks of ‖u‖²); ``bsq``: the reply's gradient block norms ([] if none).
     ``stop``     {reason}: the run is over: checkpoint and exit.
-    ``refuse``   {message}: this shard is not wanted (wrong run, slot taken): it exits saying why.
+    ``refuse``   {message}: this shard is not wanted (no or a wrong shard token, wrong run, no free
+                 slot, its figures disagree): it exits saying why. A ``shello`` for a slot whose
+                 holder lives gets no answer (the shard says it again).
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def _text(v: Any, n: int = 1024) -> str:
 
 _FIELDS: dict[str, dict[str, Any]] = {
     "shello": {"index": lambda v: _int(v, -1, 63), "run_id": lambda v: _int(v, 0, (1 << 64) - 1),
-               "boot": lambda v: _int(v, 0, (1 << 64) - 1), "endpoint": _text, "applied": _int, "ckpt": _int},
+               "boot": lambda v: _int(v, 0, (1 << 64) - 1), "endpoint": _text, "applied": _int, "ckpt": _int,
+               "token": lambda v: _text(v, 128)},
     "have": {"jobs": None},
     "progress": {"applied": _int, "ckpt": _int, "version": lambda v: _int(v, 0), "applied_count": lambda v: _int(v, 0),
                  "rss": lambda v: _int(v, 0), "blocks": lambda v: _int(v, 0), "records_s": _num, "endpoint": _text},
@@ -83,6 +87,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "params?": {"token": lambda v: _int(v, 0), "lsn": _int},
     "stop": {"reason": _text},
 }
+_DEFAULTS: dict[str, dict[str, Any]] = {"shello": {"token": ""}}  # fields a peer may leave out
 
 
 def _block_sq(v: Any) -> tuple[float, ...]:
@@ -124,6 +129,9 @@ def unpack(frame: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     spec = _FIELDS[m["t"]]
     out: dict[str, Any] = {"t": m["t"]}
     for k, check in spec.items():
+        if k not in m and k in _DEFAULTS.get(m["t"], {}):
+            out[k] = _DEFAULTS[m["t"]][k]
+            continue
         if k not in m:
             raise ControlError(f"{m['t']}: {k} missing")
         out[k] = _haves(m[k]) if k == "jobs" else _block_sq(m[k]) if k == "bsq" else check(m[k])

@@ -27,11 +27,17 @@ core of its own over its blocks and is fed that journal's records in LSN order
   had not journaled) and ``2 × liveness`` passed after that, or after ``BLOCK_WAIT_MAX_S`` in
   any case (a connection that dropped under the block). A worker that dies takes its held
   headers with it: its jobs are written off, and a header of a settled job is counted late.
+* **Admission.** A ``shello`` must carry the run's shard token (without ``--keys``), and a slot
+  whose holder lives is never handed to another peer (ps/sharded/hub_admit.py).
 * **Shards gone.** A shard silent for the liveness timeout is gone; while any is gone, or not
-  yet joined, or disagreeing, the daemon holds the issuing of jobs (a journaled ``hold``
-  record; ``release`` once all are back), and workers' fetches from the missing shard wait.
+  yet joined, or its slot has no agreeing holder, the daemon holds the issuing of jobs (a
+  journaled ``hold`` record; ``release`` once all are back), and workers' fetches from the
+  missing shard wait.
 * **Agreement.** A shard that has applied the journal up to its end reports its version and
-  applied count, which must be the coordinator's; else the run is held and the error logged.
+  applied count, which must be the coordinator's; else one error names the shard, it is sent
+  ``refuse`` and its connection dropped, and the run is held until a shard whose figures agree
+  holds that slot (the same shard restarted, or another). A shard that says ``refuse`` (it
+  cannot go on) is dropped the same way.
 * **Parameters.** :meth:`request_params` asks every shard for its slice after a given record;
   the concatenation is the iterate the coordinator evaluates and writes as ``final_x.npy``
   (ps/sharded/hub_gathers.py).
@@ -52,9 +58,10 @@ import zmq
 from protocol.messages import ErrorCode
 from ps.journal.segments import first_journal_lsn
 from ps.sharded.control import ControlError, pack, unpack
+from ps.sharded.hub_admit import ShardGate, peer_name, run_token
 from ps.sharded.hub_gathers import ParamsGathers
 from ps.sharded.hub_records import RecordStream
-from ps.sharded.hub_table import ShardTable, Slot
+from ps.sharded.hub_table import SHARDS_FILE, ShardTable, Slot
 
 log = logging.getLogger("latecomer.shards")
 
@@ -97,11 +104,13 @@ class ShardHub:
         self.sock.bind(bind)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.table = ShardTable(n_shards, self.ranges, self.state_dir)  # the slots (ps/sharded/hub_table.py)
+        self.token = run_token(self.state_dir, SHARDS_FILE)  # the run's shard token (ps/sharded/hub_admit.py)
+        # With --keys the CURVE key pair is the shards' credential; else the token (SECURITY.md)
+        self.gate = ShardGate(None if security is not None else self.token, self.liveness_s, self._up)
         self.records = RecordStream(persist, self._send)  # the journal to the shards (ps/sharded/hub_records.py)
         self.pending: dict[int, Pending] = {}
         self.gathers = ParamsGathers(n_shards, self.ranges, core.dtype, self._send)  # (ps/sharded/hub_gathers.py)
         self.next_token = 1
-        self.disagreement = ""
         self.blocks_timed_out = 0
         self.bad_control = 0
         # lmo='l2': a norm over every shard's state, gathered per reply before the core sees it, one
@@ -156,7 +165,7 @@ class ShardHub:
                 if r is not None and slot.index not in r["parts"]:  # asked while it was gone, or the question lost
                     self._send(rid, self._reduce_header(r))
             if m["t"] == "progress":
-                self._on_progress(slot, m)
+                self._on_progress(slot, m, now)
             elif m["t"] == "have":
                 self._on_haves(slot, m["jobs"], now)
             elif m["t"] == "params":
@@ -166,41 +175,59 @@ class ShardHub:
                 if r is not None and m["token"] == r["token"] and m["job_id"] == r["jid"]:
                     r["parts"][slot.index] = m["bsq"]
             elif m["t"] == "refuse":
-                log.error("shard %d cannot go on: %s", slot.index, m["message"])
-                self.disagreement = f"shard {slot.index}: {m['message']}"
+                self._drop(slot, f"shard {slot.index} cannot go on: {m['message']}", now, tell=False)
 
-    def _refuse(self, rid: bytes, why: str) -> None:
-        log.warning("shard refused: %s", why)
+    def _refuse(self, rid: bytes, why: str, now: float, kind: str = "refused") -> None:
+        self.gate.warn(kind, now, "shard refused: %s", why)
         self._send(rid, pack("refuse", message=why[:1000]))
+
+    def _drop(self, slot: Slot, why: str, now: float, *, tell: bool) -> None:
+        """Shard ``slot``'s holder disagrees or cannot go on: one error naming it, its connection
+        dropped (told ``refuse`` if ``tell``); its slot holds the run until a holder agrees."""
+        if not slot.disagrees:
+            log.error("%s: its connection is dropped, and jobs are held until a shard that agrees holds slot %d",
+                      why, slot.index)
+        else:
+            self.gate.warn("disagrees", now, "%s (again)", why)
+        slot.disagrees = why
+        if tell:
+            self._send(slot.rid, pack("refuse", message=why[:1000]))
+        self.by_rid.pop(slot.rid, None)
+        slot.rid, slot.connected = None, False
 
     def _on_hello(self, rid: bytes, m: dict, now: float) -> None:
         core, journal = self.core, self.persist.journal
+        if not self.gate.token_ok(m["token"]):  # first: a peer without the token learns nothing
+            return self._refuse(rid, f"{peer_name(rid, m['endpoint'])} gave {'a wrong' if m['token'] else 'no'} "
+                                     f"shard token (latecomer shard --token-file: a copy of the coordinator's "
+                                     f"<state>/shard.token)", now, "bad_token")
         if m["run_id"] and m["run_id"] != core.cfg.run_id:
             return self._refuse(rid, f"this shard's state is of run {m['run_id']:x}, the coordinator serves run "
-                                     f"{core.cfg.run_id:x}")
+                                     f"{core.cfg.run_id:x}", now)
         if m["index"] >= self.n:
-            return self._refuse(rid, f"slot {m['index']}: the run has {self.n} shards")
+            return self._refuse(rid, f"slot {m['index']}: the run has {self.n} shards", now)
         if m["index"] >= 0:
             slot = self.slots[m["index"]]
         else:
             free = [s for s in self.slots if not s.endpoint and not s.connected and not s.joins]
             if not free:
-                return self._refuse(rid, f"all {self.n} shard slots are taken")
+                return self._refuse(rid, f"all {self.n} shard slots are taken", now)
             slot = free[0]
-        # A shard process of this run's slot (its --state locked) takes over from one not heard from
-        # since; a new shard may not push out a live one.
-        if slot.rid not in (None, rid) and slot.connected and now - slot.last_seen < self.liveness_s \
-                and m["run_id"] != core.cfg.run_id:
-            return self._refuse(rid, f"slot {slot.index} is held by a live shard")
+        # Never handed over while its holder lives (heard from, connection up), whatever the newcomer
+        # says: not answered (a restarted shard asks again each second, and gets it once the old is gone).
+        if self.gate.holder_alive(slot, rid, now):
+            return self.gate.warn("slot_live", now, "shard %s asked for slot %d, which a live shard holds: not "
+                                  "answered", peer_name(rid, m["endpoint"]), slot.index)
         if m["applied"] > journal.durable_lsn:
             return self._refuse(rid, f"the shard has applied record {m['applied']}, past the end of the coordinator's "
                                      f"journal ({journal.durable_lsn}): records were lost (--fsync never and a machine "
-                                     f"crash?); start the shard afresh")
+                                     f"crash?); start the shard afresh", now)
         start = m["applied"] + 1
         first = first_journal_lsn(self.state_dir)
         if first is not None and first > start:
             return self._refuse(rid, f"the shard needs records from {start}, and the journal starts at {first}: "
-                                     f"start the shard from its newest checkpoint, or afresh before training starts")
+                                     f"start the shard from its newest checkpoint, or afresh before training starts",
+                                now)
         if slot.rid is not None:
             self.by_rid.pop(slot.rid, None)
         slot.rid, slot.boot, slot.connected = rid, m["boot"], True
@@ -229,19 +256,22 @@ class ShardHub:
             if slot.index not in p.haves:
                 p.rejoined = now
 
-    def _on_progress(self, slot: Slot, m: dict) -> None:
+    def _on_progress(self, slot: Slot, m: dict, now: float) -> None:
         slot.applied, slot.ckpt, slot.version = m["applied"], m["ckpt"], m["version"]
         self.table.set_endpoint(slot, m["endpoint"])
         slot.built = slot.built or slot.applied >= 0
         slot.applied_count, slot.rss, slot.blocks, slot.records_s = (m["applied_count"], m["rss"], m["blocks"],
                                                                      m["records_s"])
         core = self.core
-        if slot.applied == self.persist.journal.next_lsn - 1 and not self.disagreement and \
-                (slot.version, slot.applied_count) != (core.version, core.counters.applied):
-            self.disagreement = (f"shard {slot.index} disagrees with the coordinator after record {slot.applied}: "
-                                 f"version {slot.version} and {slot.applied_count} applied, the coordinator "
-                                 f"{core.version} and {core.counters.applied}")
-            log.error("%s", self.disagreement)
+        if slot.applied == self.persist.journal.next_lsn - 1:  # at the journal's end: its figures are ours
+            if (slot.version, slot.applied_count) != (core.version, core.counters.applied):
+                return self._drop(slot, f"shard {slot.index} disagrees with the coordinator after record "
+                                        f"{slot.applied}: version {slot.version} and {slot.applied_count} applied, "
+                                        f"the coordinator {core.version} and {core.counters.applied}", now, tell=True)
+            if slot.disagrees:
+                log.info("shard %d agrees with the coordinator after record %d: its slot no longer holds the run",
+                         slot.index, slot.applied)
+                slot.disagrees = ""
         self.records.retain(self.slots)
 
     def _on_haves(self, slot: Slot, haves: list, now: float) -> None:
@@ -272,6 +302,17 @@ class ShardHub:
             return True
         except (zmq.Again, zmq.ZMQError):
             return False
+
+    def _up(self, rid: bytes) -> bool:
+        """Whether ``rid``'s connection is up: an empty ``recs`` (which a shard ignores) sent to it;
+        ROUTER_MANDATORY fails it at once if the peer is gone (EHOSTUNREACH), a full pipe is a peer there."""
+        try:
+            self.sock.send_multipart([rid, pack("recs", first=0, count=0)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return True
+        except zmq.ZMQError:
+            return False
+        return True
 
     def ship(self, now: float) -> None:
         """Records up to the journal's durable LSN to every shard that has joined (its window allowing)."""
@@ -392,8 +433,9 @@ class ShardHub:
 
     def hold_reason(self) -> str:
         """Why jobs must not be issued now ("": they may)."""
-        if self.disagreement:
-            return self.disagreement
+        held = [s.disagrees for s in self.slots if s.disagrees]
+        if held:
+            return "; ".join(held) + " (held until a shard that agrees holds the slot)"
         missing = [s.index for s in self.slots if not s.connected or s.applied < 0]
         if missing:
             return f"shard(s) {','.join(map(str, missing))} not connected"

@@ -42,6 +42,7 @@ class Slot:
     records_s: float = 0.0
     joins: int = 0
     built: bool = False  # it has applied the run's start record (its data socket takes whole blocks)
+    disagrees: str = ""  # why its last holder was dropped (disagreed, could not go on) until a holder agrees
     reader: Iterator[Record] | None = None
     peek: Record | None = None
 
@@ -94,7 +95,10 @@ class ShardTable:
 
     def figures(self, last: int) -> dict[str, Any]:
         """One status line per shard; ``last``: the coordinator's last journal record."""
-        return {f"shard.{s.index}": (f"{'up' if s.connected else 'GONE'} lag {max(0, last - s.applied)} "
+        def state(s: Slot) -> str:
+            return "DISAGREES" if s.disagrees else "up" if s.connected else "GONE"
+
+        return {f"shard.{s.index}": (f"{state(s)} lag {max(0, last - s.applied)} "
                                      f"rss {s.rss / 1e6:.0f}MB blocks {s.blocks} joins {s.joins}")
                 for s in self.slots}
 
@@ -103,4 +107,4 @@ class ShardTable:
         return [{"index": s.index, "endpoint": s.endpoint, "range": list(self.ranges[s.index]),
                  "connected": s.connected, "applied_lsn": s.applied, "lag_records": max(0, last - s.applied),
                  "version": s.version, "rss_bytes": s.rss, "blocks_held": s.blocks, "joins": s.joins,
-                 "records_per_s": s.records_s} for s in self.slots]
+                 "records_per_s": s.records_s, "disagrees": s.disagrees} for s in self.slots]

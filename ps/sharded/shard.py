@@ -142,14 +142,16 @@ class Shard(ShardState):
             never loads a user callable the coordinator names unless this allows it.
         fsync: the blocks journal's policy (ps/journal/wal.py).
         lifeline: when it gives up by itself (:class:`Lifeline`; default: never).
+        token: the run's shard token, said in every ``shello`` (ps/sharded/hub_admit.py; "": none,
+            which a coordinator without ``--keys`` refuses).
     """
 
     def __init__(self, coordinator: str, *, bind: str = "tcp://127.0.0.1:0", advertise: str | None = None,
                  state_dir: str | None = None, allowed: Any = None, fsync: str = "batch",
                  checkpoint_records: int = CHECKPOINT_RECORDS, checkpoint_s: float = CHECKPOINT_S,
                  keys_dir: str | None = None, context: zmq.Context | None = None, clock=time.monotonic,
-                 shm: str = "auto", lifeline: Lifeline | None = None) -> None:
-        self.coordinator = coordinator
+                 shm: str = "auto", lifeline: Lifeline | None = None, token: str = "") -> None:
+        self.coordinator, self.token = coordinator, token
         self.lifeline = lifeline or Lifeline()
         self.state_dir = state_dir
         self.allowed = allowed
@@ -314,7 +316,7 @@ class Shard(ShardState):
         self._flush_haves()
         if not self.welcomed and now >= self.next_hello:
             self._send_ctl(pack("shello", index=self.index, run_id=self.run_id, boot=self.boot,
-                                endpoint=self.endpoint, applied=self.applied, ckpt=self.ckpt_lsn))
+                                endpoint=self.endpoint, applied=self.applied, ckpt=self.ckpt_lsn, token=self.token))
             self.next_hello = now + HELLO_S
         if self.welcomed and now - self.last_contact > 3 * HELLO_S + 2:
             log.warning("coordinator silent for %.1f s: saying shello again", now - self.last_contact)

@@ -139,7 +139,8 @@ def test_kill9_of_a_shard_mid_run_resumes_at_its_checkpoint_and_loses_nothing(tm
         endpoint = logged(r"listening on (\S+)").group(1)
         coordinator = logged(r"shards connect to (\S+)").group(1)
         shard_args = ["shard", "--coordinator", coordinator, "--slot", "1", "--state", shard_dir,
-                      "--checkpoint-records", "100", "--log-level", "info"]
+                      "--token-file", os.path.join(state, "shard.token"), "--checkpoint-records", "100",
+                      "--log-level", "info"]
         shard = spawn(*shard_args, log=str(tmp_path / "shard1.log"))
         procs.append(shard)
         procs += start_workers(endpoint, tmp_path)
@@ -274,7 +275,8 @@ def test_lmo_l2_on_two_shards_divides_by_the_whole_momentums_norm_through_a_kill
     try:
         endpoint = logged(r"listening on (\S+)").group(1)
         shard_args = ["shard", "--coordinator", logged(r"shards connect to (\S+)").group(1), "--slot", "1",
-                      "--state", shard_dir, "--checkpoint-records", "50", "--log-level", "info"]
+                      "--state", shard_dir, "--token-file", os.path.join(state, "shard.token"),
+                      "--checkpoint-records", "50", "--log-level", "info"]
         shard = spawn(*shard_args, log=str(tmp_path / "shard1.log"))
         procs.append(shard)
         procs += [spawn("work", "--server", endpoint, "--worker-id", w, "--credit", "2", "--give-up", "60",

@@ -252,7 +252,8 @@ def test_records_go_to_a_shard_only_once_durable_and_in_order(run):
     dealer = ctx.socket(zmq.DEALER)
     try:
         dealer.connect(hub.endpoint)
-        dealer.send(pack("shello", index=1, run_id=0, boot=5, endpoint="tcp://127.0.0.1:7", applied=-1, ckpt=-1))
+        dealer.send(pack("shello", index=1, run_id=0, boot=5, endpoint="tcp://127.0.0.1:7", applied=-1, ckpt=-1,
+                         token=hub.token))  # the run's shard token (ps/sharded/hub_admit.py)
         assert hub.sock.poll(5000)
         hub.receive(1.0)
         assert dealer.poll(5000)

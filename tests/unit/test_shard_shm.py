@@ -394,7 +394,9 @@ def test_the_shard_command_takes_shm_and_serve_passes_its_own_to_local_shards(mo
     r = CliRunner().invoke(shard_cmd, ["--coordinator", "tcp://127.0.0.1:9", "--shm", "sometimes"])
     assert r.exit_code == 2 and "--shm" in r.output
     monkeypatch.setattr(ps.cli.shard.LocalShards, "start", lambda self: None)
-    daemon = SimpleNamespace(security=None, hub=SimpleNamespace(endpoint="tcp://127.0.0.1:9", n=2), hooks=[])
+    daemon = SimpleNamespace(security=None, hub=SimpleNamespace(endpoint="tcp://127.0.0.1:9", n=2, token="ab" * 32),
+                             hooks=[])
     spec = SimpleNamespace(problem="synthetic", algorithm="asgd")
     local = start_local_shards(daemon, str(tmp_path), None, spec, (), (), "off")
     assert "--shm=off" in local.extra and local.count == 2
+    assert local.token == "ab" * 32 and not any("ab" * 32 in a for a in local.extra)  # environment, not argv
