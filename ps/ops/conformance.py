@@ -23,12 +23,15 @@ import numpy as np
 
 from problems.loader import load_problem
 from protocol.errors import RemoteProtocolError
-from protocol.messages import Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Ready, Welcome
+from protocol.messages import Error, ErrorCode, Heartbeat, Hello, Job, JobKind, Part, Ready, Reply, Welcome
 from ps.ops import conformance_net as net
 from ps.ops.children import reap
 
 PROBLEM = "logreg"
 PROBLEM_OPTIONS = {"n": 64, "p": 8}
+# The parts case (§6.13): a vector past CHUNK_THRESHOLD (16 MiB) as float32, cheap to compute.
+BIG_PROBLEM = "quadratic"
+BIG_OPTIONS = {"d": 4_500_000}
 HEARTBEAT_S = 0.2
 LIVENESS_S = 5.0
 SERVER_HB_S = 1.0
@@ -50,10 +53,11 @@ class Result:
     expected: str = ""
     got: str = ""
     seconds: float = 0.0
+    note: str = ""  # e.g. why a case that depends on an optional feature was not played
 
     def line(self) -> str:
         if self.ok:
-            return f"PASS {self.case} ({self.seconds:.1f} s)"
+            return f"PASS {self.case} ({self.seconds:.1f} s{'; ' + self.note if self.note else ''})"
         return f"FAIL {self.case} [PROTOCOL.md {self.section}]: expected {self.expected}; got {self.got}"
 
 
@@ -73,8 +77,9 @@ def brief(msg: Any) -> str:
 class Oracle:
     """The problem's own code: what a conforming worker computes."""
 
-    def __init__(self) -> None:
-        self.problem = load_problem(PROBLEM, dict(PROBLEM_OPTIONS))
+    def __init__(self, problem: str = PROBLEM, options: dict | None = None) -> None:
+        self.name, self.options = problem, dict(PROBLEM_OPTIONS if options is None else options)
+        self.problem = load_problem(problem, dict(self.options))
         self.dim = int(self.problem.init_params(0).shape[0])
 
     def grads(self, job: Job, points: list[np.ndarray]) -> tuple[list[np.ndarray], int]:
@@ -108,7 +113,9 @@ class Kit:
         self.last_from: Any = None  # the router the last message came on
         self.next_server_hb = 0.0
         self.rng = np.random.default_rng(0)
-        self.sharded_session = n_shards > 0
+        self.note = ""  # what a case says beside PASS
+        self.next_xfer = 0  # the kit's transfers in parts (§6.13)
+        self.session = (n_shards > 0, False)  # (sharded, big): which cases this worker can serve
 
     # ------------------------------------------------------------------ process
     def start(self) -> None:
@@ -146,7 +153,7 @@ class Kit:
             self.router.send(Heartbeat(boot=self.server_boot))
             self.next_server_hb = now + SERVER_HB_S
 
-    def next(self, deadline: float, routers: list | None = None) -> tuple[Any, Any] | None:
+    def next(self, deadline: float, routers: list | None = None, section: str = "8.1") -> tuple[Any, Any] | None:
         """The next message from the worker on any of ``routers`` (default: the server's) before
         ``deadline``: (router, message); heartbeats are remembered in ``last_hb`` and returned too."""
         routers = routers or [self.router]
@@ -158,13 +165,15 @@ class Kit:
             r = net.wait_any(routers, min(left, 0.1))
             if r is None:
                 if not self.alive():
-                    raise CaseFailed("8.1", "the worker to keep running",
+                    raise CaseFailed(section, "the worker to keep running",
                                      f"it exited with status {self.proc.returncode} ({self.stderr_tail()})")
                 continue
             got = r.receive()
             if got is None:
                 continue
             msg = got[0]
+            if type(msg) is Part:
+                continue
             if type(msg) is Heartbeat and r is self.router:
                 self.last_hb = msg
             self.last_from = r
@@ -178,15 +187,20 @@ class Kit:
         wait = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + wait
         others: list[str] = []
+        hbs = 0
         while True:
-            got = self.next(deadline, routers)
+            got = self.next(deadline, routers, section)
             if got is None:
-                seen = "; ".join(others[-3:]) if others else "nothing"
+                seen = [f"{hbs} hb (the last {brief(self.last_hb)})"] if hbs else []
+                seen = "; ".join(others[-3:] + seen) or "nothing"
                 raise CaseFailed(section, what, f"within {wait:g} s: {seen}")
             r, msg = got
             if pred(msg):
                 return msg
-            others.append(brief(msg))
+            if type(msg) is Heartbeat:
+                hbs += 1
+            else:
+                others.append(brief(msg))
             if answer_unknown and r is self.router and type(msg) is not Hello:
                 r.send(Error(ErrorCode.UNKNOWN_WORKER, "conformance: who are you?"))
 
@@ -196,9 +210,21 @@ class Kit:
         return self.expect(f"a {name}", section, lambda m: type(m) is cls and where(m), timeout_s=timeout_s,
                            routers=routers, answer_unknown=answer_unknown)
 
-    def expect_hb(self, section: str, what: str, pred: Callable[[Heartbeat], bool], timeout_s: float = 3.0) -> Heartbeat:
+    def expect_hb(self, section: str, what: str, pred: Callable[[Heartbeat], bool],
+                  timeout_s: float = 3.0) -> Heartbeat:
         """An hb that ``pred`` accepts (the worker's heartbeats come every HEARTBEAT_S)."""
-        return self.expect(f"an hb with {what}", section, lambda m: type(m) is Heartbeat and pred(m), timeout_s=timeout_s)
+        return self.expect(f"an hb with {what}", section, lambda m: type(m) is Heartbeat and pred(m),
+                           timeout_s=timeout_s)
+
+    def answer(self, job: Job, section: str, routers: list | None = None, timeout_s: float | None = None) -> Any:
+        """The worker's answer to ``job``: its reply (checked against the oracle), else a FAIL that
+        shows the ``err`` that came instead."""
+        got = self.expect(f"a reply to job {job.job_id}", section,
+                          lambda m: type(m) in (Reply, Error) and m.job_id == job.job_id, routers=routers,
+                          timeout_s=timeout_s)
+        check(type(got) is Reply, section, f"a reply to job {job.job_id}", brief(got))
+        self.check_reply(job, got, section)
+        return got
 
     def quiet(self, seconds: float, routers: list | None = None) -> list:
         """Everything the worker sends in the next ``seconds`` (heartbeats left out)."""
@@ -211,8 +237,8 @@ class Kit:
 
     # ------------------------------------------------------------------ the server's side
     def welcome(self, **fields: Any) -> None:
-        self.router.send(Welcome(server_boot=self.server_boot, version=1, problem=PROBLEM,
-                                 problem_options=dict(PROBLEM_OPTIONS), run_id=self.run_id,
+        self.router.send(Welcome(server_boot=self.server_boot, version=1, problem=self.oracle.name,
+                                 problem_options=dict(self.oracle.options), run_id=self.run_id,
                                  heartbeat_interval_s=HEARTBEAT_S, liveness_timeout_s=LIVENESS_S, **fields))
         self.next_server_hb = time.monotonic() + SERVER_HB_S
 
@@ -243,7 +269,7 @@ class Kit:
         """Hello, welcome, ready: a worker ready for jobs (the handshake case checks the details)."""
         hello = self.expect_type(Hello, "8.1", timeout_s=max(self.timeout_s, 20.0))
         self.hello = hello
-        self.welcome(shards=self.shard_map())
+        self.welcome(shards=self.shard_map(), parts=hello.parts)
         self.expect_type(Ready, "8.1")
         return hello
 
@@ -254,7 +280,7 @@ class Kit:
         want, count = self.oracle.grads(job, [self.iterates[i] for i in job.iterate_ids])
         got = reply.grads if grads_of is None else grads_of(reply)
         check(len(got) == len(want), section, f"{len(want)} gradient(s) for a {job.kind.name} job", len(got))
-        for k, (g, w) in enumerate(zip(got, want)):
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
             check(g.shape == w.shape, "8.2", f"gradient {k} of shape {w.shape}", g.shape)
             check(g.dtype.str in ("<f2", "<f4", "<f8"), "8.2", f"gradient {k} of a floating dtype", g.dtype.str)
             err = float(np.max(np.abs(g.astype(np.float64) - w.astype(np.float64)))) if g.size else 0.0
@@ -271,6 +297,7 @@ class Case:
     what: str
     run: Callable[[Kit], None]
     sharded: bool = False
+    big: bool = False  # plays on the large problem (BIG_PROBLEM): a session of its own
     fresh: bool = False  # needs a worker that has not said hello yet (its own process)
     last: bool = False  # ends the worker
 
@@ -280,16 +307,18 @@ def run_cases(command: str, cases: list[Case], timeout_s: float = 10.0,
     """Play ``cases`` in order against workers started with ``command``; one Result per case.
     A worker serves several cases in a row; after a failure (or a case that ends it) the next
     case gets a new one."""
-    oracle = Oracle()
+    oracles: dict[bool, Oracle] = {}
     results: list[Result] = []
     kit: Kit | None = None
     try:
         for case in cases:
-            needs_new = kit is None or case.fresh or kit.sharded_session != case.sharded or not kit.alive()
-            if needs_new:
+            if kit is None or case.fresh or kit.session != (case.sharded, case.big) or not kit.alive():
                 if kit is not None:
                     kit.close()
-                kit = Kit(command, timeout_s, oracle, n_shards=2 if case.sharded else 0)
+                if case.big not in oracles:
+                    oracles[case.big] = Oracle(BIG_PROBLEM, BIG_OPTIONS) if case.big else Oracle()
+                kit = Kit(command, timeout_s, oracles[case.big], n_shards=2 if case.sharded else 0)
+                kit.session = (case.sharded, case.big)
                 kit.start()
             res = _play(kit, case)
             results.append(res)
@@ -312,8 +341,9 @@ def _play(kit: Kit, case: Case) -> Result:
                 kit.join()
             except CaseFailed as e:
                 raise CaseFailed(e.section, "a worker that joins (setup: " + e.expected + ")", e.got) from None
+        kit.note = ""
         case.run(kit)
-        return Result(case.name, True, case.section, seconds=time.monotonic() - t0)
+        return Result(case.name, True, case.section, seconds=time.monotonic() - t0, note=kit.note)
     except CaseFailed as e:
         return Result(case.name, False, e.section, e.expected, e.got, time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - the kit's own trouble is a FAIL line, not a traceback

@@ -14,8 +14,10 @@ from typing import Any
 
 import zmq
 
+from protocol.chunks import Reassembler
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
+from protocol.messages import DEFAULT_MAX_ARRAY_BYTES, Part
 
 BIND_RETRY_S = 5.0  # a port just closed may take a moment to be free again
 
@@ -34,6 +36,8 @@ class Router:
         self.ctx, self.endpoint = ctx, endpoint
         self.sock: zmq.Socket | None = None
         self.peer: bytes | None = None
+        self.parts = Reassembler(DEFAULT_MAX_ARRAY_BYTES)  # a transfer in parts from the peer (§6.13)
+        self.parts_in = 0
         self.bind()
 
     def bind(self) -> None:
@@ -59,6 +63,7 @@ class Router:
 
     def restart(self) -> None:
         self.crash()
+        self.parts = Reassembler(DEFAULT_MAX_ARRAY_BYTES)
         self.bind()
 
     def send(self, msg: Any) -> None:
@@ -73,14 +78,19 @@ class Router:
             pass  # the peer is gone: the case's next wait says so
 
     def receive(self) -> tuple[Any, list] | None:
-        """One waiting message: (the message, or the RemoteProtocolError decoding raised; the frames)."""
+        """One waiting message: (the message, or the RemoteProtocolError decoding raised; the frames).
+        A ``part`` is kept for its transfer and counted; the message it carries comes whole."""
         try:
             parts = self.sock.recv_multipart(flags=zmq.NOBLOCK)
         except zmq.Again:
             return None
         self.peer, frames = parts[0], parts[1:]
         try:
-            return decode(frames), frames
+            msg = decode(frames, payload=self.parts.take)
+            if type(msg) is Part:
+                self.parts.add(msg)
+                self.parts_in += 1
+            return msg, frames
         except RemoteProtocolError as e:
             return e, frames
 

@@ -49,6 +49,9 @@ def _blocks(kit: Kit, job: Job) -> None:
     full, _ = kit.oracle.grads(job, [kit.iterates[k] for k in job.iterate_ids])
     for i, (_, lo, hi) in enumerate(kit.shard_map()):
         b = kit.expect_type(Reply, "12.1", routers=[kit.shards[i]], where=lambda m: m.job_id == job.job_id)
+        check(len(b.grads) == len(full) and all(g.shape == (hi - lo,) for g in b.grads), "12.1",
+              f"shard {i}'s block: {len(full)} slice(s) [{lo}, {hi}) of shape ({hi - lo},)",
+              [g.shape for g in b.grads])
         kit.check_reply(job, b, "12.1", grads_of=lambda r, lo=lo, hi=hi: _widen(r, full, lo, hi))
     h = kit.expect_type(Reply, "12.1", where=lambda m: m.job_id == job.job_id)
     check(len(h.grads) == len(full) and all(g.size == 0 for g in h.grads), "12.1",
@@ -58,11 +61,11 @@ def _blocks(kit: Kit, job: Job) -> None:
 
 def _widen(r: Reply, full: list, lo: int, hi: int) -> tuple:
     """A block's slices put into the oracle's full gradients (so the oracle check compares the slice)."""
+    if len(r.grads) != len(full) or any(g.shape != (hi - lo,) for g in r.grads):
+        return r.grads  # the count and shape checks name it
     out = []
-    for g, w in zip(r.grads, full):
-        if g.shape != (hi - lo,):
-            return tuple(g for g in r.grads)  # the shape check names it
-        x = w.copy()
+    for g, w in zip(r.grads, full, strict=True):
+        x = w.astype(g.dtype)
         x[lo:hi] = g
         out.append(x)
     return tuple(out)
