@@ -7,7 +7,7 @@ import click
 
 
 @click.command("conformance")
-@click.option("--worker", "command", required=True, metavar="'CMD {endpoint}'",
+@click.option("--worker", "command", default=None, metavar="'CMD {endpoint}'",
               help="The worker under test: a command line with {endpoint} where the kit's tcp endpoint goes.")
 @click.option("--case", "names", multiple=True, metavar="NAME", help="Run only this case (repeatable).")
 @click.option("--sharded/--unsharded", default=None,
@@ -28,6 +28,8 @@ def conformance(command, names, sharded, timeout_s, json_path, list_only) -> Non
         for c in all_cases:
             click.echo(f"{c.name:18s} §{c.section:18s} {c.what}")
         return
+    if command is None:
+        raise click.UsageError("Missing option '--worker'.")
     if "{endpoint}" not in command:
         raise click.BadParameter("the command needs {endpoint} where the kit's endpoint goes", param_hint="--worker")
     try:
