@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
+
 import click
 
 
@@ -30,12 +33,13 @@ def conformance(command, names, sharded, timeout_s, json_path, list_only) -> Non
         return
     if command is None:
         raise click.UsageError("Missing option '--worker'.")
-    if "{endpoint}" not in command:
-        raise click.BadParameter("the command needs {endpoint} where the kit's endpoint goes", param_hint="--worker")
+    _check_command(command)
     try:
         cases = select(all_cases, tuple(names), sharded)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--case") from None
+    if not cases:
+        raise click.UsageError("no case left to play: the --case names and --sharded/--unsharded exclude each other")
     results = run_cases(command, cases, timeout_s, echo=click.echo)
     failed = [r for r in results if not r.ok]
     click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed")
@@ -43,3 +47,15 @@ def conformance(command, names, sharded, timeout_s, json_path, list_only) -> Non
         write_json(json_path, results)
     if failed:
         raise SystemExit(1)
+
+
+def _check_command(command: str) -> None:
+    """A worker command the kit can start: {endpoint} in it, a shell-like line, a program that exists."""
+    if "{endpoint}" not in command:
+        raise click.BadParameter("the command needs {endpoint} where the kit's endpoint goes", param_hint="--worker")
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise click.BadParameter(f"not a command line: {e}", param_hint="--worker") from None
+    if not argv or shutil.which(argv[0]) is None:
+        raise click.BadParameter(f"no program {argv[0] if argv else command!r} to run", param_hint="--worker")

@@ -290,6 +290,17 @@ class Kit:
             check(reply.count == count, section, f"count {count} (the shard size)", reply.count)
 
 
+def crash_and_hello(kit: Kit) -> Hello:
+    """The server crashes (its socket closed, what was in flight lost) and comes back on the same
+    endpoint: whatever comes first is answered err UNKNOWN_WORKER until the worker says hello."""
+    kit.router.restart()
+    kit.server_boot += 1
+    kit.hello = None  # no server heartbeats until the hello: the new process does not know the worker
+    h = kit.expect_type(Hello, "8.11", answer_unknown=True, timeout_s=max(kit.timeout_s, 15.0))
+    kit.hello = h
+    return h
+
+
 @dataclass(frozen=True)
 class Case:
     name: str

@@ -23,7 +23,7 @@ from protocol.messages import (
     Ready,
     Reply,
 )
-from ps.ops.conformance import HEARTBEAT_S, LIVENESS_S, Case, CaseFailed, Kit, brief, check
+from ps.ops.conformance import HEARTBEAT_S, LIVENESS_S, Case, CaseFailed, Kit, brief, check, crash_and_hello
 
 U64 = (1 << 64) - 1
 
@@ -114,17 +114,6 @@ def cancel(kit: Kit) -> None:
                   lambda m: job.job_id not in m.busy and time.monotonic() - t0 > HEARTBEAT_S, timeout_s=3.0)
 
 
-def _crash_and_hello(kit: Kit) -> Hello:
-    """The server crashes (its socket closed, what was in flight lost) and comes back on the same
-    endpoint: whatever comes first is answered err UNKNOWN_WORKER until the worker says hello."""
-    kit.router.restart()
-    kit.server_boot += 1
-    kit.hello = None  # no server heartbeats until the hello: the new process does not know the worker
-    h = kit.expect_type(Hello, "8.11", answer_unknown=True, timeout_s=max(kit.timeout_s, 15.0))
-    kit.hello = h
-    return h
-
-
 def _resumed(kind: JobKind, kit: Kit) -> None:
     """§8.6/§8.11: replies handed to the socket before a crash are listed in hello.busy and sent
     again after a welcome of the same run_id."""
@@ -135,7 +124,7 @@ def _resumed(kind: JobKind, kit: Kit) -> None:
         kit.router.send(job)
         kit.answer(job, "6.5")
         jobs.append(job)
-    h = _crash_and_hello(kit)
+    h = crash_and_hello(kit)
     want = [j.job_id for j in jobs]
     check(set(want) <= set(h.busy), "8.6", f"hello.busy listing the replies sent before the crash {want}",
           f"busy {list(h.busy)}")
@@ -168,7 +157,7 @@ def restart_fresh(kit: Kit) -> None:
     """§8.11 fresh server: a new run_id; the worker drops its jobs, seen -1, ready again."""
     job = kit.job(JobKind.GRAD, (kit.iterate(),), send=())
     _missing(kit, job)  # the job now waits at the worker (busy)
-    h = _crash_and_hello(kit)
+    h = crash_and_hello(kit)
     check(job.job_id in h.busy, "6.1", f"hello.busy listing job {job.job_id} it holds", list(h.busy))
     kit.run_id += 1
     kit.welcome()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from protocol.messages import Error, ErrorCode, Fetch, Job, JobKind, Reply
-from ps.ops.conformance import Case, Kit, brief, check
+from ps.ops.conformance import Case, Kit, brief, check, crash_and_hello
 
 REFETCH_BOUND_S = 12.0  # §12.1: 4x the slowest answer, at least 2 s; 10 s before any answer
 
@@ -123,6 +123,26 @@ def shard_refetch(kit: Kit) -> None:
     _blocks(kit, job)
 
 
+def _shard_restart(kind: JobKind, kit: Kit) -> None:
+    """§8.11 and §12.1 with a sharded server: the coordinator crashes with replies in flight;
+    after the welcome of the same run the worker sends each again: blocks to the shards, then the header."""
+    ids = (kit.iterate(), kit.iterate()) if kind == JobKind.GRAD_PAIR else (kit.iterate(),)
+    job = _play_job(kit, kind, ids, ids)
+    h = crash_and_hello(kit)
+    check(job.job_id in h.busy, "8.6", f"hello.busy listing job {job.job_id}, its reply sent before the crash",
+          f"busy {list(h.busy)}")
+    kit.welcome(shards=kit.shard_map(), parts=h.parts)
+    _blocks(kit, job)
+
+
+def shard_restart_grad(kit: Kit) -> None:
+    _shard_restart(JobKind.GRAD, kit)
+
+
+def shard_restart_pair(kit: Kit) -> None:
+    _shard_restart(JobKind.GRAD_PAIR, kit)
+
+
 CASES = [
     Case("shard-handshake", "12.1", "hello.shards true", shard_handshake, sharded=True),
     Case("shard-fetch", "12.1", "fetch from every shard, blocks to them, a header to the coordinator", shard_fetch,
@@ -130,4 +150,8 @@ CASES = [
     Case("shard-unknown-job", "12.1", "err UNKNOWN_JOB from a shard: the job dropped", shard_unknown_job,
          sharded=True),
     Case("shard-refetch", "12.1", "a restarted shard asked again", shard_refetch, sharded=True),
+    Case("shard-restart-grad", "8.11, 12.1", "GRAD blocks and header in flight at a coordinator crash sent again",
+         shard_restart_grad, sharded=True),
+    Case("shard-restart-pair", "8.11, 12.1", "GRAD_PAIR blocks and header in flight at a coordinator crash sent again",
+         shard_restart_pair, sharded=True),
 ]

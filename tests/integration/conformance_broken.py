@@ -133,6 +133,8 @@ BREAKS = {
     "shard-fetch": _shard_fetch,
     "shard-unknown-job": _shard_unknown_job,
     "shard-refetch": _shard_refetch,
+    "shard-restart-grad": _restart,
+    "shard-restart-pair": _restart,
 }
 
 if __name__ == "__main__":
