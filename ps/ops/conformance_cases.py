@@ -182,12 +182,15 @@ def unknown_worker(kit: Kit) -> None:
 
 
 def _garbage(kit: Kit, job: Job) -> list[list]:
-    """Frames §10 rejects: not msgpack, v 2, an unknown type, an array past its frame."""
+    """Frames §10 rejects: not msgpack, v 2, an unknown type, an array past the 2 GiB cap (§5), an
+    array whose frame is shorter than its descriptor says."""
     iid = job.iterate_ids[0]
     header = {"v": 1, "t": "job", "job_id": job.job_id + 1000, "kind": 1, "created_at": 0, "iterate_ids": [iid],
-              "seed": 1, "point_ids": [iid], "arrays": [{"dtype": "<f4", "shape": [1 << 28]}]}
+              "seed": 1, "point_ids": [iid], "arrays": [{"dtype": "<f4", "shape": [1 << 30]}]}
+    short = {**header, "arrays": [{"dtype": "<f4", "shape": [kit.oracle.dim]}]}
     return [[b"\xc1\xff not msgpack"], [msgpack.packb({"v": 2, "t": "hb", "boot": 1})],
-            [msgpack.packb({"v": 1, "t": "frobnicate"})], [msgpack.packb(header), np.zeros(2, "<f4").tobytes()]]
+            [msgpack.packb({"v": 1, "t": "frobnicate"})], [msgpack.packb(header), np.zeros(2, "<f4").tobytes()],
+            [msgpack.packb(short), np.zeros(kit.oracle.dim - 1, "<f4").tobytes()]]
 
 
 def bad_input(kit: Kit) -> None:
