@@ -5,7 +5,10 @@ sends: a ``job`` with the slices a ``fetch`` asked for, or ``err UNKNOWN_JOB``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import numpy as np
 
 from protocol.messages import Error, ErrorCode, Fetch, Job, JobKind, Reply
 from ps.ops.conformance import Case, Kit, brief, check, crash_and_hello
@@ -19,6 +22,13 @@ def shard_handshake(kit: Kit) -> None:
     said = getattr(h, "shards", None)
     check(said is True, "12.1", "hello.shards true from a worker that can work for a sharded server",
           "no shards field in hello" if said is None else f"shards {said!r}")
+
+
+def _header(kit: Kit, kind: JobKind, ids: tuple, new: tuple) -> Job:
+    """A coordinator's job: as an unsharded server's, its iterates empty (PROTOCOL.md §12.1): the
+    ids it has not sent this worker before in ``point_ids``, each with an empty array."""
+    job = kit.job(kind, ids, send=())
+    return dataclasses.replace(job, point_ids=tuple(new), points=tuple(np.zeros(0, np.float32) for _ in new))
 
 
 def _fetches(kit: Kit, job: Job, shards: list[int], need: tuple) -> dict[int, Fetch]:
@@ -72,7 +82,7 @@ def _widen(r: Reply, full: list, lo: int, hi: int) -> tuple:
 
 
 def _play_job(kit: Kit, kind: JobKind, ids: tuple, need: tuple) -> Job:
-    job = kit.job(kind, ids, send=())
+    job = _header(kit, kind, ids, need)
     kit.router.send(job)
     _fetches(kit, job, list(range(len(kit.shards))), need)
     for i in range(len(kit.shards)):
@@ -93,7 +103,7 @@ def shard_fetch(kit: Kit) -> None:
 def shard_unknown_job(kit: Kit) -> None:
     """§12.1: a shard answering err UNKNOWN_JOB: the worker drops the job (no reply, out of busy)."""
     a = kit.iterate()
-    job = kit.job(JobKind.GRAD, (a,), send=())
+    job = _header(kit, JobKind.GRAD, (a,), (a,))
     kit.router.send(job)
     _fetches(kit, job, [0, 1], (a,))
     kit.shards[0].send(Error(ErrorCode.UNKNOWN_JOB, "conformance: settled here", job_id=job.job_id))
@@ -110,7 +120,7 @@ def shard_refetch(kit: Kit) -> None:
     a = kit.iterate()
     _play_job(kit, JobKind.GRAD, (a,), (a,))  # an answer first: the refetch timer is then 4x the slowest
     b = kit.iterate()
-    job = kit.job(JobKind.GRAD, (b,), send=())
+    job = _header(kit, JobKind.GRAD, (b,), (b,))
     kit.router.send(job)
     _fetches(kit, job, [0, 1], (b,))
     kit.shards[1].restart()
