@@ -330,7 +330,15 @@ def run_cases(command: str, cases: list[Case], timeout_s: float = 10.0,
                     oracles[case.big] = Oracle(BIG_PROBLEM, BIG_OPTIONS) if case.big else Oracle()
                 kit = Kit(command, timeout_s, oracles[case.big], n_shards=2 if case.sharded else 0)
                 kit.session = (case.sharded, case.big)
-                kit.start()
+                try:
+                    kit.start()
+                except OSError as e:  # the command cannot be started at all
+                    results.append(Result(case.name, False, "8.1", "a worker process", f"{type(e).__name__}: {e}"))
+                    if echo is not None:
+                        echo(results[-1].line())
+                    kit.close()
+                    kit = None
+                    continue
             res = _play(kit, case)
             results.append(res)
             if echo is not None:
