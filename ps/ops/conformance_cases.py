@@ -181,6 +181,18 @@ def unknown_worker(kit: Kit) -> None:
     _one_job(JobKind.GRAD, kit)
 
 
+def new_boot(kit: Kit) -> None:
+    """§8.10: a server hb with another boot (the server restarted): the worker says hello again."""
+    boot = kit.hello.boot
+    kit.server_boot += 1
+    kit.router.send(Heartbeat(boot=kit.server_boot))
+    h = kit.expect_type(Hello, "8.10", timeout_s=3.0)
+    check(h.boot == boot, "8.10", f"the same boot {boot}", h.boot)
+    kit.welcome()
+    kit.expect_type(Ready, "8.10")
+    _one_job(JobKind.GRAD, kit)
+
+
 def _garbage(kit: Kit, job: Job) -> list[list]:
     """Frames §10 rejects: not msgpack, v 2, an unknown type, an array past the 2 GiB cap (§5), an
     array whose frame is shorter than its descriptor says."""
@@ -242,6 +254,7 @@ CASES = [
     Case("iterate-cache", "7, 8.3", "cached iterates used; a missing one asked for", iterate_cache),
     Case("cancel", "8.7", "a cancelled job leaves busy", cancel),
     Case("unknown-worker", "8.10", "err UNKNOWN_WORKER to an hb: hello again", unknown_worker),
+    Case("new-boot", "8.10", "a server hb with a new boot: hello again", new_boot),
     Case("bad-input", "10", "garbage dropped, the worker still right", bad_input),
     Case("restart-grad", "8.6, 8.11", "GRAD replies in flight at a server crash sent again", restart_grad),
     Case("restart-pair", "8.6, 8.11", "GRAD_PAIR replies in flight at a server crash sent again", restart_pair),

@@ -58,6 +58,11 @@ def _unknown_worker() -> None:
                                               REFUSED=ErrorCode.REFUSED)
 
 
+def _new_boot() -> None:
+    import worker.session as session
+    session.Heartbeat = type("NotHeartbeat", (), {})  # a server's hb is never looked at
+
+
 def _bad_input() -> None:
     import worker.session as session
     from protocol.errors import RemoteProtocolError
@@ -122,6 +127,7 @@ BREAKS = {
     "iterate-cache": _cache,
     "cancel": _cancel,
     "unknown-worker": _unknown_worker,
+    "new-boot": _new_boot,
     "bad-input": _bad_input,
     "restart-grad": _restart,
     "restart-pair": _restart,

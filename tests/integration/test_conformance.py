@@ -43,9 +43,10 @@ def test_conformance_kit_passes_against_the_reference_worker(tmp_path):
         assert (f"PASS {name} " in p.stdout) == (name not in failed), p.stdout
 
 
-CASES = ["handshake", "job-grad", "job-pair", "job-full", "iterate-cache", "cancel", "unknown-worker", "bad-input",
-         "restart-grad", "restart-pair", "restart-full", "restart-fresh", "parts", "bye", "shard-handshake",
-         "shard-fetch", "shard-unknown-job", "shard-refetch", "shard-restart-grad", "shard-restart-pair"]
+CASES = ["handshake", "job-grad", "job-pair", "job-full", "iterate-cache", "cancel", "unknown-worker", "new-boot",
+         "bad-input", "restart-grad", "restart-pair", "restart-full", "restart-fresh", "parts", "bye",
+         "shard-handshake", "shard-fetch", "shard-unknown-job", "shard-refetch", "shard-restart-grad",
+         "shard-restart-pair"]
 
 
 @pytest.mark.parametrize("name", CASES)
