@@ -2,7 +2,7 @@
 
 A new command goes into the module of its group (ps/cli/serve.py: serve, stop; work.py: work, run;
 simulate.py: simulate, replay; status.py: status, report; dashboard.py; keys.py; launch.py: launch,
-chaos; algorithm_list.py; shard.py) or a module of its own, and is added to :data:`main` below. What
+chaos; algorithm_list.py; shard.py; conformance.py) or a module of its own, and is added to :data:`main` below. What
 several commands share (option groups, callbacks, ``--config``) is in ps/cli/options.py; output
 paths are checked by ps/cli/paths.py.
 
@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from ps.cli.algorithm_list import list_algorithms
+from ps.cli.conformance import conformance
 from ps.cli.dashboard import dashboard
 from ps.cli.keys import keys
 from ps.cli.launch import chaos, launch
@@ -65,7 +66,7 @@ def main() -> None:
 
 # `latecomer --help` lists them sorted by name (_LazyGroup.list_commands), whatever the order here
 for _command in (serve, stop, shard, work, run, simulate, replay, status, report, dashboard, list_algorithms, keys,
-                 launch, chaos):
+                 launch, chaos, conformance):
     main.add_command(_command)
 
 

@@ -434,3 +434,21 @@ def test_cli_errors_two_workers_under_one_id_knock_each_other_out():
         core.handle("gpu7", Ready(credit=1), float(t))
     left = [e for e in core.events if e["ev"] == "left"]
     assert [e["reason"] for e in left] == ["restarted"] * 3 and core.counters.lost >= 3
+
+
+# --------------------------------------------------------------------------- the conformance kit
+
+CONFORMANCE_CASES = [
+    (["conformance"], "Missing option '--worker'"),
+    (["conformance", "--worker", "latecomer work --server tcp://127.0.0.1:5555"], "needs {endpoint}"),
+    (["conformance", "--worker", "no-such-program-here {endpoint}"], "no program 'no-such-program-here'"),
+    (["conformance", "--worker", "'unbalanced {endpoint}"], "not a command line"),
+    (["conformance", "--worker", f"{sys.executable} {{endpoint}}", "--case", "nope"], "unknown case(s): nope"),
+    (["conformance", "--worker", f"{sys.executable} {{endpoint}}", "--case", "bye", "--sharded"], "no case left"),
+]
+
+
+@pytest.mark.parametrize("args,needle", CONFORMANCE_CASES)
+def test_conformance_refuses_a_bad_command_or_case_in_one_line(args, needle):
+    """Nothing is started: every refusal comes before the kit binds or spawns anything."""
+    assert_refused(CliRunner().invoke(main, args), needle)
