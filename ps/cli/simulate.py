@@ -116,13 +116,18 @@ def _write_sim_outputs(trace, out: str, title: str, extra: dict) -> str:
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help="Its hyper-parameters.")
 @click.option("--out", type=click.Path(file_okay=False), default=None, callback=output_dir,
               help="With --algorithm: trace and plot here.")
+@click.option("--shard-state", "shard_state", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="A sharded run that logged its payloads: each shard's --state directory, in slot order "
+                   "(default: the local shards', STATE_DIR/shard-<i>).")
 @allow_options
-def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) -> None:
+def replay(state_dir, algorithm, settings, out, shard_state, allow_problem, allow_algorithm) -> None:
     """Re-run a recorded run exactly from its journal and check the final iterate bit for bit.
 
     Gradients journaled without payload are recomputed from their seeds with the problem's
-    oracle (deterministic on CPU). With --algorithm, the recorded per-worker job durations are
-    played back in the simulator under another algorithm, for a like-for-like comparison.
+    oracle (deterministic on CPU); a run served with --log-payloads replays the gradients its
+    workers sent (a sharded one: its shards' blocks journals). With --algorithm, the recorded
+    per-worker job durations are played back in the simulator under another algorithm, for a
+    like-for-like comparison.
     A problem or algorithm of your own that run.json names is loaded only with --allow-problem/
     --allow-algorithm patterns that match it.
     """
@@ -130,7 +135,7 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
 
     allowed = allowed_from(allow_problem, allow_algorithm)
     try:
-        result = replay_run(state_dir, allowed)
+        result = replay_run(state_dir, allowed, tuple(shard_state))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     recorded = recorded_final_x(state_dir)
@@ -148,9 +153,23 @@ def replay(state_dir, algorithm, settings, out, allow_problem, allow_algorithm) 
         click.echo(f"bit-identical to the recorded final iterate: {'yes' if same else 'NO'}")
         if not same:
             diff = float(np.max(np.abs(recorded.astype(np.float64) - result.final_x)))
-            raise click.ClickException(f"replay differs from the recorded iterate (max abs diff {diff:.3g})")
+            raise click.ClickException(f"replay differs from the recorded iterate (max abs diff {diff:.3g})"
+                                       + _why_different(state_dir))
         return
     _replay_other_algorithm(state_dir, result, algorithm, parse_pairs(settings, "--set"), out, allowed)
+
+
+def _why_different(state_dir: str) -> str:
+    """What a replay that differs says of a run whose gradients were recomputed."""
+    from ps.journal.runfile import read_run
+
+    run = read_run(state_dir) or {}
+    logged = run.get("log_payloads") if run.get("shards") else None
+    if logged:
+        return ""
+    return ("; gradients journaled without payload were recomputed with the problem's code from each job's seed, "
+            "and a worker that computes them otherwise (a GPU, another language or sampler: PROTOCOL.md 8.12) needs "
+            "serve --log-payloads for its run to replay")
 
 
 def _replay_other_algorithm(state_dir, result, algorithm, settings, out, allowed) -> None:

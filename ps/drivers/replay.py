@@ -26,6 +26,7 @@ import numpy as np
 from problems.trust import BUILTINS_ONLY, Allowed, check_run
 from ps.core.config import CoreConfig
 from ps.core.server_core import ServerCore
+from ps.drivers.replay_blocks import BlockInputs, read_blocks, shard_block_dirs
 from ps.journal.recovery import apply_checked, restore_checkpoint
 from ps.journal.runfile import read_run, run_wire_dtype
 from ps.journal.segments import first_journal_lsn, read_journal, run_start
@@ -83,11 +84,13 @@ def build_from_run(run: dict[str, Any], *, algorithm: str | None = None, setting
     return problem, alg, cfg
 
 
-def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult:
+def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY, shard_dirs: tuple = ()) -> ReplayResult:
     """Replay the journal of ``state_dir`` from the start (or from the oldest kept checkpoint, once
     the journal's head was removed: ``ReplayResult.from_checkpoint``).
 
     ``allowed``: the user callables trusted where run.json names them (default: built-ins only).
+    ``shard_dirs``: a sharded run that logged its payloads: its shards' state directories in slot
+    order (default: the local shards', ``<state>/shard-<i>``), whose blocks are the gradients.
 
     Raises:
         ValueError: no run, or one that cannot be rebuilt (``UntrustedError``: a user callable
@@ -123,8 +126,11 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY) -> ReplayResult
     applied: list[tuple[int, int, str]] = []
     n = 0
     wire_dtype = run_wire_dtype(run)
+    inputs = None
+    if run.get("shards") and run.get("log_payloads"):  # the gradients are the shards' blocks (replay_blocks.py)
+        inputs = BlockInputs(core, read_blocks(shard_block_dirs(state_dir, int(run["shards"]), shard_dirs)))
     for rec in read_journal(state_dir, from_lsn=start):
-        apply_checked(core, rec, problem, wire_dtype)
+        apply_checked(core, rec, problem, wire_dtype, inputs)
         n += 1
         for ev in core.drain_events():
             kind = ev["ev"]

@@ -228,8 +228,16 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
             raise click.BadParameter(f"{d} holds a run with {run.get('shards', 0) or 'no'} shards",
                                      param_hint="--shards")
         core, problem, journal, spec = _resume_run(state, spec, run, boot, wire_dtype, allowed)
+    log_payloads = state.log_payloads
+    if run.get("shards"):
+        # A sharded run's payloads are its shards' blocks journals (kept whole when the run was created
+        # with --log-payloads): the coordinator's own gradients are empty, so it journals headers.
+        if bool(run.get("log_payloads")) != log_payloads:
+            log.warning("%s holds a sharded run %s --log-payloads: resuming it so (a sharded run's payloads are "
+                        "chosen when it starts)", d, "with" if run.get("log_payloads") else "without")
+        log_payloads = False
     persistence = Persistence(d, journal, checkpoint_every=state.checkpoint_every,
-                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=state.log_payloads,
+                              checkpoint_interval_s=state.checkpoint_interval_s, log_payloads=log_payloads,
                               max_journal_bytes=state.max_journal_bytes, lock=lock)
     persistence.wire_dtype = run["wire_dtype"]  # the run's, which a resumed run keeps
     return core, problem, persistence, spec
@@ -267,6 +275,8 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
                     "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"])}}
     if shards:
         run["shards"], run["ranges"] = shards, [list(r) for r in ranges]
+        if state.log_payloads:  # the shards keep every block they journal, and replay takes them (not the oracle)
+            run["log_payloads"] = True
     write_run(d, run)
     now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
     core = ServerCore(alg, _x0(problem, run), core_config(run), server_boot=boot, now=now)

@@ -26,18 +26,19 @@ from ps.journal.statedir import StateError
 log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
 
 
-def apply_record(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:
+def apply_record(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32", inputs: Any = None) -> list:
     """Feed one journal record to the core, exactly as the daemon did (ps/journal/inputs.py: the live
-    run and replay call the same methods). Returns its commands."""
-    return CoreInputs(core).apply(rec, problem, wire_dtype)
+    run and replay call the same methods). Returns its commands. ``inputs``: a :class:`CoreInputs`
+    of ``core`` that takes gradients from elsewhere (a sharded run's blocks), else the default."""
+    return (inputs or CoreInputs(core)).apply(rec, problem, wire_dtype)
 
 
-def apply_checked(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32") -> list:
+def apply_checked(core: Any, rec: Record, problem: Any, wire_dtype: str = "f32", inputs: Any = None) -> list:
     """:func:`apply_record`, with whatever a damaged but well-formed record makes it raise (a
     message that no longer decodes, a counter that does not exist, ...) turned into a StateError
     naming the record's file and offset."""
     try:
-        return apply_record(core, rec, problem, wire_dtype)
+        return apply_record(core, rec, problem, wire_dtype, inputs)
     except StateError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure here is the record's: name it, one line

@@ -90,6 +90,7 @@ class ShardState:
     (ps/sharded/shard.py) sets the fields these methods use."""
 
     norms: tuple | None = None  # set by _build where the algorithm needs block norms (clip_norm)
+    keep_blocks = False  # set by _build: the run logs payloads, and the blocks journal is never pruned
     step_norms: tuple | None = None  # likewise, norms of its state (lmo='l2')
 
     def _build(self, run: dict, now: float | None, snap: dict | None = None) -> None:
@@ -120,6 +121,7 @@ class ShardState:
             self.core = ServerCore.restore(alg, snap, cfg, server_boot=0)
         self.core.record_issued = False
         self.range = (lo, hi)
+        self.keep_blocks = bool(run.get("log_payloads"))  # serve --log-payloads: the blocks journal is the payloads
         self.transport.wire_dtype = run_wire_dtype(run)
         # clip_norm: the have of a block says its blocks' squared norms (algorithms/sharding.py)
         self.norms = (sharded.plan.sub_layout(self.index), sharded.plan.blocks[self.index][0],
@@ -183,7 +185,7 @@ class ShardState:
         if self.journal is not None:  # blocks before the oldest kept checkpoint are in it, or were applied
             self.journal.rotate()
             oldest = next(verified_checkpoints(self.state_dir, newest_first=False), None)
-            if oldest is not None:
+            if oldest is not None and not self.keep_blocks:  # a run that logs payloads keeps them: replay reads them
                 self.journal.prune(int(oldest[1]["shard"]["journal_next"]) - 1, 0)
         self.since_ckpt, self.ckpt_at = 0, self.clock()
 
