@@ -225,7 +225,8 @@ _IDS = _int_tuple(0, I64_MAX)
 _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
-            "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool},
+            "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool,
+            "shards": _bool},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
               "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards},
@@ -251,7 +252,7 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 # the header while at their default.
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
                                    "in_shm": (False,), "parts": (False,), "xfer": (0,),
-                                   "shards": ([],)}
+                                   "shards": ([], False)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }

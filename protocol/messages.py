@@ -107,6 +107,7 @@ class Hello:
     run_id: int = 0  # the run the worker last worked for (0: none)
     shm: bool = False  # the worker can use the same-host shared-memory path (PROTOCOL.md §6.11)
     parts: bool = False  # the worker sends and receives large arrays in `part` messages (§6.13)
+    shards: bool = False  # the worker follows Welcome.shards (§12): a sharded server refuses a hello without it
 
 
 @dataclass(frozen=True, slots=True)

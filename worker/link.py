@@ -221,7 +221,7 @@ class Worker(ServerSession, JobIntake, ReplySender):
         return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
-                                shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True))
+                                shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:

@@ -53,6 +53,9 @@ class CoreConfig:
         restart_grace_s: after a restart (:meth:`ps.core.server_core.ServerCore.rebase_clock`), how long each
             restored worker has to say hello again before it is written off; None (the default):
             :func:`restart_grace_s` of ``liveness_timeout_s``. Never less than the liveness timeout.
+        await_hello: after a restart, a restored worker gets no job and no ``cancel`` until its
+            hello (it has no connection yet: PROTOCOL.md 8.11). Pinned in a run's run.json (True for
+            runs created since); False replays a run of an earlier version as it ran.
     """
 
     problem: str = "quadratic"
@@ -72,6 +75,7 @@ class CoreConfig:
     seed: int = 0
     run_id: int = 0
     restart_grace_s: float | None = None
+    await_hello: bool = False
 
     @property
     def restart_grace(self) -> float:

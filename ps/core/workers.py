@@ -96,7 +96,7 @@ def reindex(core: Any, w: WorkerInfo) -> None:
         core._free.discard(wid)
         core._eligible.discard(wid)
         return
-    if w.ready and not w.benched:
+    if w.ready and not w.benched and not (w.reconnecting and core.cfg.await_hello):
         core._eligible.add(wid)
         if len(w.outstanding) < w.credit:
             core._free.add(wid)
@@ -155,5 +155,6 @@ def rebase_liveness(core: Any, last_seen: float) -> None:
     for w in core.workers.values():
         w.last_seen = last_seen
         w.reconnecting = True
+        reindex(core, w)  # cfg.await_hello: no job before its hello
     core._alive = [(last_seen, core._seq[wid], wid) for wid in core.workers]
     heapq.heapify(core._alive)

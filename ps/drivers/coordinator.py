@@ -37,6 +37,7 @@ class ShardedRun:
         self.hub = ShardHub(daemon.ctx, shards["bind"], shards["n"], core=core, persist=daemon.persist,
                             ranges=shards["ranges"], clock=daemon.clock, security=daemon.security)
         daemon.transport.shards_map = self.hub.shards_map
+        daemon.transport.admission.needs_shards = True  # a hello without `shards` is refused
         self.x: np.ndarray | None = None  # the latest iterate gathered from the shards, and its version
         self.x_version = -1
         self.gathering: int | None = None  # the token of the gather an evaluation waits for

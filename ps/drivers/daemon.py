@@ -331,7 +331,7 @@ class Daemon:
         for c in cmds:
             if isinstance(c, Send):
                 self.sends += 1
-                if not self.transport.send(c.worker_id, c.msg):
+                if not self.transport.send(c.worker_id, c.msg) and not self._awaiting_hello(c.worker_id):
                     self._unreachable(c.worker_id)
             elif isinstance(c, Disconnect):
                 conn = self.conns.by_wid.get(c.worker_id)
@@ -364,6 +364,13 @@ class Daemon:
                     now = self.clock()
                     self._execute(self.inputs.remove(wid, now, "revoked") or [])
                 self._forget(wid)
+
+    def _awaiting_hello(self, wid: str) -> bool:
+        """A worker restored by a restart that has not said hello yet: no connection is bound to it,
+        so nothing reaches it, and that is no reason to write it off before its grace ends
+        (PROTOCOL.md 8.11)."""
+        w = self.core.workers.get(wid)
+        return w is not None and w.reconnecting and wid not in self.conns.by_wid
 
     def _unreachable(self, wid: str) -> None:
         """ROUTER_MANDATORY refused a send: the peer's connection is gone (a killed process closes

@@ -272,7 +272,9 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
                     "round_period_s": core_kw["round_period"], "seed": core_kw["seed"],
                     "run_id": secrets.randbits(63) + 1,
                     # pinned: a later version's backoff constants must not change how this run replays
-                    "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"])}}
+                    "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"]),
+                    # a restored worker gets nothing before its hello (PROTOCOL.md 8.11); runs before: False
+                    "await_hello": True}}
     if shards:
         run["shards"], run["ranges"] = shards, [list(r) for r in ranges]
         if state.log_payloads:  # the shards keep every block they journal, and replay takes them (not the oracle)

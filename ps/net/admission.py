@@ -36,6 +36,7 @@ class Admission:
     def __init__(self, transport: Any, count: Callable[[str], Any]) -> None:
         self.transport = transport
         self.count = count  # what a message the core never sees counts as (ps/net/transport.py Count)
+        self.needs_shards = False  # a sharded server's: a hello without `shards` is refused (PROTOCOL.md 12.1)
         self.refusals = RateLimitedLog(log)  # one line per 10 s per kind of refused hello
         # (worker id, boot) of incarnations a newer boot replaced: if one speaks again, two live
         # processes share the id (PROTOCOL.md 8.1). Oldest dropped past MAX_SUPERSEDED.
@@ -72,6 +73,9 @@ class Admission:
     def refusal(self, conn: Conn, hello: Hello, key: str, now: float) -> tuple[str, str] | None:
         """Why the transport refuses this hello, as (kind for the log or "", text), or None."""
         t, wid = self.transport, hello.worker_id
+        if self.needs_shards and not hello.shards:  # PROTOCOL.md §9, §12.1: it would compute on empty points
+            return "no_shards", ("this server is sharded (PROTOCOL.md 12): the worker must follow welcome.shards "
+                                 "and say hello.shards")
         if conn.wid is not None and conn.wid != wid:  # one connection cannot be two workers
             return "", "routing id already bound to another worker"
         if key and key in t.banned_keys:

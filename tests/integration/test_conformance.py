@@ -11,17 +11,12 @@ import sys
 
 import pytest
 
-from protocol.messages import Hello
-
 pytestmark = pytest.mark.slow
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 WORKER = f"{sys.executable} -m ps work --server {{endpoint}} --give-up 60"
 BROKEN = f"{sys.executable} {HERE / 'conformance_broken.py'} {{name}} work --server {{{{endpoint}}}} --give-up 60"
-# hello.shards lands from another branch: until then the reference worker fails shard-handshake (and
-# only that case). Once Hello has the field this test requires the case to pass like the others.
-HELLO_SAYS_SHARDS = "shards" in Hello.__slots__
 
 
 def kit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -35,9 +30,8 @@ def test_conformance_kit_passes_against_the_reference_worker(tmp_path):
     results = {r["case"]: r for r in json.loads(out.read_text())}
     listed = [line.split()[0] for line in kit("--list").stdout.splitlines()]
     assert list(results) == listed and set(results) == set(CASES), p.stdout
-    expected_failures = set() if HELLO_SAYS_SHARDS else {"shard-handshake"}
     failed = {name for name, r in results.items() if not r["ok"]}
-    assert failed == expected_failures, p.stdout + p.stderr
+    assert failed == set(), p.stdout + p.stderr
     assert (p.returncode == 0) == (not failed), p.stdout
     for name in results:
         assert (f"PASS {name} " in p.stdout) == (name not in failed), p.stdout

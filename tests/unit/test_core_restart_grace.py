@@ -18,6 +18,7 @@ from protocol.messages import (
     Hello,
     Ready,
 )
+from ps.core.commands import Send
 from ps.core.config import CoreConfig, restart_grace_s
 from ps.core.server_core import ServerCore
 from tests.unit.test_core import D, jobs_in, reply_for
@@ -116,3 +117,43 @@ def test_the_same_inputs_after_a_rebase_give_the_same_core():
         trail = [core.on_tick(t) for t in (103.5, 111.0, 112.5)]
         outs.append((sorted(core.workers), core.counters.as_dict(), [len(c) for c in trail]))
     assert outs[0] == outs[1] and outs[0][0] == []
+
+
+def restored_with_credit(await_hello: bool):
+    """w1 and w2 of credit 2 each, two jobs each, restored at t = 100 (asgd)."""
+    alg = algorithms.build("asgd", {"lr": 0.1})
+    core = ServerCore(alg, np.ones(D, np.float32), CoreConfig(run_id=7, await_hello=await_hello))
+    jobs = {}
+    for wid in ("w1", "w2"):
+        core.handle(wid, Hello(worker_id=wid, boot=1, credit=2, run_id=7), 0.0)
+        jobs[wid] = [j for _, j in jobs_in(core.handle(wid, Ready(credit=2), 0.0))]
+    core2 = ServerCore.restore(algorithms.build("asgd", {"lr": 0.1}), core.snapshot(), core.cfg, server_boot=2)
+    core2.rebase_clock(100.0)
+    return core2, jobs
+
+
+@pytest.mark.parametrize("await_hello", [True, False])
+def test_a_restored_worker_gets_no_job_and_no_cancel_before_its_hello(await_hello, monkeypatch):
+    """PROTOCOL.md 8.11: a restored worker has no connection until its hello, so the server sends
+    it nothing before (a send there fails, and used to write the worker off as unreachable). The
+    algorithm cancels one of w1's jobs (settled, no ``cancel`` sent); w2 says hello and its reply
+    is applied; w1, silent, is given nothing; after its hello it gets the credit the cancel freed.
+    The control (a run of an earlier version, ``await_hello`` False) sends w1 both at once."""
+    from ps.core.settlement import cancel_jobs
+
+    core, jobs = restored_with_credit(await_hello)
+    monkeypatch.setattr(type(core.alg), "cancel", lambda self, state, view: [jobs["w1"][0].job_id])
+    out = cancel_jobs(core, 100.2)
+    monkeypatch.undo()
+    assert jobs["w1"][0].job_id not in core.ledger
+    out += core.handle("w2", Hello(worker_id="w2", boot=1, credit=2, run_id=7, busy=(jobs["w2"][0].job_id,),
+                                   seen=max(j.job_id for j in jobs["w2"])), 100.5)
+    out += core.handle("w2", reply_for(jobs["w2"][0]), 100.6)
+    sent_to_w1 = [type(c.msg).__name__ for c in out if isinstance(c, Send) and c.worker_id == "w1"]
+    if not await_hello:
+        assert sent_to_w1 == ["Cancel", "Job"], sent_to_w1
+        return
+    assert sent_to_w1 == [] and "w1" in core.workers
+    out = core.handle("w1", Hello(worker_id="w1", boot=1, credit=2, run_id=7,
+                                  busy=tuple(j.job_id for j in jobs["w1"]), seen=jobs["w1"][-1].job_id), 101.0)
+    assert [w for w, _ in jobs_in(out)] == ["w1"], "after its hello w1 gets the credit its cancelled job freed"
