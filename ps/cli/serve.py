@@ -161,8 +161,12 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                         shards=shards, shard_bind=shard_bind)
     state = StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes,
                          repair) if state_dir else None
-    daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
-        problem=spec.problem, algorithm=spec.algorithm))
+    try:
+        daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
+            problem=spec.problem, algorithm=spec.algorithm))
+    except ValueError as e:  # settings the algorithm refuses on its iterate (e.g. snapshot-vr without num_samples)
+        raise click.BadParameter(str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                 param_hint="--algorithm/--set") from None
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone

@@ -279,9 +279,9 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
         run["shards"], run["ranges"] = shards, [list(r) for r in ranges]
         if state.log_payloads:  # the shards keep every block they journal, and replay takes them (not the oracle)
             run["log_payloads"] = True
-    write_run(d, run)
     now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
-    core = ServerCore(alg, _x0(problem, run), core_config(run), server_boot=boot, now=now)
+    core = ServerCore(alg, _x0(problem, run), core_config(run), server_boot=boot, now=now)  # first: it checks settings
+    write_run(d, run)
     journal = Journal(d, next_lsn=0, fsync=state.fsync)
     journal.append("start", run=run, now=now)
     log.info("new run in %s", d)

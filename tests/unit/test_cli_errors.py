@@ -185,6 +185,8 @@ VALUE_CASES = [
     (["simulate", "--crash", "0@-1"], "TIME and REJOIN must be finite seconds >= 0"),
     (["simulate", "--crash", "0@nan"], "TIME and REJOIN must be finite seconds >= 0"),
     (["simulate", "--crash", "0@1+-3"], "TIME and REJOIN must be finite seconds >= 0"),
+    (["serve", "--algorithm", "snapshot-vr", "--problem", "quadratic", "--state", "adir/s"],
+     "snapshot-vr needs num_samples"),  # refused on the iterate, before run.json is written
 ]
 
 
