@@ -86,6 +86,12 @@ def _insecure_shard(tree: str) -> list[str]:
     return ["--insecure"] if "--insecure" in cli.read_text() else []
 
 
+def _token_shard(tree: str, state: Path) -> list[str]:
+    """``--token-file`` (the run's shard token, without --keys) where the tree's shard has it."""
+    cli = next(p for p in (Path(tree) / "ps" / "cli" / "shard.py", Path(tree) / "ps" / "shardcli.py") if p.exists())
+    return ["--token-file", str(state / "shard.token")] if "--token-file" in cli.read_text() else []
+
+
 def _py(*args: str) -> list[str]:
     return [sys.executable, "-m", "ps", *args]
 
@@ -310,7 +316,7 @@ def run_config(shards: int, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             start(f"shard{i}", h, _py("shard", "--coordinator", f"tcp://{sip}:{SHARD_PORT}",
                                       "--bind", f"tcp://{hosts.ip(h)}:{DATA_PORT}", "--slot", str(i),
                                       "--state", str(work / f"shard{i}-state"), "--log-level", "info",
-                                      *_insecure_shard(a.tree)))
+                                      *_insecure_shard(a.tree), *_token_shard(a.tree, state)))
         for i in range(a.workers):
             start(f"worker{i}", "workers", _work(a.refetch_s, "--server", f"tcp://{sip}:{SERVE_PORT}", "--credit",
                                                  str(a.credit), "--shm", "off", "--worker-id", f"w{i}",

@@ -161,7 +161,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                         shards=shards, shard_bind=shard_bind)
     state = StateOptions(state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes,
                          repair) if state_dir else None
-    daemon = _make(spec, bind, opts, state, allowed_from(allow_problem, allow_algorithm).naming(
+    daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
@@ -239,12 +239,3 @@ def stop(state_dir, timeout) -> None:
     finally:
         os.close(fd)
 
-
-def _make(spec: Any, bind: str, opts: Any, state: Any, allowed: Any) -> Any:
-    """make_daemon, with the settings the algorithm refuses on its iterate (e.g. snapshot-vr
-    without num_samples) one line of error."""
-    try:
-        return make_daemon(spec, bind, opts, state=state, allowed=allowed)
-    except ValueError as e:
-        raise click.BadParameter(str(e).splitlines()[0] if str(e) else type(e).__name__,
-                                 param_hint="--algorithm/--set") from None

@@ -70,7 +70,7 @@ def on_hello(core: Any, worker_id: str, hello: Hello, now: float, key: str = "")
             write_off(core, old, gone, "server_restart" if old.reconnecting else "vanished", now)
         else:  # it worked for another run: on our welcome it drops everything it holds
             write_off(core, old, sorted(old.outstanding), "other_run", now)
-        old.reconnecting = False
+        old.reconnecting = old.awaiting_hello = False
         reindex(core, old)
     out.append(Send(worker_id, Welcome(
         server_boot=core.server_boot, run_id=core.cfg.run_id, version=PROTOCOL_VERSION, problem=core.cfg.problem,

@@ -184,7 +184,7 @@ class ServerCore:
         self._build_indexes()
         return self
 
-    def rebase_clock(self, now: float) -> None:
+    def rebase_clock(self, now: float, restart: bool = True) -> None:
         """After a restart the driver's clock is a different one: give every restored worker the
         restart grace (``cfg.restart_grace``, which covers the worker's reconnect backoff) to say
         hello again, and restart the round clock. The grace is a function of the run's config
@@ -192,7 +192,9 @@ class ServerCore:
 
         The liveness rule is unchanged: a worker's ``last_seen`` is set to ``now + grace -
         liveness_timeout_s`` (later than ``now``), so it expires at ``now + grace`` unless it is
-        heard from first; any message from it sets ``last_seen`` to its own time.
+        heard from first; any message from it sets ``last_seen`` to its own time. ``restart``: a
+        new server process (False: the end of a disk-full pause), whose restored workers have no
+        connection until their hello and get nothing before it (``cfg.await_hello``).
 
         Emits a ``resumed`` event naming this server's ``boot``: where a new server session
         begins in the event log (``latecomer report``; the end of a disk-full pause emits one with
@@ -201,7 +203,7 @@ class ServerCore:
         self.events.append({"ev": "resumed", "boot": self.server_boot, "version": self.version,
                             "workers": len(self.workers), "outstanding": len(self.ledger),
                             "grace_s": self.cfg.restart_grace, "t": now})
-        rebase_liveness(self, last_seen)
+        rebase_liveness(self, last_seen, restart)
         self.quarantine = {wid: now + self.cfg.quarantine_s for wid in self.quarantine}
         if self.cfg.round_period_s:
             self.next_round_at = now + self.cfg.round_period_s

@@ -83,7 +83,7 @@ def cancel_jobs(core: Any, now: float) -> list[Command]:
         core.events.append({"ev": "cancelled", "job_id": jid, "worker_id": entry.worker_id,
                             "created_at": entry.created_at, "t": now})
     return [Send(wid, Cancel(tuple(jids))) for wid, jids in by_worker.items()
-            if wid in core.workers and not (core.workers[wid].reconnecting and core.cfg.await_hello)]
+            if wid in core.workers and not (core.workers[wid].awaiting_hello and core.cfg.await_hello)]
 
 
 def run_round(core: Any, now: float) -> list[Command]:

@@ -33,6 +33,7 @@ class WorkerInfo:
     key: str = ""
     ready: bool = False  # set by the worker's first Ready (its problem is loaded); no job before
     reconnecting: bool = False  # restored after a server restart: its next hello settles its jobs
+    awaiting_hello: bool = False  # restored by a restart (not a pause): no connection until its hello
     failed: int = 0  # its jobs that failed (err COMPUTE_FAILED)
     failed_in_a_row: int = 0  # failed jobs since its last accepted reply
     last_error: str = ""  # the text of its latest COMPUTE_FAILED or PROBLEM_UNAVAILABLE
@@ -96,7 +97,7 @@ def reindex(core: Any, w: WorkerInfo) -> None:
         core._free.discard(wid)
         core._eligible.discard(wid)
         return
-    if w.ready and not w.benched and not (w.reconnecting and core.cfg.await_hello):
+    if w.ready and not w.benched and not (w.awaiting_hello and core.cfg.await_hello):
         core._eligible.add(wid)
         if len(w.outstanding) < w.credit:
             core._free.add(wid)
@@ -150,11 +151,13 @@ def free_in_join_order(core: Any) -> list[str]:
     return sorted(core._free, key=core._seq.__getitem__)
 
 
-def rebase_liveness(core: Any, last_seen: float) -> None:
-    """After a restart: every worker was last seen at ``last_seen`` and is reconnecting."""
+def rebase_liveness(core: Any, last_seen: float, restart: bool = True) -> None:
+    """After a restart (or a pause): every worker was last seen at ``last_seen`` and is
+    reconnecting; after a restart, it has no connection until its hello (``awaiting_hello``)."""
     for w in core.workers.values():
         w.last_seen = last_seen
         w.reconnecting = True
+        w.awaiting_hello = w.awaiting_hello or restart
         reindex(core, w)  # cfg.await_hello: no job before its hello
     core._alive = [(last_seen, core._seq[wid], wid) for wid in core.workers]
     heapq.heapify(core._alive)

@@ -370,7 +370,7 @@ class Daemon:
         so nothing reaches it, and that is no reason to write it off before its grace ends
         (PROTOCOL.md 8.11)."""
         w = self.core.workers.get(wid)
-        return w is not None and w.reconnecting and wid not in self.conns.by_wid
+        return w is not None and w.awaiting_hello and wid not in self.conns.by_wid
 
     def _unreachable(self, wid: str) -> None:
         """ROUTER_MANDATORY refused a send: the peer's connection is gone (a killed process closes

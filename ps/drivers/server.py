@@ -124,7 +124,6 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
     import zmq
 
     from ps.core.config import CoreConfig
-    from ps.core.server_core import ServerCore
     from ps.drivers.daemon import Daemon, StopCondition
 
     persistence, boot = None, secrets.randbits(63)
@@ -152,7 +151,7 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
                          heartbeat_interval_s=opts.heartbeat_interval,
                          liveness_timeout_s=opts.liveness_timeout, min_workers=opts.min_workers,
                          round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1)
-        core = ServerCore(alg, problem.init_params(opts.seed), cfg, server_boot=boot, now=time.monotonic())
+        core = new_core(alg, problem.init_params(opts.seed), cfg, boot, time.monotonic())
     try:
         log_muon_blocks(core.alg, problem)
         return Daemon(core, problem, bind, stop=StopCondition(opts.max_steps, opts.max_time, opts.target_loss),
@@ -243,6 +242,18 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     return core, problem, persistence, spec
 
 
+def new_core(alg: Any, x0: Any, cfg: Any, boot: int, now: float) -> Any:
+    """A new run's core; settings its algorithm refuses on this iterate (e.g. snapshot-vr
+    without num_samples) are one line of error, before anything is written."""
+    from ps.core.server_core import ServerCore
+
+    try:
+        return ServerCore(alg, x0, cfg, server_boot=boot, now=now)
+    except ValueError as e:
+        raise click.BadParameter(str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                 param_hint="--algorithm/--set") from None
+
+
 def _build(spec: TrainingSpec, shards: int):
     """The problem and the algorithm the core runs: the algorithm itself, or (sharded) its
     coordinator (bound to no blocks), with the shards' ranges."""
@@ -256,7 +267,6 @@ def _build(spec: TrainingSpec, shards: int):
 def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str, core_kw: dict, shards: int = 0):
     """run.json, then the core and the journal's start record (with the core's creation time)."""
     from ps.core.config import restart_grace_s
-    from ps.core.server_core import ServerCore
     from ps.journal.runfile import write_run
     from ps.journal.wal import Journal
 
@@ -280,7 +290,7 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
         if state.log_payloads:  # the shards keep every block they journal, and replay takes them (not the oracle)
             run["log_payloads"] = True
     now = time.monotonic()  # the core's creation time, journaled: replay creates its core at the same time
-    core = ServerCore(alg, _x0(problem, run), core_config(run), server_boot=boot, now=now)  # first: it checks settings
+    core = new_core(alg, _x0(problem, run), core_config(run), boot, now)  # first: it checks the settings
     write_run(d, run)
     journal = Journal(d, next_lsn=0, fsync=state.fsync)
     journal.append("start", run=run, now=now)

@@ -95,8 +95,9 @@ class CoreInputs:
         self.core.rebase_clock(now)
 
     def resumed(self, now: float) -> None:
-        """The state directory could be written again after a pause (its ``resume`` record is written)."""
-        self.core.rebase_clock(now)
+        """The state directory could be written again after a pause (its ``resume`` record is written):
+        the same process, its workers' connections still bound."""
+        self.core.rebase_clock(now, restart=False)
 
     # ------------------------------------------------------------------ replay
     # How a journaled reply gets its gradients back. Here (the server, recovery, replay): an
