@@ -167,7 +167,8 @@ def test_scancel_ends_with_the_servers_own_status(cluster, tmp_path):
     cluster.run(*shlex.split(CANCEL.replace("JOBID", str(jobid))))
     job, out = finished(cluster, jobid, tmp_path)
     assert (job["JobState"], job["ExitCode"]) == ("CANCELLED", "0:0"), out
-    assert "server exited with status 0" in out and "143" not in out, out
+    # "143" (128 + SIGTERM) as a status, not as digits of a loss figure in the log ("loss 0.04143")
+    assert "server exited with status 0" in out and not re.search(r"(status|code|exit)\D{0,3}143\b", out), out
     s = summary(tmp_path)
     assert s["stopped"] and s["version"] >= 200
     assert re.search(rf"stopped \(.*\) at step {s['version']}\b", out), "the server drained at its step"
