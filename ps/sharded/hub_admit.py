@@ -25,6 +25,7 @@ import secrets
 from typing import Any, Callable
 
 from ps.journal.statedir import StateError, fsync_dir
+from ps.net.connections import RateLimitedLog
 
 log = logging.getLogger("latecomer.shards")
 
@@ -88,8 +89,7 @@ class ShardGate:
 
     def __init__(self, token: str | None, liveness_s: float, probe: Callable[[bytes], bool]) -> None:
         self.token, self.liveness_s, self.probe = token, liveness_s, probe
-        self.refused: dict[str, int] = {}  # kind -> refusals since it was last logged
-        self.logged: dict[str, float] = {}  # kind -> when it was last logged
+        self.lines = RateLimitedLog(log, LOG_EVERY_S)  # one line per kind per LOG_EVERY_S
         self.counts: dict[str, int] = {"bad_token": 0, "slot_live": 0}
         self.probed: dict[bytes, float] = {}  # holder's routing id -> when a probe last found it up
 
@@ -115,12 +115,7 @@ class ShardGate:
     def warn(self, kind: str, now: float, fmt: str, *args: Any) -> None:
         """One warning line per ``kind`` per ``LOG_EVERY_S``, saying how many went unlogged."""
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        if now - self.logged.get(kind, -math.inf) < LOG_EVERY_S:
-            self.refused[kind] = self.refused.get(kind, 0) + 1
-            return
-        more = self.refused.pop(kind, 0)
-        self.logged[kind] = now
-        log.warning(fmt + (f" ({more} more refused since the last line)" if more else ""), *args)
+        self.lines.warning(kind, now, fmt, *args)
 
 
 def peer_name(rid: bytes, endpoint: str) -> str:
