@@ -32,12 +32,13 @@ class IterateState:
 
 
 def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_age: float = np.inf,
-              checked: bool = False) -> Outcome:
+              checked: bool = False, squares: bool = False) -> Outcome:
     """x <- x - lr·g for each result of age <= max_age, one version each; older ones are dropped.
 
     The update of A1 (max_age = inf), A4 (max_age = tau_max) and A5 (max_age = R - 1).
     ``checked`` (one result only): the step tests g finite in its pass (``step_into_checked``)
-    and raises NonFiniteGradient before anything changes.
+    and raises NonFiniteGradient before anything changes; ``squares``: the test is
+    ``squares_finite`` (a run with ``refuse_overflow``), not ``finite``.
     """
     if checked and len(results) != 1:
         raise ValueError("a checked step takes exactly one result")
@@ -48,7 +49,7 @@ def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_
             dropped.append(r.job_id)
             continue
         if checked:
-            y = step_into_checked(state.x, lr, r.grads[0])
+            y = step_into_checked(state.x, lr, r.grads[0], squares)
             if y is None:
                 raise NonFiniteGradient(f"job {r.job_id}: gradient holds NaN or Inf")
             state.x = y

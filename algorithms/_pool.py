@@ -143,7 +143,32 @@ def finite(g: np.ndarray) -> bool:
     return math.isfinite(np.dot(v, v)) or bool(np.isfinite(v).all())
 
 
-def step_into_checked(x: np.ndarray, lr: float, g: np.ndarray) -> np.ndarray | None:
+def squares_finite(g: np.ndarray) -> bool:
+    """True iff the square of every element of ``g`` is finite in g's dtype (so no NaN, no ±Inf,
+    and no value of magnitude past the square root of the dtype's largest: about 1.8e19 in
+    float32, 1.3e154 in float64). The refusal rule of runs with ``refuse_overflow``
+    (ps/core/config.py): a value that large, stepped, puts the iterate where honest gradients
+    overflow, and it is never a gradient of a model one trains.
+
+    Exact and cheap like :func:`finite`: one BLAS dot of g with itself. The dot, in any summation
+    order, is at least the largest rounded square (rounding is monotone and every term is >= 0),
+    so a finite dot proves every square finite; only otherwise are the squares looked at one by one."""
+    v = g if g.ndim == 1 else g.reshape(-1)
+    if math.isfinite(np.dot(v, v)):
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.square(v)).all())
+
+
+def _block_ok(gb: np.ndarray, squares: bool) -> bool:
+    """The refusal test of one block whose dot with itself is not finite (the rare path)."""
+    if not squares:
+        return bool(np.isfinite(gb).all())
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(np.square(gb)).all())
+
+
+def step_into_checked(x: np.ndarray, lr: float, g: np.ndarray, squares: bool = False) -> np.ndarray | None:
     """``step_into(x, lr, g)`` if ``finite(g)``, else None; one pass over g instead of two.
 
     Contract: returns None exactly when g holds a NaN or an Inf (the test of :func:`finite`,
@@ -155,18 +180,19 @@ def step_into_checked(x: np.ndarray, lr: float, g: np.ndarray) -> np.ndarray | N
     the dot of g's block with itself (and, only if that is not finite, ``np.isfinite`` of the
     block) while the block is in cache, then the multiply and the add. Stops at the first block
     that is not finite. Shapes other than equal-length 1-D vectors, and short ones, run
-    ``finite`` then ``step_into``.
+    ``finite`` then ``step_into``. ``squares``: the test is :func:`squares_finite` instead (None
+    also when a value's square overflows), at the same cost: the block's dot is taken anyway.
     """
     n = x.shape[0] if x.ndim == 1 else 0
     if not _blocked(n, g):
-        return step_into(x, lr, g) if finite(g) else None
+        return step_into(x, lr, g) if (squares_finite(g) if squares else finite(g)) else None
     y = POOL.empty(x.shape, x.dtype)
     c = np.asarray(-lr, x.dtype)
     isfinite = math.isfinite
     for i in range(0, n, BLOCK):
         j = i + BLOCK
         gb = g[i:j]
-        if not isfinite(np.dot(gb, gb)) and not np.isfinite(gb).all():
+        if not isfinite(np.dot(gb, gb)) and not _block_ok(gb, squares):
             return None  # y's last reference goes with this frame: the pool reuses it
         yb = y[i:j]
         np.multiply(gb, c, out=yb)

@@ -202,7 +202,8 @@ class Algorithm:
         checks_finite: a per-reply method whose ``apply`` of one result tests the gradients
             finite in its own vector pass and raises :class:`NonFiniteGradient`, having changed
             nothing, if they are not; the server then leaves that test to it (one pass over g
-            instead of two). False (the default): the server tests before ``apply``.
+            instead of two), calling :meth:`apply_checked`. False (the default): the server
+            tests before ``apply``.
     """
 
     name: ClassVar[str] = ""
@@ -222,6 +223,20 @@ class Algorithm:
     def apply(self, state: Any, results: Sequence[Result]) -> tuple[Any, Outcome]:
         """Consume results (per-reply: exactly one; round: zero or more)."""
         raise NotImplementedError
+
+    def apply_checked(self, state: Any, result: Result, squares: bool = False) -> tuple[Any, Outcome]:
+        """For a method that ``checks_finite``: ``apply(state, [result])``, raising
+        :class:`NonFiniteGradient` with nothing changed where a gradient holds a NaN or an Inf,
+        or, with ``squares`` (a run with ``refuse_overflow``), where the square of one of its
+        values overflows (``algorithms._pool.squares_finite``). This default leaves the NaN/Inf
+        test to ``apply`` and, with ``squares``, tests the squares before it (a method written
+        before ``squares`` existed stays right, at a second pass over g);
+        :class:`algorithms.baselines.VanillaASGD` tests both in its step's one pass."""
+        from algorithms._pool import squares_finite
+
+        if squares and not all(squares_finite(g) for g in result.grads):
+            raise NonFiniteGradient(f"job {result.job_id}: gradient holds NaN or Inf")
+        return self.apply(state, [result])
 
     def params(self, state: Any) -> np.ndarray:
         """The current iterate x_k (may be a live view; copy before keeping it)."""

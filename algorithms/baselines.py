@@ -85,6 +85,11 @@ class VanillaASGD(PlainSGDMethod):
     def apply(self, state: IterateState, results: Sequence[Result]):
         return state, sgd_steps(state, results, self.lr, checked=len(results) == 1)
 
+    def apply_checked(self, state: IterateState, result: Result, squares: bool = False):
+        """``apply`` of one result, the test of g in the step's own pass (``squares``: the
+        ``refuse_overflow`` rule, see :meth:`Algorithm.apply_checked`)."""
+        return state, sgd_steps(state, [result], self.lr, checked=True, squares=squares)
+
 
 @dataclass(slots=True)
 class MomentumState:

@@ -56,6 +56,10 @@ class CoreConfig:
         await_hello: after a restart, a restored worker gets no job and no ``cancel`` until its
             hello (it has no connection yet: PROTOCOL.md 8.11). Pinned in a run's run.json (True for
             runs created since); False replays a run of an earlier version as it ran.
+        refuse_overflow: a reply with a gradient value whose square overflows the run's dtype
+            (|g_i| >= ~1.8e19 in float32) is refused as NON_FINITE, like a NaN (issue 29: a finite
+            3.4e38 would step the iterate to where honest gradients overflow). Pinned in run.json
+            like ``await_hello`` (True for runs created since); False replays an earlier run as it ran.
     """
 
     problem: str = "quadratic"
@@ -76,6 +80,7 @@ class CoreConfig:
     run_id: int = 0
     restart_grace_s: float | None = None
     await_hello: bool = False
+    refuse_overflow: bool = False
 
     @property
     def restart_grace(self) -> float:

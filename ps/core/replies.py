@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms._pool import finite
+from algorithms._pool import finite, squares_finite
 from algorithms.base import Algorithm, NonFiniteGradient, Result
 from protocol.messages import Error, ErrorCode, JobKind, Reply
 from ps.core.commands import Command, Send
@@ -22,12 +22,23 @@ from ps.core.settlement import apply_results, settle
 from ps.core.workers import WorkerInfo, reindex, trusted_holds
 
 
+def refusal_text(grads: tuple) -> str:
+    """The text of a NON_FINITE refusal of ``grads``: NaN/Inf, else (``refuse_overflow``) a
+    value whose square overflows the run's dtype. Computed only when a reply is refused."""
+    if all(finite(g) for g in grads):
+        return f"gradient holds a value whose square overflows {grads[0].dtype} (|g| >= sqrt of its largest)"
+    return "gradient holds NaN or Inf"
+
+
 def check_grads(entry: LedgerEntry, reply: Reply, grads: tuple, dim: int, layout_text: str = "",
-                deferred: bool = False) -> tuple[ErrorCode, str] | None:
+                deferred: bool = False, overflow: bool = False) -> tuple[ErrorCode, str] | None:
     """Why the reply's gradients are refused, or None. ``grads``: them in the run's dtype (a
     float64 gradient finite as sent can overflow to Inf in float32: the test is of what the
     algorithm would get). ``dim``: the run's parameter count; ``layout_text``: the problem's
-    layout as error texts name it. ``deferred``: the algorithm tests finiteness in its step."""
+    layout as error texts name it. ``deferred``: the algorithm tests finiteness in its step.
+    ``overflow`` (``CoreConfig.refuse_overflow``): a value whose square overflows the run's dtype
+    is refused like a NaN (:func:`algorithms._pool.squares_finite`), at the same place and cost."""
+    ok = squares_finite if overflow else finite
     want = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
     if len(reply.grads) != want:
         return ErrorCode.BAD_SHAPE, f"expected {want} gradient(s), got {len(reply.grads)}"
@@ -37,14 +48,15 @@ def check_grads(entry: LedgerEntry, reply: Reply, grads: tuple, dim: int, layout
             return ErrorCode.BAD_SHAPE, f"gradient {i}: expected shape ({dim},){layout}, got {g.shape}"
         if g.dtype.kind != "f":
             return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
-        if not deferred and not finite(grads[i]):  # one BLAS pass, exact where it overflows (_pool.py)
-            return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
+        if not deferred and not ok(grads[i]):  # one BLAS pass, exact where it overflows (_pool.py)
+            return ErrorCode.NON_FINITE, refusal_text((grads[i],))
     if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
         if reply.count != entry.shard[1] - entry.shard[0]:
             return ErrorCode.BAD_SHAPE, f"count {reply.count} != shard size {entry.shard[1] - entry.shard[0]}"
     if reply.loss is not None and not math.isfinite(reply.loss):
-        if deferred and not all(finite(g) for g in grads):  # the gradient's refusal comes first
-            return ErrorCode.NON_FINITE, "gradient holds NaN or Inf"
+        bad = [g for g in grads if not ok(g)] if deferred else []
+        if bad:  # the gradient's refusal comes first
+            return ErrorCode.NON_FINITE, refusal_text((bad[0],))
         return ErrorCode.NON_FINITE, "loss is not finite"
     return None
 
@@ -66,15 +78,16 @@ def result_of(entry: LedgerEntry, worker_id: str, reply: Reply, grads: tuple) ->
                   step_sq=reply.step_sq)
 
 
-def checked_apply(alg: Algorithm, state: Any, result: Result) -> tuple[tuple | None, tuple[ErrorCode, str] | None]:
+def checked_apply(alg: Algorithm, state: Any, result: Result,
+                  overflow: bool = False) -> tuple[tuple | None, tuple[ErrorCode, str] | None]:
     """An algorithm that ``checks_finite`` applies ``result`` now, testing its gradients in
-    the step's own pass: ((the version before, what apply returned), None), or (None, the
-    refusal) with nothing changed."""
+    the step's own pass (``overflow``: the ``refuse_overflow`` rule too): ((the version before,
+    what apply returned), None), or (None, the refusal) with nothing changed."""
     v_before = int(alg.version(state))
     try:
-        return (v_before, alg.apply(state, [result])), None
+        return (v_before, alg.apply_checked(state, result, overflow)), None
     except NonFiniteGradient:
-        return None, (ErrorCode.NON_FINITE, "gradient holds NaN or Inf")
+        return None, (ErrorCode.NON_FINITE, refusal_text(result.grads))
 
 
 def on_reply(core: Any, w: WorkerInfo, reply: Reply, now: float,
@@ -98,11 +111,12 @@ def on_reply(core: Any, w: WorkerInfo, reply: Reply, now: float,
                                         job_id=reply.job_id))]
     grads = in_run_dtype(reply, core.dtype)
     fused = refusal is None and core.alg.checks_finite and core.alg.mode != "round"
-    problem = refusal or check_grads(entry, reply, grads, core.dim, core.layout_text, deferred=fused)
+    overflow = core.cfg.refuse_overflow
+    problem = refusal or check_grads(entry, reply, grads, core.dim, core.layout_text, fused, overflow)
     pre = None
     if problem is None and fused:
         result = result_of(entry, w.worker_id, reply, grads)
-        pre, problem = checked_apply(core.alg, core.state, result)
+        pre, problem = checked_apply(core.alg, core.state, result, overflow)
     if problem is not None:
         code, text = problem
         out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
@@ -146,4 +160,5 @@ def reply_verdict(core: Any, worker_id: str, reply: Reply) -> str:
             or entry.created_at != reply.created_at:
         return "other"
     grads = in_run_dtype(reply, core.dtype)
-    return "ok" if check_grads(entry, reply, grads, core.dim, core.layout_text) is None else "bad"
+    problem = check_grads(entry, reply, grads, core.dim, core.layout_text, overflow=core.cfg.refuse_overflow)
+    return "ok" if problem is None else "bad"

@@ -298,7 +298,7 @@ class ServerCore:
     def _check_grads(self, entry: LedgerEntry, reply: Reply, grads: tuple,
                      deferred: bool = False) -> tuple[ErrorCode, str] | None:
         """Why the reply's gradients are refused, or None (:func:`ps.core.replies.check_grads`)."""
-        return check_grads(entry, reply, grads, self.dim, self.layout_text, deferred)
+        return check_grads(entry, reply, grads, self.dim, self.layout_text, deferred, self.cfg.refuse_overflow)
 
     def _in_run_dtype(self, reply: Reply) -> tuple:
         """The reply's gradients in the run's dtype (:func:`ps.core.replies.in_run_dtype`)."""

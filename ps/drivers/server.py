@@ -150,7 +150,8 @@ def make_daemon(spec: TrainingSpec, bind: str, opts: ServeOptions, *, state: Sta
                          batch_size=resolve_batch_size(opts.batch_size, problem),
                          heartbeat_interval_s=opts.heartbeat_interval,
                          liveness_timeout_s=opts.liveness_timeout, min_workers=opts.min_workers,
-                         round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1)
+                         round_period_s=opts.round_period, seed=opts.seed, run_id=secrets.randbits(63) + 1,
+                         refuse_overflow=True)
         core = new_core(alg, problem.init_params(opts.seed), cfg, boot, time.monotonic())
     try:
         log_muon_blocks(core.alg, problem)
@@ -284,7 +285,9 @@ def _new_run(state: StateOptions, spec: TrainingSpec, boot: int, wire_dtype: str
                     # pinned: a later version's backoff constants must not change how this run replays
                     "restart_grace_s": restart_grace_s(core_kw["liveness_timeout"]),
                     # a restored worker gets nothing before its hello (PROTOCOL.md 8.11); runs before: False
-                    "await_hello": True}}
+                    "await_hello": True,
+                    # a gradient value whose square overflows is refused (issue 29); runs before: False
+                    "refuse_overflow": True}}
     if shards:
         run["shards"], run["ranges"] = shards, [list(r) for r in ranges]
         if state.log_payloads:  # the shards keep every block they journal, and replay takes them (not the oracle)
