@@ -21,8 +21,8 @@ LAYOUT = (("w", (4, 5)), ("b", (4,)))  # a matrix block for the Muon methods, a 
 D = 24
 ATTACK = 3.4e38  # finite in float32; its square is not
 NAMES = sorted(algorithms.ALGORITHMS) + ["asgd+clip", "ordered-momentum+wd"]
-WRAPPED = {"snapshot-vr": ("snapshot-vr", {"num_samples": 8}), "asgd+clip": ("asgd", {"clip_norm": 1.0}), "ordered-momentum+wd": ("ordered-momentum",
-                                                                            {"weight_decay": 0.01})}
+WRAPPED = {"snapshot-vr": ("snapshot-vr", {"num_samples": 8}), "asgd+clip": ("asgd", {"clip_norm": 1.0}),
+           "ordered-momentum+wd": ("ordered-momentum", {"weight_decay": 0.01})}
 
 
 # Round methods whose round steps with no reply in it: the refusal frees the worker's credit,
