@@ -140,3 +140,23 @@ def test_the_fused_step_refuses_what_squares_finite_refuses_and_else_steps_bit_f
         h[where] = ATTACK
         assert step_into_checked(x, 0.1, h, squares=True) is None, where
         assert step_into_checked(x, 0.1, h) is not None, "without squares: the old rule (finite) steps"
+
+
+def test_a_new_state_directory_pins_the_rule_and_an_old_run_json_reads_without_it(tmp_path):
+    """run.json of a new run says ``refuse_overflow: true`` (its core refuses); the same core
+    section without the key (a run of an earlier version) gives a core that accepts as it did."""
+    from ps.core.spec import TrainingSpec
+    from ps.drivers.server import StateOptions
+    from ps.drivers.server import open_state as _open_state
+    from ps.journal.runfile import core_config, read_run
+
+    d = str(tmp_path / "state")
+    spec = TrainingSpec(problem="quadratic", problem_options={"d": 8}, algorithm="asgd", settings={"lr": 0.1})
+    core, _, pers, _ = _open_state(StateOptions(d, checkpoint_every=0, checkpoint_interval_s=0, fsync="never"),
+                                   spec, boot=1, batch_size=4, liveness_timeout=2.0, heartbeat_interval=0.5,
+                                   min_workers=1, round_period=0.0, seed=0)
+    pers.close()
+    run = read_run(d)
+    assert run["core"]["refuse_overflow"] is True and core.cfg.refuse_overflow is True
+    old = {**run, "core": {k: v for k, v in run["core"].items() if k != "refuse_overflow"}}
+    assert core_config(old).refuse_overflow is False
