@@ -23,6 +23,7 @@ import numpy as np
 from ps.journal.statedir import StateError
 
 MAX_JSON_BYTES = 4 << 20  # a run.json or problem.json is a few hundred bytes; summary.json a few KB per evaluation
+SUMMARY_BYTES = 64 << 20  # summary.json holds every evaluation of a run
 MAX_JSON_DEPTH = 64  # a real run.json nests 3 deep, a checkpoint tree 5
 MAX_TREE_DEPTH = 64
 # final_x.npy: the iterate's dtypes; its header at most 10,000 bytes (numpy's default)
@@ -117,8 +118,19 @@ def _npy_header(f: Any, path: str) -> tuple[np.dtype, tuple[int, ...], bool]:
         # max_header_size bounds the text numpy's literal parser is given (np.save writes < 200 bytes)
         shape, fortran, dtype = read(f, max_header_size=_MAX_NPY_HEADER)
     except Exception as e:  # noqa: BLE001 - any failure of numpy's header parser is the file's: one line
-        raise StateError(f"{path}: not an .npy array ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-                         ) from None
+        why = (str(e).splitlines() or [""])[0][:120]
+        raise StateError(f"{path}: not an .npy array ({type(e).__name__}: {why})") from None
     if dtype.str not in _NPY_DTYPES or type(shape) is not tuple or any(type(s) is not int or s < 0 for s in shape):
         raise StateError(f"{path}: an array of {dtype.str} {shape!r:.60}, not an iterate (a float vector)")
     return dtype, shape, bool(fortran)
+
+
+def read_problem_json(path: str) -> dict[str, Any]:
+    """An ``--out`` directory's ``problem.json``: a map naming the problem (a string) and its
+    options (a map, absent: none). Raises StateError naming the file otherwise."""
+    desc = read_json(path, "a problem description")
+    if type(desc.get("problem")) is not str:
+        raise StateError(f"{path}: 'problem' must be a string (the problem's spec)")
+    if type(desc.setdefault("problem_options", {})) is not dict:
+        raise StateError(f"{path}: 'problem_options' must be a map")
+    return desc
