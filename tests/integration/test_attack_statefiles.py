@@ -19,11 +19,11 @@ header declares before checking it against the file), and:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -79,26 +79,35 @@ class Ran:
         return [ln for ln in self.stderr.splitlines() if ln.strip()]
 
 
+# A small launcher measures each command: ``wait4``'s peak RSS is the command's (and its children's)
+# and that of the process it was forked from, so that must be this small one, not pytest.
+LAUNCH = """import json, os, subprocess, sys, time
+t = time.monotonic()
+p = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(p.pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump([os.waitstatus_to_exitcode(status), time.monotonic() - t, usage.ru_maxrss * 1024], f)
+"""
+
+
 def run(args: tuple[str, ...], cwd: str, timeout: float = 120) -> Ran:
-    """One command as a real process; its time and peak RSS (``wait4``: it and its children)."""
+    """One command as a real process; its exit status, time and peak RSS (it and its children)."""
+    figures = os.path.join(cwd, "figures.json")
     with open(os.path.join(cwd, "stderr.txt"), "w+b") as err:
-        t = time.monotonic()
-        p = subprocess.Popen([LATECOMER, *args], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=err, start_new_session=True)
-        deadline = t + timeout
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                os.killpg(p.pid, 9)
-                os.wait4(p.pid, 0)
-                raise AssertionError(f"{args} still running after {timeout} s")
-            time.sleep(0.01)  # polling interval of a bounded wait
-        seconds = time.monotonic() - t
-        p.returncode = os.waitstatus_to_exitcode(status)
+        p = subprocess.Popen([sys.executable, "-c", LAUNCH, figures, LATECOMER, *args], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait(timeout=10)
+            raise AssertionError(f"{args} still running after {timeout} s") from None
         err.seek(0)
-        return Ran(p.returncode, err.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024)
+        stderr = err.read().decode(errors="replace")
+    assert p.returncode == 0, (args, stderr[-2000:])
+    with open(figures) as f:
+        rc, seconds, maxrss = json.load(f)
+    return Ran(rc, stderr, seconds, maxrss)
 
 
 def commands(state: str, out: str, target: str) -> dict[str, tuple[str, ...]]:

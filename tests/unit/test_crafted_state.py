@@ -137,7 +137,8 @@ def test_resync_after_an_overlong_record_is_linear(tmp_path):
     the commands' repeated scans). Now: damage, not a torn tail (it is not cut off on resume), in
     at most a few times the time a good segment of the same size takes to scan."""
     pad = crafted.SEGMENT_BYTES // crafted.CANDIDATES
-    good = crafted.write_bytes(str(tmp_path / "good" / "wal-000001.log"), crafted.tick_records(0, crafted.CANDIDATES, pad))
+    good = crafted.write_bytes(str(tmp_path / "good" / "wal-000001.log"),
+                               crafted.tick_records(0, crafted.CANDIDATES, pad))
     control = min(scan_time(good) for _ in range(3))
     state = tmp_path / "state"
     state.mkdir()
