@@ -109,6 +109,13 @@ def bad_npy_object(path: str) -> str:
 BAD_NPY = {"header": bad_npy_header, "huge": bad_npy_huge, "truncated": bad_npy_truncated, "object": bad_npy_object}
 
 
+def deep_event_line(path: str, depth: int = JSON_DEPTH) -> str:
+    """An event log with one line nested ``depth`` deep appended (a good line after it)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"ev": ' + "[" * depth + "]" * depth + "}\n" + '{"ev": "note", "t": 1.0}\n')
+    return path
+
+
 def problem_json_list(path: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write("[]")

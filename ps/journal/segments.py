@@ -64,8 +64,8 @@ def first_record(path: str) -> dict | None:
             if len(head) < REC_HEADER.size:
                 return None
             n, crc = REC_HEADER.unpack(head)
-            if n > MAX_RECORD_BYTES:
-                return None
+            if n > min(MAX_RECORD_BYTES, os.fstat(f.fileno()).st_size - REC_HEADER.size):
+                return None  # checked before reading: f.read(n) would allocate all n bytes a crafted header asks for
             body = f.read(n)
         if len(body) != n or zlib.crc32(body) != crc:
             return None

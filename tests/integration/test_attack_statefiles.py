@@ -141,6 +141,8 @@ VARIANTS = [
     ("problem.json 200,000 deep", "out", lambda i: "problem.json", _plain(crafted.deep_json),
      {"export-out": "refused"}),
     ("summary.json 200,000 deep", "state", lambda i: "summary.json", _plain(crafted.deep_json), {"report": "goes on"}),
+    ("an event line 200,000 deep", "state", lambda i: "events.jsonl", _plain(crafted.deep_event_line),
+     {"report": "goes on"}),
 ]
 
 

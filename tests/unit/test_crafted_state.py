@@ -168,3 +168,24 @@ def test_resync_still_finds_the_records_after_damage(tmp_path):
     assert _count_records(data, bad.offset + 1, 4) == list(range(6, 56))
     records, bad = scan_segment("w", crafted.tick_records(0, 5) + overlong)
     assert bad.torn, "nothing reads after it: a torn tail"
+
+
+def test_an_event_line_nested_200000_deep_is_skipped_and_counted(tmp_path, caplog):
+    from ps.ops.report import read_events
+
+    path = crafted.deep_event_line(str(tmp_path / "events.jsonl"))
+    assert read_events(path) == [{"ev": "note", "t": 1.0}]
+    assert "1 damaged lines skipped" in caplog.text
+
+
+def test_a_segment_whose_first_header_claims_gigabytes_is_not_read_that_far(tmp_path):
+    from ps.journal.segments import first_record
+
+    path = crafted.write_bytes(str(tmp_path / "wal-000001.log"), REC_HEADER.pack((1 << 31) - 1, 0) + b"\0" * 64)
+    tracemalloc.start()
+    try:
+        assert first_record(path) is None
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
