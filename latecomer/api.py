@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import json
 import logging
 import math
 import os
@@ -54,6 +53,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ps.journal.statefiles import SUMMARY_BYTES, read_json, read_npy, read_problem_json
 from ps.observe.observer import Observer
 
 log = logging.getLogger("latecomer.api")
@@ -543,10 +543,9 @@ class _ThreadServer:
         if self.error is not None:
             raise RuntimeError(f"the server failed: {type(self.error).__name__}: {self.error}") from self.error
         for d in self.dirs:
-            try:
-                with open(os.path.join(d, "summary.json"), encoding="utf-8") as f:
-                    return json.load(f)
-            except (OSError, ValueError):
+            try:  # the checked reader: bounded size and depth (StateError is a ValueError)
+                return read_json(os.path.join(d, "summary.json"), "a run summary", max_bytes=SUMMARY_BYTES)
+            except ValueError:
                 continue
         return self.watch.summary
 
@@ -717,9 +716,8 @@ class _ProcessServer:
         path = os.path.join(self.out, "summary.json")
         rc = self.child.poll()
         try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
+            return read_json(path, "a run summary", max_bytes=SUMMARY_BYTES)
+        except ValueError:
             raise RuntimeError(f"the server exited with status {rc} without {path}: "
                                f"{self._log_tail() or 'see ' + self.log_path}") from None
 
@@ -727,12 +725,11 @@ class _ProcessServer:
         from problems import load_problem
 
         self.summary()
-        x = np.load(os.path.join(self.out, "final_x.npy"), allow_pickle=False)
-        with open(os.path.join(self.out, "problem.json"), encoding="utf-8") as f:
-            desc = json.load(f)
+        x = read_npy(os.path.join(self.out, "final_x.npy"))  # checked: a damaged file is one line
+        desc = read_problem_json(os.path.join(self.out, "problem.json"))
         if desc["problem"] != self.plan.problem:
             raise RuntimeError(f"{self.out} holds a run of {desc['problem']}, not {self.plan.problem}")
-        return x, load_problem(desc["problem"], desc.get("problem_options", {}), device="cpu")
+        return x, load_problem(desc["problem"], desc["problem_options"], device="cpu")
 
 
 # --------------------------------------------------------------------------- the run

@@ -31,6 +31,7 @@ from ps.journal.recovery import apply_checked, restore_checkpoint
 from ps.journal.runfile import read_run, run_wire_dtype
 from ps.journal.segments import first_journal_lsn, read_journal, run_start
 from ps.journal.statedir import StateError
+from ps.journal.statefiles import read_npy
 
 
 @dataclass
@@ -147,9 +148,10 @@ def replay_run(state_dir: str, allowed: Allowed = BUILTINS_ONLY, shard_dirs: tup
 
 
 def recorded_final_x(state_dir: str) -> np.ndarray | None:
-    """The iterate the server held when it last stopped cleanly (final_x.npy), else None."""
+    """The iterate the server held when it last stopped cleanly (final_x.npy), else None. Read
+    through the checked reader: a damaged file is a StateError (one line), never a big allocation."""
     path = os.path.join(state_dir, "final_x.npy")
-    return np.load(path, allow_pickle=False) if os.path.exists(path) else None
+    return read_npy(path) if os.path.exists(path) else None
 
 
 class TraceDelays:

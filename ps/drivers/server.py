@@ -219,15 +219,18 @@ def open_state(state: StateOptions, spec: TrainingSpec, *, boot: int, wire_dtype
     d = state.state_dir
     os.makedirs(d, exist_ok=True)
     lock = StateLock(d)  # one server per state directory; `latecomer stop` verifies it (ps/journal/lock.py)
-    run = read_run(d, complete=True)
-    if run is None:
-        run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw, shards)
-    else:
-        if shards and int(run.get("shards", 0)) != shards:
-            lock.release()
-            raise click.BadParameter(f"{d} holds a run with {run.get('shards', 0) or 'no'} shards",
-                                     param_hint="--shards")
-        core, problem, journal, spec = _resume_run(state, spec, run, boot, wire_dtype, allowed)
+    try:  # a directory refused (damaged, crafted, another run) is left as it was: no server.pid behind
+        run = read_run(d, complete=True)
+        if run is None:
+            run, core, problem, journal = _new_run(state, spec, boot, wire_dtype, core_kw, shards)
+        else:
+            if shards and int(run.get("shards", 0)) != shards:
+                raise click.BadParameter(f"{d} holds a run with {run.get('shards', 0) or 'no'} shards",
+                                         param_hint="--shards")
+            core, problem, journal, spec = _resume_run(state, spec, run, boot, wire_dtype, allowed)
+    except BaseException:
+        lock.release()
+        raise
     log_payloads = state.log_payloads
     if run.get("shards"):
         # A sharded run's payloads are its shards' blocks journals (kept whole when the run was created

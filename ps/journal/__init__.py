@@ -3,6 +3,8 @@
 Its modules, lowest first (each imports only those before it):
 
 - ``statedir``: :class:`StateError` and ``fsync_dir``, which every file of a state directory shares;
+- ``statefiles``: the one checked reader of its small files (JSON of bounded size and depth,
+  ``final_x.npy`` with its header checked first) and the depth bound of checkpoint trees;
 - ``records``: a journal record's framing, :class:`Record`, and what each op's record must hold;
 - ``checkpoints``: checkpoint files (``ckpt-<LSN>.bin``), written atomically, verified when read;
 - ``segments``: the journal's files read back (``read_journal``, torn tails, ``JournalDamaged``);

@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from ps.journal.statedir import fsync_dir
+from ps.journal.statefiles import check_tree_depth
 
 log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
 
@@ -67,6 +68,11 @@ def pack_tree(obj: Any) -> tuple[Any, list[np.ndarray]]:
 
 
 def unpack_tree(tree: Any, arrays: list[np.ndarray]) -> Any:
+    """The structure :func:`pack_tree` packed. Its depth is checked first (iteratively, up to
+    ``MAX_TREE_DEPTH``) so that the recursive decoding below cannot be made to overflow the stack
+    by a crafted checkpoint: ValueError, like any other malformed tree."""
+    check_tree_depth(tree)
+
     def dec(o: Any) -> Any:
         if isinstance(o, list):
             return [dec(v) for v in o]

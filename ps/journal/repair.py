@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from ps.journal.checkpoints import checkpoint_files, verified_checkpoints
 from ps.journal.segments import (
     JournalDamaged,
+    ResyncBudget,
+    ResyncExhausted,
     first_journal_lsn,
     journal_segments,
     read_journal,
@@ -41,15 +43,20 @@ class RepairReport:
 
 def _count_records(data: bytes, off: int, after_lsn: int) -> list[int]:
     """The LSNs of the records that read in ``data`` from ``off``, resynchronising past bytes
-    that do not read."""
+    that do not read; in linear time (one :class:`ResyncBudget` for all of ``data``: once it is
+    spent, the count stops there)."""
     lsns: list[int] = []
+    budget = ResyncBudget(len(data))
     p: int | None = off
-    while p is not None and p < len(data):
-        records, bad = scan_segment("", data[p:])
-        lsns += [r["lsn"] for _, r in records]
-        if bad is None:
-            break
-        p = resync(data, p + bad.offset, lsns[-1] if lsns else after_lsn)
+    try:
+        while p is not None and p < len(data):
+            records, bad = scan_segment("", data, p, budget)
+            lsns += [r["lsn"] for _, r in records]
+            if bad is None:
+                break
+            p = resync(data, bad.offset, lsns[-1] if lsns else after_lsn, budget)
+    except ResyncExhausted:
+        pass  # what was counted so far: the report says "as far as they read"
     return lsns
 
 

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from ps.journal.statedir import StateError, fsync_dir
+from ps.journal.statefiles import read_json
 
 DEFAULT_WIRE_DTYPE = "f32"  # state directories written before --wire-dtype existed
 # What a complete run.json holds (serve --state writes it): key -> type.
@@ -54,19 +55,14 @@ def read_run(state_dir: str, *, complete: bool = False) -> dict[str, Any] | None
         complete: require every field a resume or a replay reads (``RUN_FIELDS``, and
             ``core.problem_options`` a map).
     Raises:
-        StateError: ``run.json`` does not read as JSON, is not a map, has a field of the wrong
+        StateError: ``run.json`` does not read as JSON (or is too large or too deeply nested to
+            be one this program wrote), is not a map, has a field of the wrong
             type, or (``complete``) lacks one.
     """
     path = os.path.join(state_dir, "run.json")
     if not os.path.exists(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            run = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    if type(run) is not dict:
-        raise StateError(f"{path}: not a run description (a JSON map)")
+    run = read_json(path, "a run description")  # bounded size and depth (ps/journal/statefiles.py)
     for key, typ in RUN_FIELDS.items():
         if key in run and type(run[key]) is not typ:
             raise StateError(f"{path}: {key!r} must be a {typ.__name__}, got {type(run[key]).__name__}")

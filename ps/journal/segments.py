@@ -64,8 +64,8 @@ def first_record(path: str) -> dict | None:
             if len(head) < REC_HEADER.size:
                 return None
             n, crc = REC_HEADER.unpack(head)
-            if n > MAX_RECORD_BYTES:
-                return None
+            if n > min(MAX_RECORD_BYTES, os.fstat(f.fileno()).st_size - REC_HEADER.size):
+                return None  # checked before reading: f.read(n) would allocate all n bytes a crafted header asks for
             body = f.read(n)
         if len(body) != n or zlib.crc32(body) != crc:
             return None
@@ -114,19 +114,61 @@ class ScanStop:
 
 
 _LSN_KEY = b"\xa3lsn"  # every record's body is a msgpack map whose first key is "lsn"
+_UINT = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8}  # msgpack's unsigned ints: their first byte -> value bytes
+RESYNC_WORK = 4  # resynchronising checksums and decodes at most this many times a segment's size ...
+RESYNC_CANDIDATE_COST = 256  # ... charging each candidate record this many bytes besides its body
 
 
-def record_at(data: bytes, off: int) -> dict | None:
-    """The journal record that starts at ``off`` (checksum, msgpack and fields good), or None."""
+class ResyncExhausted(Exception):
+    """Resynchronising after a bad record spent its :class:`ResyncBudget`: the bytes after it hold
+    more record-like candidates than a segment written by a crash could (a torn tail is one record
+    cut short), so they are treated as damage, never as a torn tail that may be cut off."""
+
+
+class ResyncBudget:
+    """The work resynchronising over one segment's bytes may do (checksummed and decoded bytes,
+    plus :data:`RESYNC_CANDIDATE_COST` per candidate), shared by every resync over those bytes,
+    so that it is linear in the segment's size: a crafted segment of overlapping candidates, each
+    claiming a length to the end of the file, would otherwise be checksummed in quadratic time."""
+
+    def __init__(self, size: int) -> None:
+        self.left = RESYNC_WORK * size + 64 * RESYNC_CANDIDATE_COST
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise ResyncExhausted
+
+
+def _candidate_lsn(data: bytes, i: int) -> int | None:
+    """The LSN right after the ``"lsn"`` key at ``i`` (a msgpack unsigned int), read without
+    decoding the record: None if it is not one."""
+    j = i + len(_LSN_KEY)
+    if j >= len(data):
+        return None
+    b = data[j]
+    if b < 0x80:
+        return b
+    size = _UINT.get(b)
+    return int.from_bytes(data[j + 1:j + 1 + size], "big") if size and j + 1 + size <= len(data) else None
+
+
+def record_at(data: bytes, off: int, budget: ResyncBudget | None = None) -> dict | None:
+    """The journal record that starts at ``off`` (checksum, msgpack and fields good), or None.
+    With ``budget``, the bytes checksummed and decoded are charged to it (before the work)."""
     if off < 0 or off + REC_HEADER.size > len(data):
         return None
     n, crc = REC_HEADER.unpack_from(data, off)
     end = off + REC_HEADER.size + n
     if n > MAX_RECORD_BYTES or end > len(data):
         return None
-    body = data[off + REC_HEADER.size:end]
+    body = memoryview(data)[off + REC_HEADER.size:end]
+    if budget is not None:
+        budget.spend(n)
     if zlib.crc32(body) != crc:
         return None
+    if budget is not None:
+        budget.spend(n)
     try:
         rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException):
@@ -134,26 +176,36 @@ def record_at(data: bytes, off: int) -> dict | None:
     return rec if check_record(rec) is None else None
 
 
-def resync(data: bytes, off: int, after_lsn: int) -> int | None:
+def resync(data: bytes, off: int, after_lsn: int, budget: ResyncBudget | None = None) -> int | None:
     """The offset of the first whole journal record after ``off`` whose LSN is above
     ``after_lsn`` (None: none). A cut-short tail is a prefix of one record, so a record that
-    reads after it means the bytes at ``off`` are damage, not a torn tail."""
+    reads after it means the bytes at ``off`` are damage, not a torn tail.
+
+    Linear in ``len(data)``: a candidate's header is checked first (its LSN above ``after_lsn``,
+    its length within the file), and what is checksummed and decoded is charged to ``budget``
+    (default: a new :class:`ResyncBudget`). Raises :class:`ResyncExhausted` when it is spent."""
+    budget = budget if budget is not None else ResyncBudget(len(data))
     i = data.find(_LSN_KEY, off + 1 + REC_HEADER.size)
     while i >= 0:
+        budget.spend(RESYNC_CANDIDATE_COST)
         p = i - REC_HEADER.size - 1  # the header, then the map's first byte, then "lsn"
-        rec = record_at(data, p) if p > off else None
-        if rec is not None and rec["lsn"] > after_lsn:
-            return p
+        lsn = _candidate_lsn(data, i)
+        if p > off and lsn is not None and lsn > after_lsn and 0x80 <= data[p + REC_HEADER.size] <= 0x8f:
+            rec = record_at(data, p, budget)
+            if rec is not None and rec["lsn"] > after_lsn:
+                return p
         i = data.find(_LSN_KEY, i + 1)
     return None
 
 
-def scan_segment(path: str, data: bytes) -> tuple[list[tuple[int, dict]], ScanStop | None]:
-    """The records of one segment as (offset, body), up to where it stops reading (None: it
-    reads to its end). A record cut short or garbled with nothing that reads after it is a torn
-    tail; anything else that stops the reading is damage."""
+def scan_segment(path: str, data: bytes, start: int = 0, budget: ResyncBudget | None = None
+                 ) -> tuple[list[tuple[int, dict]], ScanStop | None]:
+    """The records of one segment as (offset, body), from byte ``start``, up to where it stops
+    reading (None: it reads to its end). A record cut short or garbled with nothing that reads
+    after it is a torn tail; anything else that stops the reading is damage. ``budget``: what
+    resynchronising may spend (:func:`resync`; shared by the calls of a repair)."""
     out: list[tuple[int, dict]] = []
-    off = 0
+    off = start
     while off < len(data):
         last = out[-1][1]["lsn"] if out else -1
         if off + REC_HEADER.size > len(data):
@@ -161,11 +213,10 @@ def scan_segment(path: str, data: bytes) -> tuple[list[tuple[int, dict]], ScanSt
         n, crc = REC_HEADER.unpack_from(data, off)
         end = off + REC_HEADER.size + n
         if n > MAX_RECORD_BYTES or end > len(data):
-            if resync(data, off, last) is not None:
-                return out, ScanStop(off, f"has a length ({n} bytes) that runs past the end of the file, with records "
-                                      f"after it", False)
-            return out, ScanStop(off, "is cut short", True)
+            return out, _overlong(data, off, n, last, budget)
         body = data[off + REC_HEADER.size:end]
+        if budget is not None:  # a repair's count: every byte checked is charged (linear in all)
+            budget.spend(n)
         if zlib.crc32(body) != crc:
             if end == len(data):
                 return out, ScanStop(off, "fails its checksum (the segment's last record)", True)
@@ -181,6 +232,18 @@ def scan_segment(path: str, data: bytes) -> tuple[list[tuple[int, dict]], ScanSt
         out.append((off, rec))
         off = end
     return out, None
+
+
+def _overlong(data: bytes, off: int, n: int, last: int, budget: ResyncBudget | None) -> ScanStop:
+    """Where a record whose length runs past the end of the file stops the reading: a torn tail,
+    unless a record reads after it (or more candidates than resynchronising may check follow)."""
+    try:
+        if resync(data, off, last, budget) is None:
+            return ScanStop(off, "is cut short", True)
+        after = "with records after it"
+    except ResyncExhausted:
+        after = "with more record-like bytes after it than a torn record holds"
+    return ScanStop(off, f"has a length ({n} bytes) that runs past the end of the file, {after}", False)
 
 
 def _segment_data(path: str, state_dir: str) -> bytes:

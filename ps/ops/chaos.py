@@ -15,7 +15,6 @@ At the end it drains the server and prints a verdict:
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import select
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ps.journal.statefiles import SUMMARY_BYTES, read_json, read_npy
 from ps.ops.children import reap, spawn
 from ps.ops.report import read_events
 
@@ -231,8 +231,7 @@ class Chaos:
 
     def _verdict(self, kill_times: dict[str, float], replay_run) -> None:
         rep = self.report
-        with open(os.path.join(self.state, "summary.json"), encoding="utf-8") as f:
-            summary = json.load(f)
+        summary = read_json(os.path.join(self.state, "summary.json"), "a run summary", max_bytes=SUMMARY_BYTES)
         c = rep.counters = summary["counters"]
         rep.outstanding = summary["outstanding"]
         rep.version = summary["version"]
@@ -250,7 +249,7 @@ class Chaos:
                 and rep.logged_at_crash >= self.applied_before)
         rep.checks["no step applied twice"] = len(versions) == len(set(versions)) and max(versions) == rep.version
         replayed = replay_run(self.state)
-        recorded = np.load(os.path.join(self.state, "final_x.npy"))
+        recorded = read_npy(os.path.join(self.state, "final_x.npy"))
         rep.checks["final iterate equals the replay of the journal"] = (
             replayed.version == rep.version and np.array_equal(replayed.final_x, recorded))
         # detection: each kill -> the first 'lost' or 'left' event of that worker after it

@@ -416,12 +416,14 @@ def attach(daemon: Any, port: int, addr: str = "127.0.0.1") -> Dashboard:
 def _recorded_settings(run_dir: str) -> dict[str, Any]:
     """The run's problem, algorithm and hyper-parameters from run.json (serve --state) or
     problem.json (an --out directory), as on_start's settings."""
+    from ps.journal.statefiles import read_json
+
     out: dict[str, Any] = {}
     for name in ("problem.json", "run.json"):
-        try:
-            with open(os.path.join(run_dir, name), encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
+        path = os.path.join(run_dir, name)
+        try:  # the checked reader (bounded size and depth); a damaged file only loses its labels
+            doc = read_json(path, "a run description") if os.path.exists(path) else None
+        except ValueError:
             continue
         if isinstance(doc, dict):
             for k in ("problem", "algorithm"):

@@ -25,7 +25,6 @@ same arrays, ``np.load(FILE)``).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -36,6 +35,7 @@ import click
 import numpy as np
 
 from problems.trust import BUILTINS_ONLY, Allowed, UntrustedError, check_run
+from ps.journal.statefiles import read_npy, read_problem_json
 
 FORMATS = ("torch", "safetensors", "npy")
 
@@ -85,6 +85,7 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
     run = read_run(run_dir)
     final = os.path.join(run_dir, "final_x.npy")
     if run is not None:
+        _check_problem_fields(run, os.path.join(run_dir, "run.json"))
         # the problem here; the algorithm where a checkpoint restores it (build_from_run)
         check_run(run, allowed, os.path.join(run_dir, "run.json"), check_algorithm=False)
         if checkpoint is not None:
@@ -120,25 +121,36 @@ def locate(run_dir: str, checkpoint: str | int | None = None, *, allowed: Allowe
     if not os.path.exists(problem_json):
         raise ValueError(f"{run_dir} has final_x.npy but no problem.json (it predates export): export the "
                          "--state directory instead")
-    with open(problem_json, encoding="utf-8") as f:
-        desc = json.load(f)
+    desc = read_problem_json(problem_json)  # bounded, and a map naming a problem (one line otherwise)
     check_run(desc, allowed, problem_json, check_algorithm=False)
-    return RunPoint(desc["problem"], dict(desc.get("problem_options", {})), _load_final(final),
+    return RunPoint(desc["problem"], dict(desc["problem_options"]), _load_final(final),
                     _summary_version(run_dir), "final_x.npy")
 
 
+def _check_problem_fields(run: dict[str, Any], where: str) -> None:
+    """What export reads of a run.json is there (:func:`read_run` checked the types of what is):
+    a StateError, one line, otherwise."""
+    from ps.journal.statedir import StateError
+
+    for key in ("problem", "problem_options"):
+        if key not in run:
+            raise StateError(f"{where}: no {key!r} (not a complete run description)")
+
+
 def _load_final(path: str) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
+    """final_x.npy through the checked reader: its header validated before anything is allocated
+    (a StateError, one line, for a damaged one)."""
+    return read_npy(path)
 
 
 def _summary_version(run_dir: str) -> int | None:
+    """The step summary.json records (None: none, or damaged: it only labels the export)."""
+    from ps.journal.statefiles import SUMMARY_BYTES, read_json
+
     try:
-        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-            return int(json.load(f)["version"])
-    except (OSError, ValueError, KeyError, TypeError):
+        summary = read_json(os.path.join(run_dir, "summary.json"), "a run summary", max_bytes=SUMMARY_BYTES)
+        return int(summary["version"])
+    except (ValueError, KeyError, TypeError):  # StateError is a ValueError
         return None
 
 

@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import math
+import os
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -45,7 +46,7 @@ def read_events(path: str) -> list[dict[str, Any]]:
             continue
         try:
             e = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # a line nested deeper than the parser recurses: damaged too
             e = None
         if _event_ok(e):
             out.append(e)
@@ -150,14 +151,15 @@ def _summary_ok(doc: Any) -> bool:
 
 def _read_summary(state_dir: str) -> dict[str, Any] | None:
     """summary.json, or None if there is none; a damaged one is ignored with a warning."""
+    from ps.journal.statefiles import SUMMARY_BYTES, read_json
+
     path = f"{state_dir}/summary.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        log.warning("%s cannot be read (%s): the report goes without it", path, e)
+    try:  # the checked reader: bounded size and depth (a crafted one is one warning, no traceback)
+        doc = read_json(path, "a run summary", max_bytes=SUMMARY_BYTES)
+    except ValueError as e:
+        log.warning("%s (the report goes without it)", e)
         return None
     if not _summary_ok(doc):
         log.warning("%s is not a run summary (damaged?): the report goes without it", path)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ps.journal.records import Record
+from ps.journal.statefiles import read_json
 
 log = logging.getLogger("latecomer.shards")
 
@@ -57,12 +58,11 @@ class ShardTable:
 
     def load_endpoints(self) -> None:
         path = os.path.join(self.state_dir, SHARDS_FILE)
-        try:
-            with open(path, encoding="utf-8") as f:
-                eps = json.load(f)["endpoints"]
-        except FileNotFoundError:
+        if not os.path.exists(path):
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        try:  # the checked reader (bounded size and depth): a crafted file is one warning
+            eps = read_json(path, "the shards' endpoints")["endpoints"]
+        except (ValueError, KeyError, TypeError) as e:
             log.warning("%s: ignored (%s): the shards tell their endpoints again", path, e)
             return
         for slot, ep in zip(self.slots, eps, strict=False):

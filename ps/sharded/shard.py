@@ -79,14 +79,12 @@ def saved_shard(state_dir: str) -> dict | None:
     path = os.path.join(state_dir, SHARD_FILE)
     if not os.path.exists(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            info = json.load(f)
-        if type(info) is not dict or type(info.get("run_id")) is not int or type(info.get("index")) is not int:
-            raise ValueError("not a shard description")
-        return info
-    except (OSError, ValueError) as e:
-        raise StateError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    from ps.journal.statefiles import read_json
+
+    info = read_json(path, "a shard description")  # the checked reader: bounded size and depth, one line
+    if type(info.get("run_id")) is not int or type(info.get("index")) is not int:
+        raise StateError(f"{path}: cannot be read (ValueError: not a shard description)")
+    return info
 
 
 
