@@ -251,6 +251,7 @@ class ServerTransport:
                                  alloc=lambda n: POOL.empty((n,), np.uint8))
         self.max_workers, self.max_workers_per_key = max_workers, max_workers_per_key
         self.banned_keys: set[str] = set()  # keys of quarantined or revoked workers
+        self.behind_front = False  # supervised: every connection comes through the front (ps/net/front.py)
         self.admission = Admission(self, Count)  # the hello rules
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
@@ -301,7 +302,8 @@ class ServerTransport:
             return msg
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
-            if self.conns.status_ask(conn, msg.token, now):
+            source, auth = self._status_source(frames[1])
+            if self.conns.status_ask(conn, msg.token, now, source, auth):
                 self.send_frames(rid, status(msg.token))
             return None
         key = self._key(frames[1])
@@ -330,6 +332,20 @@ class ServerTransport:
             code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
             self.answer_error(conn, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return Count("invalid")
+
+    def _status_source(self, frame: Any) -> tuple[str, bool]:
+        """Who asks a ``status?`` (Connections.status_ask), and whether with a key of the allow-list:
+        under CurveZMQ its key; behind the front (``behind_front``) the client address the front
+        puts in the connection's metadata (``X-Source``); without a front, the peer's own address;
+        "" (the connection alone) where none is known."""
+        key = self._key(frame)
+        if key:
+            return "key:" + key, key in getattr(self.security, "allowed", ())
+        try:
+            addr = frame.get("X-Source" if self.behind_front else "Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):  # no such property, or a bytes frame
+            return "", False
+        return ("ip:" + addr if addr else ""), False
 
     def _key(self, frame: Any) -> str:
         """The fingerprint of the z85 public key CURVE authenticated for this message ("" without keys)."""
