@@ -71,6 +71,9 @@ class ConnectionLimits:
         hb_refresh_s: a heartbeat identical (byte for byte) to the last one this connection
             handed on is dropped unread if that one is younger than this (the daemon: a third
             of the liveness timeout); 0: never. See :meth:`Connections.repeat_heartbeat`.
+        hb_rate, hb_burst: heartbeats per second one connection gets handed on (token bucket; the
+            daemon: at least 10/s, four times what its heartbeat interval asks); past it they
+            are dropped unread (:meth:`Connections.heartbeat_flood`); 0: no bound.
     """
 
     idle_s: float = 10.0
@@ -88,6 +91,8 @@ class ConnectionLimits:
     error_global_rate: float = 100.0
     error_global_burst: float = 100.0
     hb_refresh_s: float = 0.0
+    hb_rate: float = 10.0
+    hb_burst: float = 10.0
 
 
 class TokenBucket:
@@ -126,7 +131,7 @@ class Conn:
 
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
                  "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks", "status_auth", "source",
-                 "hb_raw", "hb_at")
+                 "hb_raw", "hb_at", "hb_bucket")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -149,6 +154,7 @@ class Conn:
         self.source = ""  # who is behind it, for the status? rates ("": itself alone)
         self.hb_raw: bytes | None = None  # the last heartbeat handed on (its frames joined), if small
         self.hb_at = 0.0  # when it was handed on
+        self.hb_bucket = TokenBucket(limits.hb_rate, limits.hb_burst, now) if limits.hb_rate > 0 else None
 
     @property
     def xfer_bytes(self) -> int:
@@ -176,6 +182,7 @@ class ConnectionCounters:
     status_dropped: int = 0  # a request while one of the same connection was still waiting
     errors_suppressed: int = 0  # error answers not sent (rate limits)
     hb_repeats: int = 0  # heartbeats dropped unread: a repeat of the last one, within hb_refresh_s
+    hb_flood: int = 0  # heartbeats dropped unread: past the connection's heartbeat rate
 
 
 class Connections:
@@ -233,6 +240,20 @@ class Connections:
         if c.hb_raw is None or c.hb_raw != body or now - c.hb_at >= self.limits.hb_refresh_s:
             return False
         self.counters.hb_repeats += 1
+        return True
+
+    def heartbeat_flood(self, c: Conn, now: float) -> bool:
+        """Whether a heartbeat of ``c`` (not a repeat: its bytes vary) is past the connection's
+        heartbeat rate (``hb_rate``, ``hb_burst``): then it is counted and dropped unread, before it
+        is queued, decoded, journaled or shown to the core. A worker heartbeats once per interval
+        (0.5 s at the defaults); one connection flooding heartbeats with varying bytes would
+        otherwise have each handled in full, and the real workers' replies wait behind them (the
+        issue: 1,417 -> 12 updates/s). Heartbeats may be lost (PROTOCOL.md: liveness allows three
+        in a row), and the next one within the rate carries the newest credit and busy list."""
+        b = c.hb_bucket
+        if b is None or b.take(now):
+            return False
+        self.counters.hb_flood += 1
         return True
 
     def handed_on(self, c: Conn, body: bytes | None, now: float) -> None:
@@ -575,7 +596,7 @@ class Connections:
                 "conn.transfer_bytes": self.xfer_total, "conn.expired": c.expired, "conn.evicted": c.evicted,
                 "conn.transfers_dropped": c.transfers_dropped, "conn.status_answered": c.status_answered,
                 "conn.status_dropped": c.status_dropped, "conn.errors_suppressed": c.errors_suppressed,
-                "conn.hb_repeats": c.hb_repeats}
+                "conn.hb_repeats": c.hb_repeats, "conn.hb_flood": c.hb_flood}
 
 
 class RateLimitedLog:

@@ -160,11 +160,13 @@ def server_socket(ctx: zmq.Context, bind: str, max_array_bytes: int, security: A
 def vector_limits(core: Any) -> ConnectionLimits:
     """The daemon's connection table: an idle connection forgotten after twice the liveness
     timeout, a transfer of at most two float64 gradients per connection and four such transfers'
-    worth (at least 64 MiB) in all, heartbeat repeats dropped within a third of the liveness timeout."""
+    worth (at least 64 MiB) in all, heartbeat repeats dropped within a third of the liveness timeout,
+    and a connection's heartbeats past four times the rate its interval asks for (at least 10/s) dropped too."""
     xfer = 2 * core.dim * 8
+    hb_rate = max(10.0, 4.0 / core.cfg.heartbeat_interval_s)  # four times what a worker is told
     return ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
                             transfer_total_bytes=max(64 << 20, 4 * xfer),
-                            hb_refresh_s=core.cfg.liveness_timeout_s / 3)
+                            hb_refresh_s=core.cfg.liveness_timeout_s / 3, hb_rate=hb_rate, hb_burst=hb_rate)
 
 
 def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
