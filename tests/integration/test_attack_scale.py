@@ -147,3 +147,69 @@ def _hoard(victim: Victim, prefix: str):
     report.rate_after = victim.rate(3.0)
     print(prefix, report.summary())
     return report
+
+
+# --------------------------------------------------------------------------- issue 29, point 3
+
+def heartbeat_flood(seconds: float = 3.0):
+    """One connection: a worker that says hello and ready, answers its first job (so that its
+    messages go ahead of the backlog, as a worker that trains), then sends heartbeats as fast as
+    it can, each different (its busy list names a job id that counts up: no repeat to drop),
+    reading nothing more."""
+
+    def attack(endpoint, running):
+        import numpy as np
+        import zmq
+
+        from protocol.codec import decode, encode
+        from protocol.messages import Heartbeat, Hello, Job, Ready, Reply, Welcome
+
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 1000
+        s.connect(endpoint)
+        sent, boot, t0 = 0, time.time_ns() & 0xFFFFFFF, time.monotonic()
+        try:
+            s.send_multipart(encode(Hello(worker_id=f"flood{boot}", boot=boot, credit=1)))
+            kinds = []
+            while running() and time.monotonic() - t0 < seconds and not (kinds and isinstance(kinds[-1], Job)):
+                if s.poll(100):
+                    msg = decode(s.recv_multipart())
+                    kinds.append(msg)
+                    if isinstance(msg, Welcome):
+                        s.send_multipart(encode(Ready(credit=1)))
+            job = kinds[-1] if kinds and isinstance(kinds[-1], Job) else None
+            assert job is not None, f"no job within {seconds} s: {kinds}"
+            grads = tuple(np.zeros(32, np.float32) for _ in job.iterate_ids)
+            s.send_multipart(encode(Reply(job_id=job.job_id, created_at=job.created_at, grads=grads)), copy=False)
+            while running() and time.monotonic() - t0 < seconds:
+                for _ in range(100):
+                    s.send_multipart(encode(Heartbeat(boot=boot, credit=1, busy=(10**9 + sent,), seen=-1)))
+                    sent += 1
+        finally:
+            s.close(linger=0)
+            ctx.term()
+        return {"heartbeats": sent}
+
+    return attack
+
+
+def test_one_connections_heartbeat_flood_costs_its_sender(procs, tmp_path):
+    """Issue 29, point 3: one connection's heartbeat flood took the real workers from 1,417 to 12
+    updates/s (a CPU burner of the attacker's size: 1,387 -> 1,628). A worker that answered a
+    job had all its messages handled ahead of the backlog, each heartbeat (bytes varying: no
+    repeat) decoded, journaled and shown to the core, every pass reading and handling all of
+    them before the real workers' replies. Now each connection has a heartbeat budget (past it
+    they are dropped unread, ``conn.hb_flood``) and at most 8 messages ahead of the backlog per
+    pass (ps/drivers/schedule.py). Held against a control of the same run: A B A B windows, the
+    control a CPU burner using what the attacker's process used (tests/integration/attack.py:
+    Victim.compare). RSS bound: one connection's receive pipe (its high-water mark, 512 small
+    messages) and backlog share are far below 16 MiB, the bound."""
+    victim = Victim(procs, tmp_path)
+    report = victim.compare(heartbeat_flood(), windows=2, seconds=3.0)
+    print(report.summary())
+    assert min(a["heartbeats"] for a in report.attacks) > 1000, report.attacks
+    info = fetch_status(victim.endpoint, timeout_s=10.0).info
+    assert info["conn.hb_flood"] > 1000, "the flood's heartbeats were dropped unread"
+    report.check(rss_bound_bytes=16 << 20)
+    victim.finish()
