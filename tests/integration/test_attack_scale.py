@@ -205,7 +205,8 @@ def test_one_connections_heartbeat_flood_costs_its_sender(procs, tmp_path):
     control a CPU burner using what the attacker's process used (tests/integration/attack.py:
     Victim.compare). RSS bound: one connection's receive pipe (its high-water mark, 512 small
     messages) and backlog share are far below 16 MiB, the bound."""
-    victim = Victim(procs, tmp_path)
+    # --log-payloads: the flooder's one reply (zero gradients, not its job's) is replayed as sent.
+    victim = Victim(procs, tmp_path, extra_serve=("--log-payloads",))
     report = victim.compare(heartbeat_flood(), windows=2, seconds=3.0)
     print(report.summary())
     assert min(a["heartbeats"] for a in report.attacks) > 1000, report.attacks
