@@ -264,9 +264,11 @@ class Victim:
         self.procs.children.extend(ps)
         return ps
 
-    def _window(self, seconds: float, report: ControlReport, run: Callable[[Callable[[], bool]], Any]) -> float:
-        """The real workers' rate over one window of ``seconds`` in which ``run(running)`` runs in a
-        thread (RSS sampled every 50 ms); returns that rate, the attacker's CPU in ``report``."""
+    def _window(self, seconds: float, report: ControlReport,
+                run: Callable[[Callable[[], bool]], Any]) -> tuple[float, float]:
+        """The real workers' rate over one window of at most ``seconds`` in which ``run(running)``
+        runs in a thread (RSS sampled every 50 ms; the window ends when it returns); returns that
+        rate and the window's length, the attacker's CPU in ``report``."""
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -289,23 +291,25 @@ class Victim:
         assert not th.is_alive(), "the window's work did not stop within 30 s of being told"
         if errors:
             raise errors[0]
-        return (self.events.poll() - a0) / elapsed
+        return (self.events.poll() - a0) / elapsed, elapsed
 
     def compare(self, attack: Attack, *, windows: int = 2, seconds: float = 3.0, settle_s: float = 1.5) -> ControlReport:
-        """``windows`` pairs of an attack window (``attack`` runs for ``seconds``: a fresh attack each
-        time) and a control window (burners using the CPU the attack's process used in the window
-        before, for as long): the real workers' rates in each (ControlReport)."""
+        """``windows`` pairs of an attack window (``attack`` runs for at most ``seconds``, or until it
+        returns: a fresh attack each time) and a control window (burners using the CPU the
+        attack's process used in the window before, for as long as that window lasted): the real
+        workers' rates in each (ControlReport)."""
         report = ControlReport(rss0=self.rss())
         report.rss_peak = report.rss0
         lost0 = len(self.events.real_lost)
         for _ in range(windows):
             out: dict = {}
-            report.attack_rates.append(self._window(seconds, report, lambda running: out.update(
-                attack(self.endpoint, running) or {})))
+            rate, elapsed = self._window(seconds, report, lambda running: out.update(
+                attack(self.endpoint, running) or {}))
+            report.attack_rates.append(rate)
             report.attacks.append(out)
             burners = self.burn(report.attacker_cores[-1])
             try:
-                report.control_rates.append(self.rate(seconds))
+                report.control_rates.append(self.rate(elapsed))
             finally:
                 for b in burners:
                     b.kill()
