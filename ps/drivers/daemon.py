@@ -202,7 +202,7 @@ class Daemon:
                 ready = poller.poll(self._timeout_ms(self.clock()))
                 if self.hub is not None:
                     self.hub.receive(self.clock())
-                if ready or self.schedule.waiting():
+                if ready or self.backlog:
                     self._receive_batch()
                 self._timers(self.clock())
                 self._check_stop()

@@ -42,9 +42,7 @@ class ReceiveSchedule:
 
     def __init__(self, daemon: Any) -> None:
         self.daemon = daemon
-        self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled: new connections ...
-        self.live: collections.deque[list] = collections.deque()  # ... and joined workers' (handled first)
-        self.live_rids: set[bytes] = set()  # connections whose backlogged messages are in ``live``
+        self.backlog: collections.deque[list] = collections.deque()  # received, not yet handled
         self.backlogged: dict[bytes, int] = {}  # routing id -> its messages in the backlog
         self.backlog_hb: dict[bytes, bytes] = {}  # routing id -> its last message queued, where that is a heartbeat
         self.backlog_bytes = 0
@@ -53,20 +51,15 @@ class ReceiveSchedule:
 
     def due(self, now: float) -> float:
         """When the backlog is next to be handled (inf: it is empty): the loop's poll waits no longer."""
-        return max(now, self.paused_until) if self.waiting() else math.inf
-
-    def waiting(self) -> int:
-        """Messages received and not yet handled."""
-        return len(self.backlog) + len(self.live)
+        return max(now, self.paused_until) if self.backlog else math.inf
 
     def batch(self) -> None:
         """Receive -> journal -> core -> send (``Daemon._on_frames``), scheduled so that thousands of
         connections cannot starve the workers that do the training. Everything the socket holds
         is received at once (receiving costs a few µs; handling a message, tens): messages of
-        workers that have answered jobs are handled now, in arrival order (at most URGENT_PER_PASS
-        of one connection per pass); the others (hellos, readys, heartbeats of idle or new
-        workers, anything from an unknown connection) wait in a backlog (joined workers' messages
-        first: :meth:`_unqueue`), handled BACKLOG_SLICE at a time or for BACKLOG_SLICE_S (whichever ends first),
+        workers that have answered jobs are handled now, in arrival order; the others (hellos,
+        readys, heartbeats of idle or new workers, anything from an unknown connection) wait in a
+        backlog, handled BACKLOG_SLICE at a time or for BACKLOG_SLICE_S (whichever ends first),
         the socket looked at again between slices (for at most BATCH_S, then the loop's timers
         run). A connection with messages in the backlog has all its later ones queued behind
         them, so each connection's messages are handled in the order it sent them. The backlog
@@ -92,7 +85,7 @@ class ReceiveSchedule:
             now = d.clock()
             if urgent:
                 self.last_urgent = now
-            if not self.waiting() or now < self.paused_until:
+            if not self.backlog or now < self.paused_until:
                 return
             self._backlog_slice(now)
             if d.stopping is not None or d.clock() >= deadline:
@@ -102,7 +95,7 @@ class ReceiveSchedule:
         """Handle a slice of the backlog (see :meth:`batch`); pause it after a costly message."""
         d = self.daemon
         slice_end, costly, t = t0 + BACKLOG_SLICE_S, 0.0, t0
-        for _ in range(min(BACKLOG_SLICE, self.waiting())):
+        for _ in range(min(BACKLOG_SLICE, len(self.backlog))):
             sent = d.sends
             d._handle(self._unqueue())
             now = d.clock()
@@ -115,11 +108,7 @@ class ReceiveSchedule:
             self.paused_until = t + PAUSE_SHARE * costly
 
     def _unqueue(self) -> list:
-        """The next backlogged message: joined workers' first (a heartbeat that keeps a worker
-        alive goes before the hellos of connections still joining: 4,000 joining fakes otherwise
-        held the heartbeats of those that had joined past the liveness timeout, and the server
-        wrote off the workers it had just admitted), each connection's in its order."""
-        frames = (self.live or self.backlog).popleft()
+        frames = self.backlog.popleft()
         rid = frames[0].bytes
         left = self.backlogged[rid] - 1
         if left:
@@ -127,7 +116,6 @@ class ReceiveSchedule:
         else:
             del self.backlogged[rid]
             self.backlog_hb.pop(rid, None)
-            self.live_rids.discard(rid)
         self.backlog_bytes -= _nbytes(frames)
         return frames
 
@@ -149,8 +137,8 @@ class ReceiveSchedule:
                 if w is not None and w.jobs_done and not queued and n <= URGENT_PER_PASS:
                     urgent.append(frames)
                 else:
-                    self._enqueue(rid, frames, w is not None)
-            if (len(urgent) + self.waiting() >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
+                    self._enqueue(rid, frames)
+            if (len(urgent) + len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
                     or reads >= MAX_READS):
                 break
         return urgent
@@ -168,14 +156,8 @@ class ReceiveSchedule:
                 return False
         return c
 
-    def _enqueue(self, rid: bytes, frames: list, live: bool) -> None:
-        """Into the backlog: a joined worker's message into ``live``, another into ``backlog``;
-        behind the connection's messages already waiting, wherever they are (its order kept)."""
-        if rid in self.backlogged:
-            live = rid in self.live_rids
-        elif live:
-            self.live_rids.add(rid)
-        (self.live if live else self.backlog).append(frames)
+    def _enqueue(self, rid: bytes, frames: list) -> None:
+        self.backlog.append(frames)
         self.backlogged[rid] = self.backlogged.get(rid, 0) + 1
         self.backlog_bytes += _nbytes(frames)
         body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE else None
