@@ -436,3 +436,59 @@ def test_missing_iterate_resends_are_bounded(procs, tmp_path):
     report.check(rss_bound_mb=40)
     summary = victim.finish()
     assert summary["counters"]["quarantined"] == 1
+
+
+# --------------------------------------------------------------------------- issue 29: per-peer output
+
+NEVER_READ_D = 65_536  # a job's iterate is 256 KiB (float32 on the wire)
+
+
+def never_reading_workers(n: int = 50, credit: int = 4, seconds: float = 6.0):
+    """``n`` workers say hello and ready with ``credit`` and never read anything (their kernel
+    receive buffer 4 KiB, their ZeroMQ queue 1 message), heartbeating every 0.4 s, for ``seconds``."""
+
+    def attack(endpoint, running):
+        from protocol.messages import Heartbeat
+
+        ctx = zmq.Context()
+        socks = []
+        try:
+            for i in range(n):
+                s = ctx.socket(zmq.DEALER)
+                s.linger = 0
+                s.rcvhwm, s.rcvbuf = 1, 4096
+                s.connect(endpoint)
+                s.send_multipart(encode(Hello(worker_id=f"deaf{i}", boot=i + 1, credit=credit)))
+                s.send_multipart(encode(Ready(credit=credit)))
+                socks.append(s)
+            t0 = time.monotonic()
+            while running() and time.monotonic() - t0 < seconds:
+                for i, s in enumerate(socks):
+                    s.send_multipart(encode(Heartbeat(boot=i + 1, credit=credit, busy=(), seen=-1)), zmq.NOBLOCK)
+                time.sleep(0.4)  # the fakes' heartbeat interval
+        finally:
+            for s in socks:
+                s.close(linger=0)
+            ctx.term()
+        return {"workers": len(socks)}
+
+    return attack
+
+
+def test_workers_that_never_read_cost_at_most_their_credit_of_jobs(procs, tmp_path):
+    """Issue 29: what the server queues towards a worker that does not read is bounded per peer:
+    its credit of jobs (each job's iterate, 256 KiB here, held until sent: every version is a new
+    iterate), plus small messages (heartbeats, errors) up to the send pipe's high-water mark of
+    256 messages (past it a send fails and the worker is written off as unreachable: the design,
+    not seen here). 50 such workers with credit 4, each issued its 4 jobs (written off, 200 lost,
+    once they went): RSS within 50 x (4 x 256 KiB + 256 x 1 KiB + 64 KiB per connection), the
+    design's bound (~70 MiB; measured +4 MiB: the kernel's socket buffers hold what was sent),
+    and the real workers keep half their rate."""
+    n, credit = 50, 4
+    victim = Victim(procs, tmp_path, d=NEVER_READ_D)
+    report = victim.measure(never_reading_workers(n, credit), seconds=30)
+    print(report.summary())
+    per_peer = credit * NEVER_READ_D * 4 + 256 * 1024 + 64 * 1024
+    report.check(rss_bound_mb=n * per_peer / MiB)
+    summary = victim.finish()
+    assert summary["counters"]["lost"] >= n * credit, "each held its credit of jobs"
