@@ -130,7 +130,8 @@ class Conn:
     """One connection (routing id): everything the daemon knows about it."""
 
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
-                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks", "status_auth", "source",
+                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
+                 "status_auth", "source",
                  "hb_raw", "hb_at", "hb_bucket")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:

@@ -138,9 +138,10 @@ class ControlReport:
 
     def summary(self) -> str:
         mb = 2**20
-        return (f"attack {[round(r) for r in self.attack_rates]}/s vs control {[round(r) for r in self.control_rates]}/s "
-                f"(ratio {self.ratio():.2f}; attacker {[round(c, 2) for c in self.attacker_cores]} cores); "
-                f"RSS {self.rss0 / mb:.0f} MiB -> peak {self.rss_peak / mb:.0f} MiB, after {self.rss_after / mb:.0f} MiB; "
+        rates = f"{[round(r) for r in self.attack_rates]}/s vs control {[round(r) for r in self.control_rates]}/s"
+        return (f"attack {rates} (ratio {self.ratio():.2f}; attacker {[round(c, 2) for c in self.attacker_cores]} "
+                f"cores); RSS {self.rss0 / mb:.0f} MiB -> peak {self.rss_peak / mb:.0f} MiB, "
+                f"after {self.rss_after / mb:.0f} MiB; "
                 f"real lost {self.real_lost}; attack {self.attacks}")
 
     def check(self, *, rss_bound_bytes: float, min_ratio: float = 0.5) -> None:
@@ -293,7 +294,8 @@ class Victim:
             raise errors[0]
         return (self.events.poll() - a0) / elapsed, elapsed
 
-    def compare(self, attack: Attack, *, windows: int = 2, seconds: float = 3.0, settle_s: float = 1.5) -> ControlReport:
+    def compare(self, attack: Attack, *, windows: int = 2, seconds: float = 3.0,
+                settle_s: float = 1.5) -> ControlReport:
         """``windows`` pairs of an attack window (``attack`` runs for at most ``seconds``, or until it
         returns: a fresh attack each time) and a control window (burners using the CPU the
         attack's process used in the window before, for as long as that window lasted): the real
@@ -303,7 +305,7 @@ class Victim:
         lost0 = len(self.events.real_lost)
         for _ in range(windows):
             out: dict = {}
-            rate, elapsed = self._window(seconds, report, lambda running: out.update(
+            rate, elapsed = self._window(seconds, report, lambda running, out=out: out.update(
                 attack(self.endpoint, running) or {}))
             report.attack_rates.append(rate)
             report.attacks.append(out)

@@ -214,15 +214,15 @@ def test_a_connections_heartbeats_get_its_rate_over_time():
         rate = d.conns.limits.hb_rate
         for k in range(40):  # a polite worker: 20 s, a heartbeat each 0.5 s
             now[0] = k * 0.5
-            it = iter([[F(b"w"), F(_hb(k))]])
-            d.transport.pending = lambda: it
+            it = iter([[F(b"w"), F(_hb(k))]])  # what the socket holds: received once
+            d.transport.pending = lambda it=it: it
             d._receive_batch()
         assert len(handled) == 40 and d.conns.counters.hb_flood == 0
         handled.clear()
         for k in range(2000):  # a flood: 1,000/s for 2 s
             now[0] = 20.0 + k * 0.001
             it = iter([[F(b"w"), F(_hb(10_000 + k))]])
-            d.transport.pending = lambda: it
+            d.transport.pending = lambda it=it: it
             d._receive_batch()
         assert len(handled) <= d.conns.limits.hb_burst + 2.0 * rate + 1
     finally:
