@@ -145,7 +145,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     from ps.net import supervise
     if supervise.is_supervisor():  # the front and restarts here; the daemon is a child (ps/net/supervise.py)
         raise SystemExit(supervise.supervise(bind, state_dir))
-    bind = supervise.daemon_bind(bind)
+    public, bind = bind, supervise.daemon_bind(bind)
     if local_shards is not None and local_shards > shards:
         raise click.BadParameter(f"more than the {shards} shards", param_hint="--local-shards")
     if shards and not state_dir:
@@ -163,6 +163,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
+    daemon.transport.behind_front = bind != public  # supervised: the front vouches for X-Source
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone

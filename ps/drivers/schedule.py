@@ -24,6 +24,8 @@ PAUSE_SHARE = 0.5  # ... is followed by a pause of this share of its cost, for t
 TRAINING_RECENT_S = 0.01  # "active": one of their messages was handled this recently
 MAX_BACKLOG = 4096  # messages received ahead of handling, at most ...
 MAX_BACKLOG_BYTES = 64 << 20  # ... and bytes
+URGENT_PER_PASS = 8  # messages of one connection handled ahead of the backlog per pass; the rest queue behind
+MAX_READS = 256  # messages read per pass, at most (dropped ones count): ~2 ms before the urgent are handled
 
 
 def _nbytes(frames: list) -> int:
@@ -118,31 +120,51 @@ class ReceiveSchedule:
         return frames
 
     def _receive_all(self) -> list:
-        """What the socket holds (within the backlog's bounds): the urgent messages, returned,
-        and the rest appended to the backlog."""
+        """What the socket holds (within the backlog's bounds and MAX_READS): the urgent messages,
+        returned, and the rest appended to the backlog. Each connection pays for its own flood:
+        its heartbeats past its rate are dropped unread (Connections.heartbeat_flood: a token
+        taken or not), and only its first URGENT_PER_PASS messages of a pass go ahead of the
+        backlog, so the replies of the other workers read in the same pass are handled first."""
         d = self.daemon
-        urgent, by_rid, workers, now = [], d.conns.by_rid, d.core.workers, d.clock()
-        for frames in d.transport.pending():
+        urgent, workers, now, per_pass = [], d.core.workers, d.clock(), {}
+        for reads, frames in enumerate(d.transport.pending(), 1):
             rid = frames[0].bytes
-            c = by_rid.get(rid)
             queued = rid in self.backlogged
-            if self._queued_repeat(rid, frames) if queued else d.transport.is_repeat(c, frames, now):
-                continue  # a heartbeat repeat: dropped unread (ps/net/connections.py)
-            w = workers.get(c.wid) if c is not None and c.live else None
-            if w is not None and w.jobs_done and not queued:
-                urgent.append(frames)
-            else:
-                self.backlog.append(frames)
-                self.backlogged[rid] = self.backlogged.get(rid, 0) + 1
-                self.backlog_bytes += _nbytes(frames)
-                body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE else None
-                if body is not None and looks_like_heartbeat(body):
-                    self.backlog_hb[rid] = body
+            c = self._admit(rid, frames, queued, now)
+            if c is not False:
+                n = per_pass[rid] = per_pass.get(rid, 0) + 1
+                w = workers.get(c.wid) if c is not None and c.live else None
+                if w is not None and w.jobs_done and not queued and n <= URGENT_PER_PASS:
+                    urgent.append(frames)
                 else:
-                    self.backlog_hb.pop(rid, None)
-            if len(urgent) + len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES:
+                    self._enqueue(rid, frames)
+            if (len(urgent) + len(self.backlog) >= MAX_BACKLOG or self.backlog_bytes >= MAX_BACKLOG_BYTES
+                    or reads >= MAX_READS):
                 break
         return urgent
+
+    def _admit(self, rid: bytes, frames: list, queued: bool, now: float) -> Any:
+        """The record of a message's connection (None: none yet), or False: the message is a
+        heartbeat that is dropped unread (a repeat, or past its connection's rate)."""
+        d = self.daemon
+        c = d.conns.by_rid.get(rid)
+        if self._queued_repeat(rid, frames) if queued else d.transport.is_repeat(c, frames, now):
+            return False  # a heartbeat repeat: dropped unread (ps/net/connections.py)
+        if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE and looks_like_heartbeat(frames[1].bytes):
+            c = c if c is not None else d.conns.get(rid, now)
+            if d.conns.heartbeat_flood(c, now):
+                return False
+        return c
+
+    def _enqueue(self, rid: bytes, frames: list) -> None:
+        self.backlog.append(frames)
+        self.backlogged[rid] = self.backlogged.get(rid, 0) + 1
+        self.backlog_bytes += _nbytes(frames)
+        body = frames[1].bytes if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE else None
+        if body is not None and looks_like_heartbeat(body):
+            self.backlog_hb[rid] = body
+        else:
+            self.backlog_hb.pop(rid, None)
 
     def _queued_repeat(self, rid: bytes, frames: list) -> bool:
         """Whether a message of a connection with messages in the backlog is byte for byte the

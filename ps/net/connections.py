@@ -24,7 +24,7 @@ transfer of at most ``transfer_bytes`` (dropped after ``transfer_timeout_s`` wit
 one pending ``status?`` token. All unfinished transfers together hold at most
 ``transfer_total_bytes``: a part that would pass it first evicts the transfers that were fed
 least recently. Every operation is O(1) amortised (dicts and ordered dicts, a heap only for
-the pending ``status?`` answers), so the cost of a message does not grow with the number of
+the waiting ``status?`` requests), so the cost of a message does not grow with the number of
 connections.
 
 Pure: no sockets; every method takes ``now`` (the daemon's monotonic clock), so the unit tests
@@ -61,13 +61,19 @@ class ConnectionLimits:
         transfer_total_bytes: bytes all unfinished transfers together may hold.
         transfer_timeout_s: an unfinished transfer that got no part for this long is dropped.
         status_rate, status_burst: ``status?`` answers per second per connection (token bucket).
+        status_source_rate, status_source_burst: ... for all connections of one source (a CURVE
+            key, a client address the front vouches for; see :meth:`Connections.status_ask`).
         status_global_rate, status_global_burst: ... for all connections together. A request
-            past either waits (one per connection; more are dropped) and is answered in turn.
+            past any waits (one per connection; more are dropped) and is answered in turn, least
+            recently served first.
         error_interval_s: at most one error answer per connection in this interval.
         error_global_rate, error_global_burst: error answers per second for all connections.
         hb_refresh_s: a heartbeat identical (byte for byte) to the last one this connection
             handed on is dropped unread if that one is younger than this (the daemon: a third
             of the liveness timeout); 0: never. See :meth:`Connections.repeat_heartbeat`.
+        hb_rate, hb_burst: heartbeats per second one connection gets handed on (token bucket; the
+            daemon: at least 10/s, four times what its heartbeat interval asks); past it they
+            are dropped unread (:meth:`Connections.heartbeat_flood`); 0: no bound.
     """
 
     idle_s: float = 10.0
@@ -77,12 +83,16 @@ class ConnectionLimits:
     transfer_timeout_s: float = 10.0
     status_rate: float = 5.0
     status_burst: float = 10.0
+    status_source_rate: float = 10.0
+    status_source_burst: float = 20.0
     status_global_rate: float = 50.0
     status_global_burst: float = 50.0
     error_interval_s: float = 0.2
     error_global_rate: float = 100.0
     error_global_burst: float = 100.0
     hb_refresh_s: float = 0.0
+    hb_rate: float = 10.0
+    hb_burst: float = 10.0
 
 
 class TokenBucket:
@@ -106,6 +116,10 @@ class TokenBucket:
             return True
         return False
 
+    def next_at(self) -> float:
+        """When the next token is there, as of its last use (no clock needed)."""
+        return self.at if self.tokens >= 1.0 else self.at + (1.0 - self.tokens) / self.rate
+
     def ready_at(self, now: float) -> float:
         """When the next token is there (``now`` if it is already)."""
         self._refill(now)
@@ -116,7 +130,9 @@ class Conn:
     """One connection (routing id): everything the daemon knows about it."""
 
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
-                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "hb_raw", "hb_at")
+                 "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
+                 "status_auth", "source",
+                 "hb_raw", "hb_at", "hb_bucket")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -133,12 +149,27 @@ class Conn:
         self.status_bucket = TokenBucket(limits.status_rate, limits.status_burst, now)
         self.status_token: int | None = None  # a status? request waiting for its answer
         self.status_seq = 0
+        self.status_last = -float("inf")  # when it last got a status? answer
+        self.status_asks = 0  # status? requests since its last answer (the dropped ones too)
+        self.status_auth = False  # its waiting status? came with a key of the allow-list
+        self.source = ""  # who is behind it, for the status? rates ("": itself alone)
         self.hb_raw: bytes | None = None  # the last heartbeat handed on (its frames joined), if small
         self.hb_at = 0.0  # when it was handed on
+        self.hb_bucket = TokenBucket(limits.hb_rate, limits.hb_burst, now) if limits.hb_rate > 0 else None
 
     @property
     def xfer_bytes(self) -> int:
         return self.xfer.size if self.xfer is not None else 0
+
+
+class Source:
+    """The ``status?`` state of one source (Connections.status_ask): its bucket, its last
+    answer, and how many records name it (it goes with the last)."""
+
+    __slots__ = ("bucket", "last", "refs")
+
+    def __init__(self, bucket: TokenBucket) -> None:
+        self.bucket, self.last, self.refs = bucket, -float("inf"), 0
 
 
 @dataclass
@@ -152,6 +183,7 @@ class ConnectionCounters:
     status_dropped: int = 0  # a request while one of the same connection was still waiting
     errors_suppressed: int = 0  # error answers not sent (rate limits)
     hb_repeats: int = 0  # heartbeats dropped unread: a repeat of the last one, within hb_refresh_s
+    hb_flood: int = 0  # heartbeats dropped unread: past the connection's heartbeat rate
 
 
 class Connections:
@@ -171,7 +203,9 @@ class Connections:
         lim = self.limits
         self.status_global = TokenBucket(lim.status_global_rate, lim.status_global_burst, now)
         self.error_global = TokenBucket(lim.error_global_rate, lim.error_global_burst, now)
-        self.status_heap: list[tuple[float, int, bytes]] = []  # (answer at, seq, rid) of waiting requests
+        self.sources: dict[str, Source] = {}  # named by at least one record
+        self.status_wait: list[tuple[float, int, bytes]] = []  # (own buckets ready at, seq, rid)
+        self.status_ready: list[tuple[tuple, int, bytes]] = []  # (rank, seq, rid): in line for a global token
         self.seq = 0
 
     # ------------------------------------------------------------------ records
@@ -207,6 +241,20 @@ class Connections:
         if c.hb_raw is None or c.hb_raw != body or now - c.hb_at >= self.limits.hb_refresh_s:
             return False
         self.counters.hb_repeats += 1
+        return True
+
+    def heartbeat_flood(self, c: Conn, now: float) -> bool:
+        """Whether a heartbeat of ``c`` (not a repeat: its bytes vary) is past the connection's
+        heartbeat rate (``hb_rate``, ``hb_burst``): then it is counted and dropped unread, before it
+        is queued, decoded, journaled or shown to the core. A worker heartbeats once per interval
+        (0.5 s at the defaults); one connection flooding heartbeats with varying bytes would
+        otherwise have each handled in full, and the real workers' replies wait behind them (the
+        issue: 1,417 -> 12 updates/s). Heartbeats may be lost (PROTOCOL.md: liveness allows three
+        in a row), and the next one within the rate carries the newest credit and busy list."""
+        b = c.hb_bucket
+        if b is None or b.take(now):
+            return False
+        self.counters.hb_flood += 1
         return True
 
     def handed_on(self, c: Conn, body: bytes | None, now: float) -> None:
@@ -296,8 +344,10 @@ class Connections:
             t = self.by_rid[next(iter(self.idle))].last_heard + self.limits.idle_s
         if self.xfers:
             t = min(t, self.by_rid[next(iter(self.xfers))].xfer_at + self.limits.transfer_timeout_s)
-        if self.status_heap:
-            t = min(t, self.status_heap[0][0])
+        if self.status_wait:
+            t = min(t, self.status_wait[0][0])
+        if self.status_ready:
+            t = min(t, self.status_global.next_at())
         return t
 
     def _trim(self) -> None:
@@ -317,6 +367,7 @@ class Connections:
 
     def _drop(self, c: Conn) -> None:
         self._unbind(c)
+        self._source_gone(c)
         self.idle.pop(c.rid, None)
         self.by_rid.pop(c.rid, None)
 
@@ -402,44 +453,141 @@ class Connections:
         c.error_next = now + self.limits.error_interval_s
         return True
 
-    def status_ask(self, c: Conn, token: int, now: float) -> bool:
+    def status_ask(self, c: Conn, token: int, now: float, source: str = "", auth: bool = False) -> bool:
         """A ``status?`` from ``c``. True: answer it now. Otherwise it waits for its turn (see
-        :meth:`status_due`), or, if one of ``c``'s requests is already waiting, it is dropped."""
+        :meth:`status_due`), or, if one of ``c``'s requests is already waiting, it is dropped.
+
+        ``source``: who is behind the connection (a CURVE key's fingerprint, a client address the
+        front vouches for; "": the connection alone), whose answers share a bucket
+        (``status_source_rate``) and whose last answer orders the waiting requests. ``auth``: the
+        request came with a key of the allow-list: it never waits behind an anonymous one. It is
+        answered at once only when nothing waits whose own buckets are ready: else it takes its
+        place in line, least recently served first (:meth:`_status_rank`)."""
+        c.status_asks += 1
         if c.status_token is not None:
             self.counters.status_dropped += 1
             return False
-        heap = self.status_heap
-        while heap and (heap[0][2] not in self.by_rid or self.by_rid[heap[0][2]].status_seq != heap[0][1]):
-            heapq.heappop(heap)  # its record went meanwhile
-        due = bool(heap) and heap[0][0] <= now  # those come first
-        if not due and c.status_bucket.ready_at(now) <= now and self.status_global.take(now):
-            c.status_bucket.take(now)
-            self.counters.status_answered += 1
+        self._set_source(c, source)
+        c.status_auth = auth
+        self._status_promote(now)
+        if not self._status_ready_valid() and self._own_ready(c, now) <= now and self.status_global.take(now):
+            self._answered(c, now)
             return True
         self.seq += 1
         c.status_token, c.status_seq = token, self.seq
-        heapq.heappush(self.status_heap, (c.status_bucket.ready_at(now), self.seq, c.rid))
+        self._status_enqueue(c, now)
         return False
 
     def status_due(self, now: float) -> list[tuple[bytes, int]]:
-        """The waiting ``status?`` requests whose turn has come: (routing id, token), in the order
-        they became due, as far as the global rate allows."""
+        """The waiting ``status?`` requests whose turn has come: (routing id, token), as far as the
+        global rate allows, authenticated ones first, then least recently served first: a source
+        (then a connection) never answered, as the operator's one ``latecomer status``, goes
+        before any flooder that was answered recently, however many wait."""
         out: list[tuple[bytes, int]] = []
-        heap = self.status_heap
-        while heap and heap[0][0] <= now:
-            _, seq, rid = heap[0]
-            c = self.by_rid.get(rid)
-            if c is None or c.status_seq != seq or c.status_token is None:
-                heapq.heappop(heap)  # its record went meanwhile
+        self._status_promote(now)
+        ready = self.status_ready
+        while self._status_ready_valid():
+            rank, seq, rid = ready[0]
+            c = self.by_rid[rid]
+            if self._status_rank(c) != rank:  # its source was answered, or it asked, meanwhile: it moves back
+                heapq.heapreplace(ready, (self._status_rank(c), seq, rid))
+                continue
+            if self._own_ready(c, now) > now:  # its source's bucket ran dry meanwhile
+                heapq.heappop(ready)
+                heapq.heappush(self.status_wait, (self._own_ready(c, now), seq, rid))
                 continue
             if not self.status_global.take(now):
                 break
-            heapq.heappop(heap)
-            c.status_bucket.take(now)
+            heapq.heappop(ready)
             out.append((rid, c.status_token))
-            c.status_token = None
-            self.counters.status_answered += 1
+            self._answered(c, now)
         return out
+
+    def _answered(self, c: Conn, now: float) -> None:
+        """``c`` gets an answer now: its tokens are taken, its (and its source's) last answer is now."""
+        c.status_bucket.take(now)
+        c.status_token = None
+        c.status_last, c.status_asks = now, 0
+        src = self.sources.get(c.source) if c.source else None
+        if src is not None:
+            src.bucket.take(now)
+            src.last = now
+        self.counters.status_answered += 1
+
+    def _own_ready(self, c: Conn, now: float) -> float:
+        """When both ``c``'s bucket and its source's have a token."""
+        src = self.sources.get(c.source) if c.source else None
+        t = c.status_bucket.ready_at(now)
+        return t if src is None else max(t, src.bucket.ready_at(now))
+
+    def _status_rank(self, c: Conn) -> tuple[int, float, float, int]:
+        """A waiting request's place: authenticated first, then its source's last answer, then its
+        connection's (-inf: never answered), then how often it asked since (a flooder that was
+        never answered either goes after the operator's one request). A rank only grows while its
+        request waits (its source answered, more asks), which :meth:`status_due` relies on."""
+        src = self.sources.get(c.source) if c.source else None
+        return (0 if c.status_auth else 1, c.status_last if src is None else src.last, c.status_last, c.status_asks)
+
+    def _status_enqueue(self, c: Conn, now: float) -> None:
+        ready_at = self._own_ready(c, now)
+        if ready_at <= now:
+            heapq.heappush(self.status_ready, (self._status_rank(c), c.status_seq, c.rid))
+        else:
+            heapq.heappush(self.status_wait, (ready_at, c.status_seq, c.rid))
+        self._status_compact()
+
+    def _status_promote(self, now: float) -> None:
+        """Requests whose own buckets have filled move from waiting to the line."""
+        wait = self.status_wait
+        while wait and wait[0][0] <= now:
+            _, seq, rid = heapq.heappop(wait)
+            c = self._waiting(rid, seq)
+            if c is not None:
+                heapq.heappush(self.status_ready, (self._status_rank(c), seq, rid))
+
+    def _status_ready_valid(self) -> bool:
+        """Whether a request is in line (entries of records gone or answered are dropped first)."""
+        ready = self.status_ready
+        while ready and self._waiting(ready[0][2], ready[0][1]) is None:
+            heapq.heappop(ready)
+        return bool(ready)
+
+    def _waiting(self, rid: bytes, seq: int) -> Conn | None:
+        c = self.by_rid.get(rid)
+        return c if c is not None and c.status_seq == seq and c.status_token is not None else None
+
+    def _status_compact(self) -> None:
+        """Entries of records that went stay in the heaps until they come up; should they pile up
+        (connections that asked once and went), the heaps are rebuilt from the live ones: they
+        never hold more than about twice the table's records (one waiting request per record)."""
+        if len(self.status_ready) + len(self.status_wait) <= 2 * len(self.by_rid) + 64:
+            return
+        self.status_ready = [e for e in self.status_ready if self._waiting(e[2], e[1]) is not None]
+        self.status_wait = [e for e in self.status_wait if self._waiting(e[2], e[1]) is not None]
+        heapq.heapify(self.status_ready)
+        heapq.heapify(self.status_wait)
+
+    def _set_source(self, c: Conn, source: str) -> None:
+        """``c``'s source (see :meth:`status_ask`); a source's record lives while a record names it."""
+        if source == c.source:
+            return
+        self._source_gone(c)
+        c.source = source
+        if source:
+            src = self.sources.get(source)
+            if src is None:
+                lim = self.limits
+                src = self.sources[source] = Source(TokenBucket(lim.status_source_rate, lim.status_source_burst,
+                                                                c.last_heard))
+            src.refs += 1
+
+    def _source_gone(self, c: Conn) -> None:
+        src = self.sources.get(c.source) if c.source else None
+        if src is not None:
+            src.refs -= 1
+            if src.refs <= 0:
+                del self.sources[c.source]
+        c.source = ""
 
     # ------------------------------------------------------------------ figures
     def figures(self) -> dict[str, int]:
@@ -449,7 +597,7 @@ class Connections:
                 "conn.transfer_bytes": self.xfer_total, "conn.expired": c.expired, "conn.evicted": c.evicted,
                 "conn.transfers_dropped": c.transfers_dropped, "conn.status_answered": c.status_answered,
                 "conn.status_dropped": c.status_dropped, "conn.errors_suppressed": c.errors_suppressed,
-                "conn.hb_repeats": c.hb_repeats}
+                "conn.hb_repeats": c.hb_repeats, "conn.hb_flood": c.hb_flood}
 
 
 class RateLimitedLog:

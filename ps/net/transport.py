@@ -160,11 +160,13 @@ def server_socket(ctx: zmq.Context, bind: str, max_array_bytes: int, security: A
 def vector_limits(core: Any) -> ConnectionLimits:
     """The daemon's connection table: an idle connection forgotten after twice the liveness
     timeout, a transfer of at most two float64 gradients per connection and four such transfers'
-    worth (at least 64 MiB) in all, heartbeat repeats dropped within a third of the liveness timeout."""
+    worth (at least 64 MiB) in all, heartbeat repeats dropped within a third of the liveness timeout,
+    and a connection's heartbeats past four times the rate its interval asks for (at least 10/s) dropped too."""
     xfer = 2 * core.dim * 8
+    hb_rate = max(10.0, 4.0 / core.cfg.heartbeat_interval_s)  # four times what a worker is told
     return ConnectionLimits(idle_s=2 * core.cfg.liveness_timeout_s, transfer_bytes=xfer,
                             transfer_total_bytes=max(64 << 20, 4 * xfer),
-                            hb_refresh_s=core.cfg.liveness_timeout_s / 3)
+                            hb_refresh_s=core.cfg.liveness_timeout_s / 3, hb_rate=hb_rate, hb_burst=hb_rate)
 
 
 def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
@@ -251,6 +253,7 @@ class ServerTransport:
                                  alloc=lambda n: POOL.empty((n,), np.uint8))
         self.max_workers, self.max_workers_per_key = max_workers, max_workers_per_key
         self.banned_keys: set[str] = set()  # keys of quarantined or revoked workers
+        self.behind_front = False  # supervised: every connection comes through the front (ps/net/front.py)
         self.admission = Admission(self, Count)  # the hello rules
         self.hb_queue: collections.deque[bytes] = collections.deque()  # still to get this period's heartbeat
         self.wire_cache: dict[int, np.ndarray] = {}  # iterate id -> its wire-dtype copy
@@ -274,8 +277,14 @@ class ServerTransport:
 
     # ------------------------------------------------------------------ inbound
     def pending(self) -> Iterator[list]:
-        """What the socket holds now, one ROUTER message (its frames) at a time."""
-        while self.sock.get(_EVENTS) & _POLLIN:  # cheaper than a zmq.Again
+        """What the socket holds now, one ROUTER message (its frames) at a time. The socket's
+        EVENTS are asked once (an empty socket then costs no zmq.Again, ~14 us), not before each
+        message: asking costs ~6 us a message (a libzmq call and pyzmq's enum), twice a receive,
+        and a flood's every message paid it (the daemon's largest cost under 4,000 heartbeating
+        fakes, profiled); the end of what it holds is then one zmq.Again per pass."""
+        if not self.sock.get(_EVENTS) & _POLLIN:
+            return
+        while True:
             try:
                 yield recv_frames(self.sock, _NOBLOCK)
             except zmq.Again:
@@ -301,7 +310,8 @@ class ServerTransport:
             return msg
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
-            if self.conns.status_ask(conn, msg.token, now):
+            source, auth = self._status_source(frames[1])
+            if self.conns.status_ask(conn, msg.token, now, source, auth):
                 self.send_frames(rid, status(msg.token))
             return None
         key = self._key(frames[1])
@@ -330,6 +340,20 @@ class ServerTransport:
             code = ErrorCode.UNSUPPORTED_VERSION if isinstance(e, UnsupportedVersion) else ErrorCode.MALFORMED
             self.answer_error(conn, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return Count("invalid")
+
+    def _status_source(self, frame: Any) -> tuple[str, bool]:
+        """Who asks a ``status?`` (Connections.status_ask), and whether with a key of the allow-list:
+        under CurveZMQ its key; behind the front (``behind_front``) the client address the front
+        puts in the connection's metadata (``X-Source``); without a front, the peer's own address;
+        "" (the connection alone) where none is known."""
+        key = self._key(frame)
+        if key:
+            return "key:" + key, key in getattr(self.security, "allowed", ())
+        try:
+            addr = frame.get("X-Source" if self.behind_front else "Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):  # no such property, or a bytes frame
+            return "", False
+        return ("ip:" + addr if addr else ""), False
 
     def _key(self, frame: Any) -> str:
         """The fingerprint of the z85 public key CURVE authenticated for this message ("" without keys)."""

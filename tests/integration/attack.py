@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,13 +37,15 @@ Attack = Callable[[str, Callable[[], bool]], dict]
 
 
 class EventCounter:
-    """Counts ``applied`` events in an event log incrementally (reads only what was appended)."""
+    """Counts ``applied`` events in an event log incrementally (reads only what was appended),
+    and the real workers (ids ``real*``) written off (``left`` for another reason than bye)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.offset = 0
         self.applied = 0
         self.partial = b""
+        self.real_lost: list[str] = []
 
     def poll(self) -> int:
         try:
@@ -57,6 +61,10 @@ class EventCounter:
         for line in lines:
             if b'"applied"' in line and json.loads(line).get("ev") == "applied":
                 self.applied += 1
+            elif b'"left"' in line and b'"real' in line:
+                ev = json.loads(line)
+                if ev.get("ev") == "left" and ev.get("reason") != "bye" and str(ev.get("worker_id")).startswith("real"):
+                    self.real_lost.append(f"{ev['worker_id']}: {ev.get('reason')}")
         return self.applied
 
 
@@ -99,6 +107,52 @@ class AttackReport:
         assert self.rss_peak - self.rss0 <= bound, f"RSS grew past the bound during the attack: {self.summary()}"
         assert self.rss_after - self.rss0 <= bound, f"RSS stayed past the bound after the attack: {self.summary()}"
         assert self.rate_during >= min_rate_ratio * self.reference(), f"the real workers slowed: {self.summary()}"
+
+
+# A CPU burner for the control windows: busy for ``share`` of every 10 ms, asleep for the rest.
+BURNER = ("import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    t = time.monotonic()\n"
+          "    while time.monotonic() - t < share * 0.01:\n        pass\n"
+          "    time.sleep(max(0.0, (1.0 - share) * 0.01))\n")
+
+
+@dataclass
+class ControlReport:
+    """The real workers' rate in windows with the attack (A) and in control windows (B) in which
+    a CPU burner used what the attacker used (its CPU time in the A window before), alternating
+    A B A B: what the machine's speed does to both cancels out, what the attack does to the
+    server alone remains."""
+
+    attack_rates: list[float] = field(default_factory=list)
+    control_rates: list[float] = field(default_factory=list)
+    attacker_cores: list[float] = field(default_factory=list)  # CPU the attacker used (cores), per A window
+    rss0: int = 0
+    rss_peak: int = 0
+    rss_after: int = 0
+    alive: bool = True
+    attacks: list[dict] = field(default_factory=list)
+    real_lost: list[str] = field(default_factory=list)  # real workers written off during the windows
+
+    def ratio(self) -> float:
+        """The attack windows' mean rate over the control windows' mean."""
+        return float(np.mean(self.attack_rates)) / max(float(np.mean(self.control_rates)), 1e-9)
+
+    def summary(self) -> str:
+        mb = 2**20
+        rates = f"{[round(r) for r in self.attack_rates]}/s vs control {[round(r) for r in self.control_rates]}/s"
+        return (f"attack {rates} (ratio {self.ratio():.2f}; attacker {[round(c, 2) for c in self.attacker_cores]} "
+                f"cores); RSS {self.rss0 / mb:.0f} MiB -> peak {self.rss_peak / mb:.0f} MiB, "
+                f"after {self.rss_after / mb:.0f} MiB; "
+                f"real lost {self.real_lost}; attack {self.attacks}")
+
+    def check(self, *, rss_bound_bytes: float, min_ratio: float = 0.5) -> None:
+        """Alive, no real worker written off, RSS within ``rss_bound_bytes`` (from the design:
+        a per-connection bound x connections) of the baseline, and the rate under attack at
+        least ``min_ratio`` of the control's."""
+        assert self.alive, f"the server died: {self.summary()}"
+        assert not self.real_lost, f"real workers written off: {self.summary()}"
+        assert self.rss_peak - self.rss0 <= rss_bound_bytes, f"RSS grew past the bound: {self.summary()}"
+        assert self.rss_after - self.rss0 <= rss_bound_bytes, f"RSS stayed past the bound: {self.summary()}"
+        assert self.ratio() >= min_ratio, f"the real workers slowed more than the control: {self.summary()}"
 
 
 class Victim:
@@ -200,6 +254,77 @@ class Victim:
         rss_after = self.rss() if self.alive() else 0
         return AttackReport(rate_before=rate_before, rate_during=applied / max(elapsed, 1e-9), rss0=rss0,
                             rss_peak=peak, rss_after=rss_after, alive=self.alive(), seconds=elapsed, attack=out)
+
+    # ---- an attack against a control (A B A B)
+    def burn(self, cores: float) -> list[subprocess.Popen]:
+        """Burners using ``cores`` of CPU together (at most one core each), reaped by ``procs``."""
+        n = max(1, int(np.ceil(cores)))
+        ps = [subprocess.Popen([sys.executable, "-c", BURNER, f"{min(1.0, cores / n):.3f}"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+              for _ in range(n if cores > 0.01 else 0)]
+        self.procs.children.extend(ps)
+        return ps
+
+    def _window(self, seconds: float, report: ControlReport,
+                run: Callable[[Callable[[], bool]], Any]) -> tuple[float, float]:
+        """The real workers' rate over one window of at most ``seconds`` in which ``run(running)``
+        runs in a thread (RSS sampled every 50 ms; the window ends when it returns); returns that
+        rate and the window's length, the attacker's CPU in ``report``."""
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                run(lambda: not stop.is_set())
+            except BaseException as e:  # reported in the test's thread
+                errors.append(e)
+
+        th = threading.Thread(target=body, daemon=True)
+        a0, t0, cpu0 = self.events.poll(), time.monotonic(), time.process_time()
+        th.start()
+        while time.monotonic() - t0 < seconds and self.alive() and th.is_alive():
+            report.rss_peak = max(report.rss_peak, self.rss())
+            th.join(0.05)
+        stop.set()
+        th.join(30)
+        elapsed = time.monotonic() - t0
+        report.attacker_cores.append((time.process_time() - cpu0) / elapsed)
+        assert not th.is_alive(), "the window's work did not stop within 30 s of being told"
+        if errors:
+            raise errors[0]
+        return (self.events.poll() - a0) / elapsed, elapsed
+
+    def compare(self, attack: Attack, *, windows: int = 2, seconds: float = 3.0,
+                settle_s: float = 1.5) -> ControlReport:
+        """``windows`` pairs of an attack window (``attack`` runs for at most ``seconds``, or until it
+        returns: a fresh attack each time) and a control window (burners using the CPU the
+        attack's process used in the window before, for as long as that window lasted): the real
+        workers' rates in each (ControlReport)."""
+        report = ControlReport(rss0=self.rss())
+        report.rss_peak = report.rss0
+        lost0 = len(self.events.real_lost)
+        for _ in range(windows):
+            out: dict = {}
+            rate, elapsed = self._window(seconds, report, lambda running, out=out: out.update(
+                attack(self.endpoint, running) or {}))
+            report.attack_rates.append(rate)
+            report.attacks.append(out)
+            burners = self.burn(report.attacker_cores[-1])
+            try:
+                report.control_rates.append(self.rate(elapsed))
+            finally:
+                for b in burners:
+                    b.kill()
+                    b.wait(10)
+        settle_end = time.monotonic() + settle_s
+        while self.alive() and time.monotonic() < settle_end:
+            report.rss_peak = max(report.rss_peak, self.rss())
+            time.sleep(0.05)  # sampling interval
+        report.alive = self.alive()
+        report.rss_after = self.rss() if report.alive else 0
+        self.events.poll()
+        report.real_lost = self.events.real_lost[lost0:]
+        return report
 
     # ---- the end
     def finish(self, *, more_updates: int = 100) -> dict:

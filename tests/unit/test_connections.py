@@ -262,3 +262,65 @@ def test_the_server_heartbeats_three_times_per_liveness_timeout_at_most():
 
     assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=0.5, liveness_timeout_s=3.0)) == 1.0
     assert server_heartbeat_period(CoreConfig(heartbeat_interval_s=2.0, liveness_timeout_s=3.0)) == 2.0
+
+
+def _flood(t: Connections, flooders: list, now: float, source=lambda i: "") -> int:
+    """Every flooder asks again (one waits per connection); the answers given at once."""
+    return sum(t.status_ask(c, i, now, source(i)) for i, c in enumerate(flooders))
+
+
+@pytest.mark.parametrize("same_source", [False, True])
+def test_the_operators_status_is_answered_first_during_a_flood_of_200_connections(same_source):
+    """The issue's flood: 200 connections ask as fast as they can (their waiting requests fill the
+    line at once); the operator's one request, from a connection never answered, is the next one
+    answered, within one global token (0.02 s), whether the flooders come from one source (one
+    host behind the front) as the operator or each from its own. Before, the line was ordered by
+    when each connection's bucket filled, and the operator waited behind all 200 (4 s at 50/s)."""
+    t = table()
+    src = (lambda i: "ip:127.0.0.1") if same_source else (lambda i: f"ip:10.0.0.{i}")
+    flooders = [t.get(i.to_bytes(2, "big"), 0.0) for i in range(200)]
+    now, answered = 0.0, 0
+    while now < 3.0:  # the flood settles into its pace: every flooder waits in line
+        answered += _flood(t, flooders, now, src) + len(t.status_due(now))
+        now += 0.01
+    person = t.get(b"person", now)
+    assert not t.status_ask(person, 42, now, "ip:127.0.0.1")  # the line is full: it takes its place
+    waited = 0.0
+    while True:
+        _flood(t, flooders, now + waited, src)
+        due = t.status_due(now + waited)
+        if (b"person", 42) in due:
+            break
+        waited += 0.005
+        assert waited < 1.0, "the operator's request was not answered"
+    assert waited <= 1 / t.limits.status_global_rate + 0.01
+    assert answered <= t.limits.status_global_burst + t.limits.status_global_rate * 3.0 + 1
+
+
+def test_a_source_shares_one_bucket_and_authenticated_requests_go_first():
+    """One source with 50 connections gets its source's rate, not 50 connections' worth; a
+    request with a key of the allow-list is answered before every anonymous one waiting."""
+    t = table(status_source_rate=10.0, status_source_burst=20.0)
+    many = [t.get(bytes([i]), 0.0) for i in range(50)]
+    answered = 0
+    for k in range(100):  # one second at 0.01 s steps
+        now = k * 0.01
+        answered += _flood(t, many, now, lambda i: "ip:10.0.0.1") + len(t.status_due(now))
+    assert answered <= 20 + 10 * 1.0 + 1  # the source's burst and rate, though the global allows 50/s
+    t2 = table(status_global_rate=10.0, status_global_burst=1.0)
+    anon = [t2.get(bytes([i]), 0.0) for i in range(20)]
+    _flood(t2, anon, 0.0)
+    keyed = t2.get(b"keyed", 0.0)
+    assert not t2.status_ask(keyed, 7, 0.0, "key:abc", auth=True)
+    assert t2.status_due(0.1) == [(b"keyed", 7)]
+
+
+def test_waiting_requests_of_connections_that_went_do_not_pile_up():
+    """100,000 connections ask once and go (idle records evicted): the line holds about one
+    entry per record, however many asked."""
+    t = table(max_idle=100, status_global_rate=1.0, status_global_burst=1.0)
+    for i in range(100_000):
+        c = t.get(i.to_bytes(4, "big"), 0.0)
+        t.status_ask(c, i, 0.0, f"ip:{i}")
+    assert len(t.status_ready) + len(t.status_wait) <= 2 * len(t) + 64 + 1
+    assert len(t.sources) <= len(t)

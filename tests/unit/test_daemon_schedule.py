@@ -164,3 +164,66 @@ def test_identical_heartbeats_queued_in_a_row_are_one():
         assert not d.backlog_hb and not d.backlogged, "nothing kept once the connection's backlog is empty"
     finally:
         d.close()
+
+
+def _hb(busy: int) -> bytes:
+    from protocol.codec import encode
+    from protocol.messages import Heartbeat
+
+    return bytes(encode(Heartbeat(boot=7, credit=1, busy=(busy,), seen=-1))[0])
+
+
+def test_one_connections_heartbeat_flood_costs_its_sender_not_the_real_workers():
+    """Issue 29, point 3: one connection (a worker that answered jobs: its messages go ahead of
+    the backlog) floods heartbeats whose bytes all differ (no repeat to drop). Within one pass
+    of the clock only its connection's heartbeat budget (hb_burst) is handed on, the rest
+    dropped unread and counted (``conn.hb_flood``), and of what it sent only URGENT_PER_PASS go
+    ahead of the real worker's replies read in the same pass; its order is kept."""
+    from ps.drivers.schedule import MAX_READS, URGENT_PER_PASS
+
+    flood = [[F(b"flood"), F(_hb(i))] for i in range(1000)]
+    msgs = flood[:100] + [[F(b"real"), F(b"reply1")]] + flood[100:200] + [[F(b"real"), F(b"reply2")]] + flood[200:]
+    d, core, handled = daemon_with(msgs)
+    d.clock = lambda: 5.0  # one instant: no token refills
+    try:
+        bind(d, core, b"real", "real", jobs_done=3)
+        bind(d, core, b"flood", "flood", jobs_done=3)
+        budget = int(d.conns.limits.hb_burst)
+        assert URGENT_PER_PASS < budget < 100
+        for _ in range(len(msgs) // MAX_READS + 2):  # a pass reads at most MAX_READS
+            d._receive_batch()
+        while d.backlog:
+            d._receive_batch()
+        from_flood = [m for r, m in handled if r == b"flood"]
+        assert from_flood == [_hb(i) for i in range(budget)], "its budget, in its order"
+        assert d.conns.counters.hb_flood == 1000 - budget
+        ahead = handled.index((b"real", b"reply2"))
+        assert handled.index((b"real", b"reply1")) <= URGENT_PER_PASS and ahead <= URGENT_PER_PASS + 1
+    finally:
+        d.close()
+
+
+def test_a_connections_heartbeats_get_its_rate_over_time():
+    """The budget refills at ``hb_rate``: a worker heartbeating as told (every 0.5 s) is never
+    touched; a flood gets hb_rate per second handed on."""
+    now = [0.0]
+    d, core, handled = daemon_with([])
+    d.clock = lambda: now[0]
+    try:
+        bind(d, core, b"w", "w", jobs_done=1)
+        rate = d.conns.limits.hb_rate
+        for k in range(40):  # a polite worker: 20 s, a heartbeat each 0.5 s
+            now[0] = k * 0.5
+            it = iter([[F(b"w"), F(_hb(k))]])  # what the socket holds: received once
+            d.transport.pending = lambda it=it: it
+            d._receive_batch()
+        assert len(handled) == 40 and d.conns.counters.hb_flood == 0
+        handled.clear()
+        for k in range(2000):  # a flood: 1,000/s for 2 s
+            now[0] = 20.0 + k * 0.001
+            it = iter([[F(b"w"), F(_hb(10_000 + k))]])
+            d.transport.pending = lambda it=it: it
+            d._receive_batch()
+        assert len(handled) <= d.conns.limits.hb_burst + 2.0 * rate + 1
+    finally:
+        d.close()
