@@ -24,6 +24,13 @@ LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100
                 max_pending_bytes=150_000)
 
 
+def forwarded(data: bytes, source: str = "127.0.0.1") -> bytes:
+    """What the daemon gets for ``data`` (greeting, READY, ...) under NULL: the READY with the
+    front's ``X-Source`` property (front.with_source), the rest byte for byte."""
+    end = front_module._first_command_end(bytearray(data))
+    return data[:64] + front_module.with_source(data[64:end], source) + data[end:]
+
+
 def wire(messages: list[list[bytes]]) -> bytes:
     out = greeting() + ready()
     for m in messages:
@@ -159,7 +166,8 @@ def test_bytes_pass_both_ways_untouched(relay):
     c, d = relay.client()
     up = wire([[b"a" * 300, b"b" * 60_000], [b"c"]])
     c.sendall(up)
-    assert recv_exactly(d, len(up)) == up
+    seen = forwarded(up)
+    assert recv_exactly(d, len(seen)) == seen and len(seen) > len(up)
     down = os.urandom(300_000)
     d.sendall(down)
     assert recv_exactly(c, len(down)) == down
@@ -248,7 +256,7 @@ def test_large_frames_pass_intact_both_ways(tmp_path, splice):
         frame = os.urandom(4_000_000)
         up = wire([[b"h" * 100, frame], [b"x" * 5000], [b"h" * 100, frame[::-1]]])
         t = send_in_thread(c, up)
-        assert recv_exactly(d, len(up)) == up
+        assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
         t.join(5)
         before = relay.front.spliced
         d.sendall(b"s" * 100)
@@ -280,7 +288,7 @@ def test_a_bound_is_cut_after_a_spliced_body(relay):
     c, d = relay.client()
     head = greeting() + ready() + frame_header(60_000, MORE)
     c.sendall(head + bytes(100))
-    recv_exactly(d, len(head) + 100)
+    recv_exactly(d, len(forwarded(head)) + 100)
     body = os.urandom(59_900)  # skip >= SPLICE_MIN: spliced
     c.sendall(body)
     assert recv_exactly(d, len(body)) == body
@@ -320,7 +328,7 @@ def test_a_side_that_does_not_read_leaves_at_most_chunk_in_the_front(relay):
     got = {}
     reader = threading.Thread(target=lambda: got.setdefault("down", recv_exactly(c, len(down))), daemon=True)
     reader.start()
-    assert recv_exactly(d, len(up)) == up
+    assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
     reader.join(10)
     assert got["down"] == down
     t_up.join(5)
@@ -353,7 +361,7 @@ def test_a_refused_splice_falls_back_to_the_buffer(tmp_path, monkeypatch, where)
         t.join(5)
         up = wire([[os.urandom(60_000)] for _ in range(5)])
         c.sendall(up)
-        assert recv_exactly(d, len(up)) == up
+        assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
         assert relay.front.pipe is None and calls
         if where == "in":
             assert relay.front.spliced == 0
