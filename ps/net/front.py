@@ -243,7 +243,7 @@ class _Pair:
         self.src: _Source | None = None  # the source address's tables while the client is there
         self.born = self.last_done = now  # accepted; the last complete inbound message (or the handshake)
         self.stage = HANDSHAKE  # HANDSHAKE, then OPEN (NULL) or AUTHED (CURVE: the daemon sent READY)
-        self.hs_buf: bytearray | None = None  # NULL: greeting and READY held until READY is whole
+        self.hs_buf: bytearray | None = None  # NULL: the first command, held until it is whole
         self.dscan: bytearray | None = None  # CURVE: the daemon's bytes looked at until its READY
         self.win_start, self.win_bytes = 0.0, 0  # the progress window of an unfinished message
         self.c: socket.socket | None = c
@@ -621,7 +621,7 @@ class Front:
             self._client_gone(p)
             return
         data = self.view[:n]
-        before = parser.unfinished
+        before, greeting = parser.unfinished, GREETING_BYTES - len(parser.greeting)
         try:
             parser.feed(data)
         except Cut as e:
@@ -637,31 +637,30 @@ class Front:
         if n == want and p.short and parser.skip < SPLICE_MIN:
             p.short = False  # small frames queue up: read them CHUNK at a time again
         if p.hs_buf is not None:
-            data = self._hold_handshake(p, data)
+            data = self._hold_handshake(p, data, min(n, greeting))
             if data is None:
+                self._mask(p)
                 return
         self._progress(p, n)
         p.up = data
         self._write_daemon(p)
 
-    def _hold_handshake(self, p: _Pair, data: memoryview) -> bytes | None:
-        """NULL: hold the greeting and the client's first command until that is whole, then
-        pass them on with ``X-Source`` set in a READY (:func:`with_source`). None: still held."""
-        p.hs_buf += data
-        end = _first_command_end(p.hs_buf)
-        if end is None:
-            if len(p.hs_buf) > GREETING_BYTES + 9 + MAX_READY_BYTES:
-                self._cut(p, f"a first command of more than {MAX_READY_BYTES} bytes")
-            else:
-                self._mask(p)
-            return None
-        if end - GREETING_BYTES > 9 + MAX_READY_BYTES:
+    def _hold_handshake(self, p: _Pair, data: memoryview, greeting: int) -> bytes | None:
+        """NULL: pass the greeting on as it comes (libzmq sends the rest of its greeting only
+        once it has read the peer's first bytes), hold the client's first command until it is
+        whole, then pass it on with ``X-Source`` set if it is a READY (:func:`with_source`).
+        ``greeting``: how many bytes at the start of ``data`` are the greeting's. None: nothing
+        to pass on yet."""
+        p.hs_buf += data[greeting:]
+        end = _frame_end(p.hs_buf, 0)
+        if end is None and len(p.hs_buf) > 9 + MAX_READY_BYTES or end is not None and end > 9 + MAX_READY_BYTES:
             self._cut(p, f"a first command of more than {MAX_READY_BYTES} bytes")
             return None
+        if end is None:
+            return bytes(data[:greeting]) or None
         buf, p.hs_buf = p.hs_buf, None
-        out = bytes(buf[:GREETING_BYTES]) + with_source(bytes(buf[GREETING_BYTES:end]), p.src.name) + bytes(buf[end:])
         self._handshake_done(p, OPEN)
-        return out
+        return bytes(data[:greeting]) + with_source(bytes(buf[:end]), p.src.name) + bytes(buf[end:])
 
     def _write_daemon(self, p: _Pair) -> None:
         if p.up:
@@ -787,7 +786,7 @@ class Front:
         while True:
             if len(p.dscan) < GREETING_BYTES:
                 return
-            end = _first_command_end(p.dscan)
+            end = _frame_end(p.dscan, GREETING_BYTES)
             if end is None:
                 return
             body = p.dscan[GREETING_BYTES + (9 if p.dscan[GREETING_BYTES] & LONG else 2):end]
@@ -895,16 +894,14 @@ def _source_of(c: socket.socket, addr) -> str:
     return host[7:] if host.startswith("::ffff:") and "." in host else host
 
 
-def _first_command_end(buf: bytearray) -> int | None:
-    """Where the first frame after the greeting in ``buf`` ends, or None if not all here."""
-    if len(buf) <= GREETING_BYTES:
+def _frame_end(buf: bytearray, at: int) -> int | None:
+    """Where the frame starting at ``at`` in ``buf`` ends, or None if it is not all here."""
+    if len(buf) <= at:
         return None
-    flags = buf[GREETING_BYTES]
-    hl = 9 if flags & LONG else 2
-    if len(buf) < GREETING_BYTES + hl:
+    hl = 9 if buf[at] & LONG else 2
+    if len(buf) < at + hl:
         return None
-    size = int.from_bytes(buf[GREETING_BYTES + 1:GREETING_BYTES + hl], "big")
-    end = GREETING_BYTES + hl + size
+    end = at + hl + int.from_bytes(buf[at + 1:at + hl], "big")
     return end if len(buf) >= end else None
 
 

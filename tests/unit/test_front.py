@@ -27,7 +27,7 @@ LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100
 def forwarded(data: bytes, source: str = "127.0.0.1") -> bytes:
     """What the daemon gets for ``data`` (greeting, READY, ...) under NULL: the READY with the
     front's ``X-Source`` property (front.with_source), the rest byte for byte."""
-    end = front_module._first_command_end(bytearray(data))
+    end = front_module._frame_end(bytearray(data), 64)
     return data[:64] + front_module.with_source(data[64:end], source) + data[end:]
 
 
@@ -195,7 +195,7 @@ def test_a_client_reset_reaches_the_daemon_as_an_orderly_end(relay):
 def test_a_cut_client_gets_a_reset_and_the_daemon_an_eof(relay):
     c, d = relay.client()
     c.sendall(greeting() + ready())
-    recv_exactly(d, 64 + len(ready()))
+    recv_exactly(d, len(forwarded(greeting() + ready())))
     for _ in range(2):
         c.sendall(frame_header(60_000, MORE) + bytes(60_000))
     with pytest.raises(ConnectionResetError):
@@ -211,7 +211,7 @@ def test_all_unfinished_messages_together_are_bounded(relay):
     (c1, d1), (c2, d2) = relay.client(), relay.client()
     for c, d in ((c1, d1), (c2, d2)):
         c.sendall(greeting() + ready() + frame_header(50_000, MORE) + bytes(10))
-        recv_exactly(d, 64 + len(ready()) + 9 + 10)
+        recv_exactly(d, len(forwarded(greeting() + ready())) + 9 + 10)
     # 2 x 50,000 declared; a third connection's 60,000 passes 150,000
     c3, d3 = relay.client()
     c3.sendall(greeting() + ready() + frame_header(60_000, MORE))
