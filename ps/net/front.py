@@ -433,8 +433,6 @@ class Front:
     # ---------------------------------------------------------------- connections
     def _accept(self) -> None:
         for _ in range(64):
-            if not self._make_room():
-                return
             try:
                 c, addr = self.listener.accept()
             except BlockingIOError:
@@ -455,12 +453,17 @@ class Front:
                 c.close()
                 self._log_cut(f"{source} holds {per} connections (serve --max-connections-per-source)")
                 continue
+            if not self._make_room():  # FD_RESERVE holds the accepted socket meanwhile
+                self.refused += 1
+                c.close()
+                return
             if not self._connect(c, source):
                 return
 
     def _make_room(self) -> bool:
-        """Room for one more client (two descriptors) within the budget, shedding connections
-        that may be shed (:meth:`_shed_one`) until there is. False: none may be, accepts pause."""
+        """Room for the client just accepted (two descriptors) within the budget, shedding
+        connections that may be shed (:meth:`_shed_one`) until there is. False: none may be (it
+        is closed, and accepts pause)."""
         while 2 * self.clients + len(self.draining) + 2 > self.budget.max_fds:
             if not self._shed_one(f"the front's {self.budget.max_clients} connections are taken"):
                 self._pause_accepts(f"all {self.clients} connections are authenticated or draining")
@@ -468,7 +471,7 @@ class Front:
         return True
 
     def _pause_accepts(self, why: str) -> None:
-        """Nothing can be shed: new clients wait in the listen backlog for 0.2 s."""
+        """Nothing can be shed: further clients wait in the listen backlog for 0.2 s."""
         self._log_cut(f"{why}: pausing accepts for 0.2 s")
         self._set_accepting(False)
         self.accept_paused_until = self.clock() + 0.2

@@ -4,10 +4,12 @@ byte every ``--every`` seconds of a frame that never ends (the issue's trickle).
 
     python -m tests.integration.trickle tcp://127.0.0.1:5555 --count 10000 --source 127.0.0.2
 
-It prints ``held K`` once every client has connected and sent its handshake (K: those still
-open), then ``closed K`` whenever the number the server closed changes, and exits when its
-stdin closes (the test's end) or after ``--max-s``. It runs in a process of its own: 10,000
-sockets need a limit on open files that the test process shares with its other work.
+It prints ``held K closed C failed F answered A`` once every client has connected, sent its
+handshake and been answered by the server (K: those still open; C: those the server closed;
+A: those answered, which the front accepted rather than left in the listen backlog), then
+``closed K`` whenever the number the server closed changes, and exits when its stdin closes
+(the test's end) or after ``--max-s``. It runs in a process of its own: 10,000 sockets need a
+limit on open files that the test process shares with its other work.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Attacker:
         self.closed = 0
         self.failed = 0
         self.hello = greeting() + ready()
+        self.greeted: set[int] = set()  # connections the server answered (accepted by the front, not backlogged)
 
     def connect_batch(self, n: int, timeout: float = 30.0) -> None:
         """Open ``n`` connections and send each its greeting and READY once it is writable."""
@@ -84,7 +87,10 @@ class Attacker:
             data = s.recv(65536)  # the server's greeting and READY: read and dropped
         except OSError:
             data = b""
+        if data:
+            self.greeted.add(fd)
         if not data or ev & (select.EPOLLHUP | select.EPOLLERR | select.EPOLLRDHUP):
+            self.greeted.discard(fd)
             self.ep.unregister(fd)
             del self.open[fd]
             s.close()
@@ -119,8 +125,11 @@ def main() -> None:
     while len(att.open) + att.closed + att.failed < count and time.monotonic() - t0 < a.max_s:
         att.connect_batch(min(BATCH, count - len(att.open) - att.closed - att.failed))
         att.pump(0)
-    print(f"held {len(att.open)} closed {att.closed} failed {att.failed} in {time.monotonic() - t0:.1f} s",
-          flush=True)
+    settle = time.monotonic() + 120  # until the server has answered every connection still open
+    while len(att.greeted) < len(att.open) and time.monotonic() < settle:
+        att.pump(0.2)
+    print(f"held {len(att.open)} closed {att.closed} failed {att.failed} answered {len(att.greeted)} "
+          f"in {time.monotonic() - t0:.1f} s", flush=True)
     # a frame header that never ends: LONG flags, then its 8 size bytes one by one, then the body
     stream = bytes([0x02]) + (1 << 40).to_bytes(8, "big") + bytes(1 << 16)
     i, last, next_byte = 0, -1, time.monotonic() + a.every
