@@ -67,10 +67,51 @@ CUT_LOG_INTERVAL_S = 1.0  # one log line per this interval for cut connections (
 SPLICE_MIN = 16 * 1024  # a frame body at least this long still to pass is spliced, not read
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 _NO_SPLICE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # refused: read instead
+FD_RESERVE = 64  # descriptors kept out of the connection budget: the listener, epoll, pipes, logs, the child
+HANDSHAKE_S = 10.0  # a connection must finish its ZMTP handshake within this (NULL: its READY; CURVE: READY back)
+PROGRESS_WINDOW_S = 5.0  # an unfinished message must finish, or bring PROGRESS_FLOOR_BYTES, in every such window
+PROGRESS_FLOOR_BYTES = 64 * 1024  # 13 KB/s: a 40 MB gradient at this floor takes 51 min; a trickler is cut
+MAX_READY_BYTES = 8 * 1024  # under NULL the client's first command (READY) is held whole to add X-Source
+CHECK_EVERY_S = 0.5  # how often the handshake and progress deadlines are looked at
+SOURCE_PROPERTY = b"X-Source"  # the READY property the front sets to the client's address (NULL only)
 
 
 class Cut(Exception):
     """A client broke a bound; the text says which (one line)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the front spends on connections (SECURITY.md, "Limits and rates": the descriptors).
+
+    Args:
+        max_fds: descriptors connections may hold: two for each client (its socket and the
+            front's socket to the daemon), one for each client gone whose daemon side drains.
+        per_source: the most connections one source address may hold (0: no cap; many workers
+            can share one address behind a NAT, and the scale benchmark runs 9,000 from 127.0.0.1).
+        handshake_s: the ZMTP handshake's deadline from accept.
+        window_s, floor_bytes: an unfinished message must finish, or bring ``floor_bytes``, in
+            every ``window_s`` (counted only while the daemon takes what the front sends).
+    """
+
+    max_fds: int
+    per_source: int = 0
+    handshake_s: float = HANDSHAKE_S
+    window_s: float = PROGRESS_WINDOW_S
+    floor_bytes: int = PROGRESS_FLOOR_BYTES
+
+    @classmethod
+    def from_rlimit(cls, **kw) -> "Budget":
+        """The budget the soft limit on open files leaves (raise it to the hard one first)."""
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+        return cls(max_fds=max(4, soft - FD_RESERVE), **kw)
+
+    @property
+    def max_clients(self) -> int:
+        return self.max_fds // 2
 
 
 @dataclass(frozen=True)
@@ -195,9 +236,16 @@ class _Pair:
     """One client connection and the front's connection to the daemon for it."""
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
-                 "short", "up_full", "down_full", "big_down")
+                 "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
+                 "dscan", "win_start", "win_bytes")
 
-    def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser) -> None:
+    def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser, now: float = 0.0) -> None:
+        self.src: _Source | None = None  # the source address's tables while the client is there
+        self.born = self.last_done = now  # accepted; the last complete inbound message (or the handshake)
+        self.stage = HANDSHAKE  # HANDSHAKE, then OPEN (NULL) or AUTHED (CURVE: the daemon sent READY)
+        self.hs_buf: bytearray | None = None  # NULL: the first command, held until it is whole
+        self.dscan: bytearray | None = None  # CURVE: the daemon's bytes looked at until its READY
+        self.win_start, self.win_bytes = 0.0, 0  # the progress window of an unfinished message
         self.c: socket.socket | None = c
         self.d: socket.socket | None = d
         self.cfd, self.dfd = c.fileno(), d.fileno()
@@ -214,6 +262,31 @@ class _Pair:
         self.big_down = False  # the daemon's last read was large: splice the next (small ones are copied)
 
 
+HANDSHAKE, OPEN, AUTHED = 0, 1, 2
+
+
+class _Source:
+    """The connections of one source address, in the order they would be shed."""
+
+    __slots__ = ("name", "hs", "open", "total", "n")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hs: dict[_Pair, None] = {}  # in their handshake, oldest first
+        self.open: dict[_Pair, None] = {}  # past it (not authenticated), the oldest last message first
+        self.total = 0  # every connection of this source (authenticated ones included)
+        self.n = 0  # the ones that may be shed: len(hs) + len(open)
+
+    def victim(self) -> _Pair:
+        """The connection that has gone longest without a sign of life: the oldest handshake
+        (from accept) or the oldest last complete message, whichever is older."""
+        h = next(iter(self.hs), None)
+        o = next(iter(self.open), None)
+        if h is None or (o is not None and o.last_done < h.born):
+            return o
+        return h
+
+
 class Front:
     """The relay's event loop (epoll, level-triggered, one thread).
 
@@ -224,7 +297,17 @@ class Front:
     """
 
     def __init__(self, listener: socket.socket, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic, splice: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, splice: bool = True,
+                 budget: Budget | None = None) -> None:
+        self.budget = budget if budget is not None else Budget.from_rlimit()
+        self.sources: dict[str, _Source] = {}
+        self.by_n: dict[int, dict[str, None]] = {}  # sheddable count -> the sources with it
+        self.top_n = 0  # an upper bound on the largest sheddable count
+        self.clients = 0  # client sockets open
+        self.handshaking: dict[_Pair, None] = {}  # every connection in its handshake, oldest first
+        self.mid: set[_Pair] = set()  # connections with an unfinished message (progress windows)
+        self.next_check = 0.0
+        self.shed = self.refused = 0
         self.listener = listener
         listener.setblocking(False)
         self.limits = limits
@@ -277,8 +360,8 @@ class Front:
     def run_once(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for events and handle them."""
         now = self.clock()
-        if self.draining:
-            timeout = min(timeout, 0.5)
+        if self.draining or self.handshaking or self.mid:
+            timeout = min(timeout, CHECK_EVERY_S)
         if not self.accepting and self.backend is not None and now >= self.accept_paused_until:
             self._set_accepting(True)
         try:
@@ -316,10 +399,31 @@ class Front:
                         self._read_daemon(p)
                     elif ev & _GONE:
                         self._daemon_gone(p)
+        now = self.clock()
         if self.draining:
-            now = self.clock()
             for p in [p for p in self.draining if now - p.closing_since > DRAIN_S]:
                 self._close_pair(p)  # the daemon did not close in time: close (it has read our EOF or will)
+        if now >= self.next_check:
+            self.next_check = now + CHECK_EVERY_S
+            self.check_deadlines(now)
+
+    def check_deadlines(self, now: float) -> None:
+        """Cut the connections past the handshake deadline, and those whose unfinished message
+        brought less than the floor in its last window while the daemon was taking their bytes."""
+        b = self.budget
+        while self.handshaking:
+            p = next(iter(self.handshaking))
+            if now - p.born < b.handshake_s:
+                break
+            self._cut(p, f"no ZMTP handshake within {b.handshake_s:g} s")
+        for p in [p for p in self.mid if now - p.win_start >= b.window_s]:
+            if p.up or p.up_full:  # the daemon is not reading: the slowness is not the client's
+                p.win_start, p.win_bytes = now, 0
+            elif p.win_bytes < b.floor_bytes:
+                self._cut(p, f"an unfinished message brought {p.win_bytes} bytes in {b.window_s:g} s "
+                             f"(at least {b.floor_bytes} per {b.window_s:g} s, or finish it)")
+            else:
+                p.win_start, p.win_bytes = now, 0
 
     def close(self) -> None:
         self.set_backend(None)
@@ -330,42 +434,165 @@ class Front:
     def _accept(self) -> None:
         for _ in range(64):
             try:
-                c, _addr = self.listener.accept()
+                c, addr = self.listener.accept()
             except BlockingIOError:
                 return
             except OSError as e:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("cannot accept more connections (%s): pausing accepts for 1 s", os.strerror(e.errno))
-                    self._set_accepting(False)
-                    self.accept_paused_until = self.clock() + 1.0
+                    if self._shed_one(f"no descriptor left ({os.strerror(e.errno)})"):
+                        continue  # room made at once: accept again
+                    self._pause_accepts(f"cannot accept more connections ({os.strerror(e.errno)})")
                     return
                 if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
                     continue
                 raise
-            try:
-                d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            except OSError as e:
+            source = _source_of(c, addr)
+            per = self.budget.per_source
+            if per and source in self.sources and self.sources[source].total >= per:
+                self.refused += 1
                 c.close()
-                log.warning("cannot open a connection to the daemon (%s)", e)
-                return
-            d.setblocking(False)
-            try:
-                d.connect(self.backend)
-            except OSError as e:  # the daemon's backlog is full or it is going: the client retries
-                c.close()
-                d.close()
-                log.debug("connection to the daemon refused: %s", e)
+                self._log_cut(f"{source} holds {per} connections (serve --max-connections-per-source)")
                 continue
-            c.setblocking(False)
-            if c.family in (socket.AF_INET, socket.AF_INET6):
-                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _keepalive(c)
-            p = _Pair(c, d, InboundParser(self.limits))
-            self.pairs[p.cfd] = p
-            self.pairs[p.dfd] = p
-            self.ep.register(p.cfd, select.EPOLLIN)
-            self.ep.register(p.dfd, select.EPOLLIN)
-            self.accepted += 1
+            if not self._make_room():  # FD_RESERVE holds the accepted socket meanwhile
+                self.refused += 1
+                c.close()
+                return
+            if not self._connect(c, source):
+                return
+
+    def _make_room(self) -> bool:
+        """Room for the client just accepted (two descriptors) within the budget, shedding
+        connections that may be shed (:meth:`_shed_one`) until there is. False: none may be (it
+        is closed, and accepts pause)."""
+        while 2 * self.clients + len(self.draining) + 2 > self.budget.max_fds:
+            if not self._shed_one(f"the front's {self.budget.max_clients} connections are taken"):
+                self._pause_accepts(f"all {self.clients} connections are authenticated or draining")
+                return False
+        return True
+
+    def _pause_accepts(self, why: str) -> None:
+        """Nothing can be shed: further clients wait in the listen backlog for 0.2 s."""
+        self._log_cut(f"{why}: pausing accepts for 0.2 s")
+        self._set_accepting(False)
+        self.accept_paused_until = self.clock() + 0.2
+
+    def _shed_one(self, why: str) -> bool:
+        """Cut the connection that has waited longest without a sign of life (see
+        :meth:`_Source.victim`), from the source address with the most connections that may be
+        shed. An authenticated connection (CURVE) is never shed. False: none may be."""
+        while self.top_n and not self.by_n.get(self.top_n):
+            self.top_n -= 1
+        if not self.top_n:
+            return False
+        src = self.sources[next(iter(self.by_n[self.top_n]))]
+        self.shed += 1
+        self._cut(src.victim(), f"shed to make room ({why}; {src.name} holds {src.total})")
+        return True
+
+    def _connect(self, c: socket.socket, source: str) -> bool:
+        """Pair an accepted client with a new connection to the daemon. False: stop accepting
+        for now (no descriptor for the daemon's side)."""
+        try:
+            d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:
+            c.close()
+            log.warning("cannot open a connection to the daemon (%s)", e)
+            return False
+        d.setblocking(False)
+        try:
+            d.connect(self.backend)
+        except OSError as e:  # the daemon's backlog is full or it is going: the client retries
+            c.close()
+            d.close()
+            log.debug("connection to the daemon refused: %s", e)
+            return True
+        c.setblocking(False)
+        if c.family in (socket.AF_INET, socket.AF_INET6):
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(c)
+        p = _Pair(c, d, InboundParser(self.limits), self.clock())
+        if self.limits.mechanism == b"NULL":
+            p.hs_buf = bytearray()
+        else:
+            p.dscan = bytearray()
+        self.pairs[p.cfd] = p
+        self.pairs[p.dfd] = p
+        self.ep.register(p.cfd, select.EPOLLIN)
+        self.ep.register(p.dfd, select.EPOLLIN)
+        self.accepted += 1
+        self._track(p, source)
+        return True
+
+    # ---------------------------------------------------------------- accounting per source
+    def _bump(self, src: _Source, delta: int) -> None:
+        """Move a source between the buckets of its sheddable count."""
+        if src.n:
+            bucket = self.by_n[src.n]
+            del bucket[src.name]
+            if not bucket:
+                del self.by_n[src.n]
+        src.n += delta
+        if src.n:
+            self.by_n.setdefault(src.n, {})[src.name] = None
+            self.top_n = max(self.top_n, src.n)
+
+    def _track(self, p: _Pair, source: str) -> None:
+        src = self.sources.get(source)
+        if src is None:
+            src = self.sources[source] = _Source(source)
+        p.src = src
+        src.total += 1
+        src.hs[p] = None
+        self.handshaking[p] = None
+        self.clients += 1
+        self._bump(src, 1)
+
+    def _untrack(self, p: _Pair) -> None:
+        """The client is gone: out of every table (idempotent)."""
+        src = p.src
+        if src is None:
+            return
+        p.src = None
+        self.clients -= 1
+        self.handshaking.pop(p, None)
+        self.mid.discard(p)
+        src.total -= 1
+        if src.hs.pop(p, 0) is None or src.open.pop(p, 0) is None:
+            self._bump(src, -1)
+        if not src.total:
+            del self.sources[src.name]
+
+    def _handshake_done(self, p: _Pair, stage: int) -> None:
+        """The client finished its handshake: OPEN (NULL), or AUTHED (CURVE: never shed)."""
+        src = p.src
+        if src is None or p.stage != HANDSHAKE:
+            return
+        p.stage = stage
+        self.handshaking.pop(p, None)
+        del src.hs[p]
+        p.last_done = self.clock()
+        if stage == OPEN:
+            src.open[p] = None
+        else:
+            self._bump(src, -1)
+
+    def _progress(self, p: _Pair, n: int) -> None:
+        """``n`` bytes of the client's arrived: a message finished (its last frame's body
+        passed) or the unfinished one's window counts them."""
+        if p.stage == HANDSHAKE or p.src is None:
+            return
+        parser = p.parser
+        if parser.skip or parser.header_need or parser.frames:
+            if p not in self.mid:
+                self.mid.add(p)
+                p.win_start, p.win_bytes = self.clock(), 0
+            p.win_bytes += n
+            return
+        self.mid.discard(p)
+        p.last_done = self.clock()
+        if p.stage == OPEN:  # to the end of the shedding order
+            del p.src.open[p]
+            p.src.open[p] = None
 
     def _mask(self, p: _Pair) -> None:
         """Read a side only when what was read from it has gone to the other side."""
@@ -397,7 +624,7 @@ class Front:
             self._client_gone(p)
             return
         data = self.view[:n]
-        before = parser.unfinished
+        before, greeting = parser.unfinished, GREETING_BYTES - len(parser.greeting)
         try:
             parser.feed(data)
         except Cut as e:
@@ -412,8 +639,31 @@ class Front:
                 return
         if n == want and p.short and parser.skip < SPLICE_MIN:
             p.short = False  # small frames queue up: read them CHUNK at a time again
+        if p.hs_buf is not None:
+            data = self._hold_handshake(p, data, min(n, greeting))
+            if data is None:
+                self._mask(p)
+                return
+        self._progress(p, n)
         p.up = data
         self._write_daemon(p)
+
+    def _hold_handshake(self, p: _Pair, data: memoryview, greeting: int) -> bytes | None:
+        """NULL: pass the greeting on as it comes (libzmq sends the rest of its greeting only
+        once it has read the peer's first bytes), hold the client's first command until it is
+        whole, then pass it on with ``X-Source`` set if it is a READY (:func:`with_source`).
+        ``greeting``: how many bytes at the start of ``data`` are the greeting's. None: nothing
+        to pass on yet."""
+        p.hs_buf += data[greeting:]
+        end = _frame_end(p.hs_buf, 0)
+        if end is None and len(p.hs_buf) > 9 + MAX_READY_BYTES or end is not None and end > 9 + MAX_READY_BYTES:
+            self._cut(p, f"a first command of more than {MAX_READY_BYTES} bytes")
+            return None
+        if end is None:
+            return bytes(data[:greeting]) or None
+        buf, p.hs_buf = p.hs_buf, None
+        self._handshake_done(p, OPEN)
+        return bytes(data[:greeting]) + with_source(bytes(buf[:end]), p.src.name) + bytes(buf[end:])
 
     def _write_daemon(self, p: _Pair) -> None:
         if p.up:
@@ -440,6 +690,7 @@ class Front:
         if n > 0:
             p.parser.skip -= n  # a body changes nothing the bounds count
             self.spliced += n
+            self._progress(p, n)
             p.up, failed = self._splice_out(p.dfd, n)
             if failed:
                 self._daemon_gone(p)
@@ -512,7 +763,7 @@ class Front:
         return True
 
     def _read_daemon(self, p: _Pair) -> None:
-        if p.big_down and p.c is not None and self.pipe is not None and self._splice_down(p):
+        if p.big_down and p.dscan is None and p.c is not None and self.pipe is not None and self._splice_down(p):
             return
         try:
             n = p.d.recv_into(self.view, CHUNK)
@@ -527,7 +778,26 @@ class Front:
             return
         p.big_down = n >= SPLICE_MIN
         p.down = self.view[:n]
+        if p.dscan is not None:
+            self._scan_down(p, p.down)
         self._write_client(p)
+
+    def _scan_down(self, p: _Pair, data: memoryview) -> None:
+        """CURVE: the daemon's READY command means ZAP accepted the client's key (libzmq sends it
+        after INITIATE checked out): from then on the connection is authenticated."""
+        p.dscan += data
+        while True:
+            if len(p.dscan) < GREETING_BYTES:
+                return
+            end = _frame_end(p.dscan, GREETING_BYTES)
+            if end is None:
+                return
+            body = p.dscan[GREETING_BYTES + (9 if p.dscan[GREETING_BYTES] & LONG else 2):end]
+            if p.dscan[GREETING_BYTES] & COMMAND and body[:6] == b"\x05READY":
+                p.dscan = None
+                self._handshake_done(p, AUTHED)
+                return
+            del p.dscan[GREETING_BYTES:end]  # WELCOME (or another command): look at the next
 
     def _write_client(self, p: _Pair) -> None:
         if p.down:
@@ -544,8 +814,8 @@ class Front:
             p.down_full = False
         self._mask(p)
 
-    def _cut(self, p: _Pair, why: str) -> None:
-        self.cut += 1
+    def _log_cut(self, why: str) -> None:
+        """One log line per CUT_LOG_INTERVAL_S for cut, shed and refused connections."""
         now = self.clock()
         if now - self.last_cut_log >= CUT_LOG_INTERVAL_S:
             more = f" ({self.cuts_unlogged} more cut since the last line)" if self.cuts_unlogged else ""
@@ -553,6 +823,10 @@ class Front:
             self.last_cut_log, self.cuts_unlogged = now, 0
         else:
             self.cuts_unlogged += 1
+
+    def _cut(self, p: _Pair, why: str) -> None:
+        self.cut += 1
+        self._log_cut(why)
         if p.c is not None:
             try:  # the client gets a reset: it broke a bound, nothing it sent is kept
                 p.c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -569,6 +843,7 @@ class Front:
         """Close the client; half-close the daemon side and drain it until the daemon closes
         (what the client sent and the daemon has not read is dropped with the connection)."""
         self._release(p)
+        self._untrack(p)
         if p.c is not None:
             self.pairs.pop(p.cfd, None)
             self.ep.unregister(p.cfd)
@@ -599,6 +874,7 @@ class Front:
 
     def _close_pair(self, p: _Pair) -> None:
         self._release(p)
+        self._untrack(p)
         self.draining.discard(p)
         for attr in ("c", "d"):
             s = getattr(p, attr)
@@ -610,6 +886,64 @@ class Front:
                     pass
                 s.close()
                 setattr(p, attr, None)
+
+
+def _source_of(c: socket.socket, addr) -> str:
+    """The client's source address as text ("unix" for a Unix socket; an IPv4 address mapped
+    into IPv6 by a dual-stack listener as plain IPv4)."""
+    if c.family == socket.AF_UNIX:
+        return "unix"
+    host = str(addr[0])
+    return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+def _frame_end(buf: bytearray, at: int) -> int | None:
+    """Where the frame starting at ``at`` in ``buf`` ends, or None if it is not all here."""
+    if len(buf) <= at:
+        return None
+    hl = 9 if buf[at] & LONG else 2
+    if len(buf) < at + hl:
+        return None
+    end = at + hl + int.from_bytes(buf[at + 1:at + hl], "big")
+    return end if len(buf) >= end else None
+
+
+def _properties(data: bytes) -> list[tuple[bytes, bytes]] | None:
+    """ZMTP metadata properties (name length, name, 4-byte value length, value), or None if
+    they do not parse (the daemon's libzmq then rejects the command itself)."""
+    out, i = [], 0
+    while i < len(data):
+        k = data[i]
+        name = data[i + 1:i + 1 + k]
+        i += 1 + k
+        if k == 0 or len(name) < k or i + 4 > len(data):
+            return None
+        v = int.from_bytes(data[i:i + 4], "big")
+        value = data[i + 4:i + 4 + v]
+        i += 4 + v
+        if len(value) < v:
+            return None
+        out.append((name, value))
+    return out
+
+
+def with_source(frame: bytes, source: str) -> bytes:
+    """A client's first command frame with the ``X-Source`` property set to ``source`` if it is
+    a READY (any ``X-Source`` the client sent itself is dropped: it cannot spoof its address);
+    anything else unchanged. The daemon reads it as ``frame.get("X-Source")`` (zmq_msg_gets)."""
+    flags = frame[0]
+    body = frame[9 if flags & LONG else 2:]
+    if not flags & COMMAND or body[:6] != b"\x05READY":
+        return frame
+    props = _properties(body[6:])
+    if props is None:
+        return frame
+    value = source.encode()
+    out = b"\x05READY" + b"".join(bytes([len(k)]) + k + len(v).to_bytes(4, "big") + v
+                                  for k, v in props if k.lower() != SOURCE_PROPERTY.lower())
+    out += bytes([len(SOURCE_PROPERTY)]) + SOURCE_PROPERTY + len(value).to_bytes(4, "big") + value
+    head = bytes([COMMAND, len(out)]) if len(out) <= 255 else bytes([COMMAND | LONG]) + len(out).to_bytes(8, "big")
+    return head + out
 
 
 def _open_pipe() -> tuple[int, int] | None:

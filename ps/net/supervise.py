@@ -76,6 +76,15 @@ class ServeCommand(click.Command):
                          callback=_store, is_eager=True,
                          help="Bytes all connections' unfinished messages may hold in the server together "
                               "[default: max(256 MiB, 8 x the largest message a worker sends)]."),
+            click.Option(["--max-connections"], type=click.IntRange(min=1), default=None, expose_value=False,
+                         callback=_store, is_eager=True,
+                         help="Connections the front holds at once; past it, a new one sheds the connection "
+                              "silent longest, from the address holding the most (never an authenticated one) "
+                              "[default: (the hard limit on open files - 64) / 2]."),
+            click.Option(["--max-connections-per-source"], type=click.IntRange(min=0), default=0, show_default=True,
+                         expose_value=False, callback=_store, is_eager=True,
+                         help="Connections one source address may hold (0: no cap; workers behind one NAT "
+                              "share an address). Past it, new connections from it are closed at once."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),
         ]
@@ -196,6 +205,19 @@ def _limits(info: dict[str, Any], max_unfinished: int | None):
                   max_pending_bytes=max_unfinished or max(256 << 20, 8 * largest))
 
 
+def _budget(max_connections: int | None, per_source: int):
+    """The front's connection budget (SECURITY.md, "Limits and rates"): two descriptors per client
+    within the soft limit (raised to the hard one) less FD_RESERVE. The daemon, started after the
+    raise, has the same limit and holds one descriptor per client and per client draining, at
+    most ``max_fds`` in all: its own baseline (libzmq, the journal, logs) fits in the reserve."""
+    from ps.net.front import Budget
+
+    b = Budget.from_rlimit(per_source=per_source)
+    if max_connections is not None and 2 * max_connections < b.max_fds:
+        b = Budget(max_fds=2 * max_connections, per_source=per_source)
+    return b
+
+
 def _raise_nofile() -> None:
     """Two descriptors per connection: take the hard limit on open files."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -223,9 +245,11 @@ class Supervisor:
         max_unfinished: ``--max-unfinished-bytes`` (None: the default).
     """
 
-    def __init__(self, bind: str, argv: list[str], state_dir: str | None, max_unfinished: int | None) -> None:
+    def __init__(self, bind: str, argv: list[str], state_dir: str | None, max_unfinished: int | None,
+                 max_connections: int | None = None, per_source: int = 0) -> None:
         from ps.net.front import Front
 
+        self.max_connections, self.per_source = max_connections, per_source
         self.bind = bind
         self.argv = argv
         self.state_dir = state_dir
@@ -402,7 +426,7 @@ class Supervisor:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, self._handler)
         placeholder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # until the public one is bound
-        self.front = Front(placeholder)
+        self.front = Front(placeholder, budget=_budget(self.max_connections, self.per_source))
         self.front.watch(self.sig_r.fileno(), self._on_signal_fd)
         try:
             self._spawn()
@@ -433,4 +457,5 @@ class Supervisor:
 def supervise(bind: str, state_dir: str | None) -> int:
     """Run ``serve`` supervised (the command line's own arguments); returns the exit status."""
     m = _meta()
-    return Supervisor(bind, list(m.get("argv", [])), state_dir, m.get("max_unfinished_bytes")).run()
+    return Supervisor(bind, list(m.get("argv", [])), state_dir, m.get("max_unfinished_bytes"),
+                      m.get("max_connections"), m.get("max_connections_per_source") or 0).run()

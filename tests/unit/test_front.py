@@ -17,11 +17,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ps.net import front as front_module
-from ps.net.front import CHUNK, SPLICE_MIN, Cut, Front, InboundParser, Limits, endpoint_of, listen
+from ps.net.front import CHUNK, SPLICE_MIN, Budget, Cut, Front, InboundParser, Limits, endpoint_of, listen
 from tests.integration.zmtp_raw import COMMAND, LONG, MORE, command, frame_header, greeting, ready
 
 LIMITS = Limits(mechanism=b"NULL", max_frame_bytes=70_000, max_message_bytes=100_000, max_frames=17,
                 max_pending_bytes=150_000)
+
+
+def forwarded(data: bytes, source: str = "127.0.0.1") -> bytes:
+    """What the daemon gets for ``data`` (greeting, READY, ...) under NULL: the READY with the
+    front's ``X-Source`` property (front.with_source), the rest byte for byte."""
+    end = front_module._frame_end(bytearray(data), 64)
+    return data[:64] + front_module.with_source(data[64:end], source) + data[end:]
 
 
 def wire(messages: list[list[bytes]]) -> bytes:
@@ -86,7 +93,8 @@ def test_under_curve_frames_are_bounded_one_by_one():
 class Relay:
     """A Front between a TCP listener and a Unix socket we hold the other end of (the daemon)."""
 
-    def __init__(self, tmp_path, splice: bool = True, limits: Limits = LIMITS) -> None:
+    def __init__(self, tmp_path, splice: bool = True, limits: Limits = LIMITS, budget: Budget | None = None,
+                 clock=time.monotonic) -> None:
         self.backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.path = str(tmp_path / "d.sock")
         self.backend.bind(self.path)
@@ -94,7 +102,7 @@ class Relay:
         self.backend.settimeout(5)
         self.listener = listen("tcp://127.0.0.1:0")
         self.endpoint = endpoint_of(self.listener, "tcp://127.0.0.1:0")
-        self.front = Front(self.listener, limits, splice=splice)
+        self.front = Front(self.listener, limits, splice=splice, budget=budget, clock=clock)
         self.front.set_backend(self.path)
         self.stop = threading.Event()
         self.resume()
@@ -114,10 +122,14 @@ class Relay:
         while not self.stop.is_set():
             self.front.run_once(0.02)
 
-    def client(self) -> tuple[socket.socket, socket.socket]:
-        """A client connection and the daemon's end of it."""
+    def connect(self, source: str = "127.0.0.1") -> socket.socket:
+        """A client connection from ``source`` (not yet accepted, perhaps)."""
         host, port = self.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        c = socket.create_connection((host, int(port)), timeout=5)
+        return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+
+    def client(self, source: str = "127.0.0.1") -> tuple[socket.socket, socket.socket]:
+        """A client connection and the daemon's end of it."""
+        c = self.connect(source)
         d, _ = self.backend.accept()
         d.settimeout(5)
         return c, d
@@ -159,7 +171,8 @@ def test_bytes_pass_both_ways_untouched(relay):
     c, d = relay.client()
     up = wire([[b"a" * 300, b"b" * 60_000], [b"c"]])
     c.sendall(up)
-    assert recv_exactly(d, len(up)) == up
+    seen = forwarded(up)
+    assert recv_exactly(d, len(seen)) == seen and len(seen) > len(up)
     down = os.urandom(300_000)
     d.sendall(down)
     assert recv_exactly(c, len(down)) == down
@@ -187,7 +200,7 @@ def test_a_client_reset_reaches_the_daemon_as_an_orderly_end(relay):
 def test_a_cut_client_gets_a_reset_and_the_daemon_an_eof(relay):
     c, d = relay.client()
     c.sendall(greeting() + ready())
-    recv_exactly(d, 64 + len(ready()))
+    recv_exactly(d, len(forwarded(greeting() + ready())))
     for _ in range(2):
         c.sendall(frame_header(60_000, MORE) + bytes(60_000))
     with pytest.raises(ConnectionResetError):
@@ -203,7 +216,7 @@ def test_all_unfinished_messages_together_are_bounded(relay):
     (c1, d1), (c2, d2) = relay.client(), relay.client()
     for c, d in ((c1, d1), (c2, d2)):
         c.sendall(greeting() + ready() + frame_header(50_000, MORE) + bytes(10))
-        recv_exactly(d, 64 + len(ready()) + 9 + 10)
+        recv_exactly(d, len(forwarded(greeting() + ready())) + 9 + 10)
     # 2 x 50,000 declared; a third connection's 60,000 passes 150,000
     c3, d3 = relay.client()
     c3.sendall(greeting() + ready() + frame_header(60_000, MORE))
@@ -248,7 +261,7 @@ def test_large_frames_pass_intact_both_ways(tmp_path, splice):
         frame = os.urandom(4_000_000)
         up = wire([[b"h" * 100, frame], [b"x" * 5000], [b"h" * 100, frame[::-1]]])
         t = send_in_thread(c, up)
-        assert recv_exactly(d, len(up)) == up
+        assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
         t.join(5)
         before = relay.front.spliced
         d.sendall(b"s" * 100)
@@ -280,7 +293,7 @@ def test_a_bound_is_cut_after_a_spliced_body(relay):
     c, d = relay.client()
     head = greeting() + ready() + frame_header(60_000, MORE)
     c.sendall(head + bytes(100))
-    recv_exactly(d, len(head) + 100)
+    recv_exactly(d, len(forwarded(head)) + 100)
     body = os.urandom(59_900)  # skip >= SPLICE_MIN: spliced
     c.sendall(body)
     assert recv_exactly(d, len(body)) == body
@@ -320,7 +333,7 @@ def test_a_side_that_does_not_read_leaves_at_most_chunk_in_the_front(relay):
     got = {}
     reader = threading.Thread(target=lambda: got.setdefault("down", recv_exactly(c, len(down))), daemon=True)
     reader.start()
-    assert recv_exactly(d, len(up)) == up
+    assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
     reader.join(10)
     assert got["down"] == down
     t_up.join(5)
@@ -353,7 +366,7 @@ def test_a_refused_splice_falls_back_to_the_buffer(tmp_path, monkeypatch, where)
         t.join(5)
         up = wire([[os.urandom(60_000)] for _ in range(5)])
         c.sendall(up)
-        assert recv_exactly(d, len(up)) == up
+        assert recv_exactly(d, len(forwarded(up))) == forwarded(up)
         assert relay.front.pipe is None and calls
         if where == "in":
             assert relay.front.spliced == 0
@@ -392,3 +405,215 @@ def test_what_a_socket_does_not_take_is_read_back_out_of_the_pipe(peer):
         b.close()
         front.close()
         listener.close()
+
+
+# --------------------------------------------------------------------------- the connection budget
+
+class Clock:
+    """A clock the test moves (the front's deadlines read it)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def joined(relay: Relay, source: str = "127.0.0.1") -> tuple[socket.socket, socket.socket]:
+    """A client past its NULL handshake (the daemon got its READY, with X-Source)."""
+    c, d = relay.client(source)
+    c.sendall(greeting() + ready())
+    recv_exactly(d, len(forwarded(greeting() + ready(), source)))
+    return c, d
+
+
+def message(c: socket.socket, d: socket.socket) -> None:
+    """One complete message from the client, seen by the daemon."""
+    c.sendall(frame_header(5) + b"hello")
+    assert recv_exactly(d, 7) == frame_header(5) + b"hello"
+
+
+def was_cut(c: socket.socket) -> bool:
+    c.settimeout(5)
+    try:
+        while c.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def is_open(c: socket.socket) -> bool:
+    c.settimeout(0.2)
+    try:
+        return c.recv(1) != b""
+    except TimeoutError:
+        return True
+    except ConnectionResetError:
+        return False
+
+
+@pytest.fixture
+def clocked(tmp_path):
+    """``make(budget, limits)``: a Relay on a clock the test moves; closed at the end."""
+    made = []
+
+    def make(budget: Budget, limits: Limits = LIMITS) -> tuple[Relay, Clock]:
+        clock = Clock()
+        made.append(Relay(tmp_path, budget=budget, limits=limits, clock=clock))
+        return made[-1], clock
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_a_full_front_sheds_the_connection_silent_longest(clocked):
+    """Two clients fit (4 descriptors, one more for a draining daemon side): a third sheds the
+    one whose last complete message is oldest; a handshake counts from accept."""
+    relay, clock = clocked(Budget(max_fds=5))
+    a = joined(relay)
+    clock.t += 1
+    b = joined(relay)
+    clock.t += 1
+    message(*a)  # a spoke last: b is silent longest
+    clock.t += 1
+    c, dc = relay.client()  # in its handshake since t=3
+    assert was_cut(b[0]) and relay.front.shed == 1
+    assert b[1].recv(65536) == b""  # the daemon gets an EOF
+    b[1].close()
+    wait_until(lambda: not relay.front.draining)
+    clock.t += 1
+    message(*a)  # t=4: c (accepted at 3, no handshake) is now silent longest
+    relay.client()
+    assert was_cut(c) and is_open(a[0]) and relay.front.shed == 2
+
+
+def test_shedding_starts_at_the_source_holding_the_most(clocked):
+    """The oldest connection is 127.0.0.1's, but 127.0.0.2 holds two: a new one sheds one of its."""
+    relay, clock = clocked(Budget(max_fds=7))
+    mine = joined(relay, "127.0.0.1")
+    clock.t += 1
+    theirs = [joined(relay, "127.0.0.2") for _ in range(2)]
+    clock.t += 1
+    relay.client("127.0.0.1")
+    assert was_cut(theirs[0][0]) and is_open(mine[0]) and is_open(theirs[1][0])
+
+
+def test_a_source_past_its_cap_is_refused(clocked):
+    relay, _ = clocked(Budget(max_fds=100, per_source=2))
+    first = [joined(relay, "127.0.0.2") for _ in range(2)]
+    extra = relay.connect("127.0.0.2")
+    extra.settimeout(5)
+    assert extra.recv(1) == b""  # closed at once, before any byte
+    wait_until(lambda: relay.front.refused == 1)
+    other = joined(relay, "127.0.0.1")  # another source is let in
+    assert all(is_open(c) for c, _ in first + [other])
+
+
+def test_a_handshake_has_a_deadline(clocked):
+    relay, clock = clocked(Budget(max_fds=100, handshake_s=10))
+    c, d = relay.client()
+    c.sendall(greeting())  # and no READY
+    recv_exactly(d, 64)
+    done = joined(relay)
+    clock.t += 9.9
+    time.sleep(0.1)  # the loop runs its deadlines at least every 0.5 s of the clock: none is due
+    assert is_open(c)
+    clock.t += 0.2 + front_module.CHECK_EVERY_S  # deadlines are looked at every CHECK_EVERY_S
+    assert was_cut(c) and is_open(done[0])
+
+
+def test_an_unfinished_message_must_bring_the_floor_in_each_window(clocked):
+    relay, clock = clocked(Budget(max_fds=100, window_s=5, floor_bytes=1000))
+    c, d = joined(relay)
+    idle = joined(relay)  # no message in progress: no window
+    c.sendall(frame_header(60_000, MORE) + bytes(1200))
+    recv_exactly(d, 9 + 1200)
+    clock.t += 5.1
+    time.sleep(0.1)
+    assert is_open(c)  # 1,209 bytes in the first window
+    c.sendall(bytes(500))
+    recv_exactly(d, 500)
+    clock.t += 5.1
+    assert was_cut(c) and relay.front.cut == 1
+    assert is_open(idle[0])
+
+
+def test_an_authenticated_curve_connection_is_never_shed(clocked):
+    """Under CURVE the daemon's READY means ZAP accepted the key: a new (unauthenticated)
+    connection does not displace it and is closed instead; one still in its handshake is shed."""
+    curve = Limits(b"CURVE", 70_000, 100_000, 17, 150_000)
+    relay, clock = clocked(Budget(max_fds=3), curve)
+    c, d = relay.client()
+    c.sendall(greeting(b"CURVE") + command(b"HELLO", bytes(194)))
+    down = greeting(b"CURVE") + command(b"WELCOME", bytes(160)) + command(b"READY", bytes(40))
+    d.sendall(down)
+    recv_exactly(c, len(down))
+    wait_until(lambda: relay.front.clients == 1 and not relay.front.handshaking)
+    late = relay.connect()
+    late.settimeout(5)
+    assert late.recv(1) == b""  # closed, never paired
+    assert is_open(c) and relay.front.shed == 0 and relay.front.refused == 1
+    c.close()  # the authenticated client goes: a new one gets its place
+    while d.recv(65536):  # what it sent, then the EOF
+        pass
+    d.close()
+    wait_until(lambda: relay.front.clients == 0 and not relay.front.draining)
+    clock.t += 1  # accepts paused for 0.2 s of the clock
+    pending, dp = relay.client()
+    pending.sendall(greeting(b"CURVE"))
+    assert recv_exactly(dp, 64) == greeting(b"CURVE")
+    relay.connect()  # the one in its handshake is shed for a newer one
+    assert was_cut(pending) and relay.front.shed == 1
+
+
+def test_with_source_replaces_what_the_client_sent_in_any_case():
+    spoofed = ready() + b""
+    for name in (b"X-Source", b"x-source", b"X-SOURCE"):
+        props = bytes([len(name)]) + name + (7).to_bytes(4, "big") + b"1.2.3.4"
+        raw = command(b"READY", b"\x0bSocket-Type\x00\x00\x00\x06DEALER" + props)
+        out = front_module.with_source(raw, "10.0.0.9")
+        assert b"1.2.3.4" not in out and out.endswith(b"\x08X-Source\x00\x00\x00\x0810.0.0.9")
+        assert b"Socket-Type\x00\x00\x00\x06DEALER" in out
+    assert front_module.with_source(spoofed, "unix").endswith(b"X-Source\x00\x00\x00\x04unix")
+    ping = command(b"PING", b"\x00\x00")
+    assert front_module.with_source(ping, "10.0.0.9") == ping  # not a READY: unchanged
+    long = command(b"READY", b"\x0bSocket-Type\x00\x00\x00\x06DEALER" + b"\x06X-Long" + (300).to_bytes(4, "big")
+                   + bytes(300))
+    out = front_module.with_source(long, "10.0.0.9")
+    assert out[0] == COMMAND | LONG and int.from_bytes(out[1:9], "big") == len(out) - 9
+
+
+def test_the_daemon_reads_the_client_address_as_x_source(tmp_path):
+    """A real libzmq ROUTER behind the front: ``frame.get("X-Source")`` is the client's address,
+    whatever X-Source the client set in its own READY (zmq.METADATA)."""
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    path = str(tmp_path / "router.sock")
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"ipc://{path}")
+    listener = listen("tcp://127.0.0.1:0")
+    front = Front(listener, LIMITS, budget=Budget(max_fds=100))
+    front.set_backend(path)
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: [front.run_once(0.02) for _ in iter(stop.is_set, True)], daemon=True)
+    th.start()
+    try:
+        for spoof in (None, b"X-Source:1.2.3.4"):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.linger = 0
+            if spoof:
+                dealer.setsockopt(zmq.METADATA, spoof)
+            dealer.connect(endpoint_of(listener, "tcp://127.0.0.1:0"))
+            dealer.send(b"hi")
+            assert router.poll(5000)
+            frames = router.recv_multipart(copy=False)
+            assert frames[-1].bytes == b"hi"
+            assert frames[-1].get("X-Source") == "127.0.0.1", spoof
+            dealer.close()
+    finally:
+        stop.set()
+        th.join(5)
+        front.close()
+        listener.close()
+        ctx.destroy(linger=0)
