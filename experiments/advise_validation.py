@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import select
 import subprocess
 import sys
 import tempfile
@@ -47,31 +46,29 @@ def _cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ps", *args]
 
 
-def _endpoint(server: subprocess.Popen, timeout: float = 60.0) -> str:
+def _endpoint(log_path: str, server: subprocess.Popen, timeout: float = 60.0) -> str:
+    """The server's address from its log (a file: a pipe nobody drains would block the server)."""
     deadline = time.monotonic() + timeout
-    buf = b""
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not r:
-            continue
-        chunk = os.read(server.stdout.fileno(), 4096)
-        if not chunk:
-            break
-        buf += chunk
-        m = re.search(rb"listening on (tcp://\S+)", buf)
+    while time.monotonic() < deadline and server.poll() is None:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            m = re.search(r"listening on (tcp://\S+)", f.read())
         if m:
-            return m.group(1).decode()
-    raise RuntimeError(f"server did not start: {buf[-400:]!r}")
+            return m.group(1)
+        time.sleep(0.05)  # polling a log with a deadline
+    raise RuntimeError(f"server did not start: see {log_path}")
 
 
 def real_run(state: str, delays: list[float], serve_args: list[str], timeout: float) -> dict[str, Any]:
     """One real run: ``latecomer serve --state`` and a worker per delay; returns summary.json."""
-    server = subprocess.Popen(_cmd("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--eval-every", "10",
-                                   "--min-workers", str(len(delays)), *serve_args),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log_path = state.rstrip("/") + ".log"
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        server = subprocess.Popen(_cmd("serve", "--bind", "tcp://127.0.0.1:0", "--state", state, "--eval-every", "10",
+                                       "--min-workers", str(len(delays)), *serve_args),
+                                  stdout=log, stderr=subprocess.STDOUT)
     workers = []
     try:
-        ep = _endpoint(server)
+        ep = _endpoint(log_path, server)
         workers = [subprocess.Popen(_cmd("work", "--server", ep, "--worker-id", f"w{i + 1}", "--delay", str(d)),
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    for i, d in enumerate(delays)]
@@ -86,8 +83,11 @@ def real_run(state: str, delays: list[float], serve_args: list[str], timeout: fl
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except OSError:  # stopped from outside: no time to target
+        return {}
 
 
 def measured_time(summary: dict[str, Any], target: float) -> float:
@@ -216,9 +216,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="experiments/results/advise")
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--work", default=None, help="Keep the runs here (default: a temporary directory).")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="advise-val-") as root:
+    with tempfile.TemporaryDirectory(prefix="advise-val-", dir=a.work) as root:
         results = []
         for name in a.settings.split(","):
             results.append(one_setting(name, SETTINGS[name], root))

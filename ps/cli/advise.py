@@ -196,8 +196,14 @@ def _order(cands: list[Any], recorded: str | None) -> list[Any]:
 def search(rec: Recorded, problem: Any, trace: Any, target: Any, names: list[str], seeds: int, horizon: float,
            max_updates: int, out_of_time: Any, bar: Any) -> Search:
     """Every candidate once (seed 0), then the best of each algorithm and the recorded settings
-    over the other seeds, then synchronous SGD over its step-size grid and the seeds."""
-    from ps.ops.advise import Candidate, best_per_algorithm, grid, predict, predict_sync, rank
+    over the other seeds, then synchronous SGD over its step-size grid and the seeds. Evaluated
+    every ``max_updates / 4000`` steps at least (a time to target is as fine as its evaluations)."""
+    from functools import partial
+
+    from ps.ops.advise import Candidate, best_per_algorithm, grid
+    from ps.ops.advise import predict as predict_every
+
+    predict = partial(predict_every, eval_every=max(1, max_updates // 4000))
 
     cands, skipped = grid(names, problem, len(trace.workers), _base_lr(rec))
     ordered = _order(cands, rec.algorithm)
@@ -245,14 +251,14 @@ def _search_sync(rec, problem, trace, target, seeds, horizon, max_updates, out_o
         if out_of_time() and preds:
             break
         preds.append(predict_sync(problem, trace, base * f, rec.cfg.batch_size, target, horizon, 0,
-                                  eval_every=max(1, min(10, rounds // 20))))
+                                  eval_every=max(1, rounds // 4000)))
         bar.update(1)
     best = rank(preds)[0]
     for s in range(1, seeds):
         if out_of_time():
             break
         p = predict_sync(problem, trace, best.candidate.settings["lr"], rec.cfg.batch_size, target, horizon, s,
-                         eval_every=max(1, min(10, rounds // 20)))
+                         eval_every=max(1, rounds // 4000))
         best.times += p.times
         best.curves += p.curves
         bar.update(1)

@@ -35,8 +35,8 @@ from problems.base import GradResult, Problem
 # Kinds of job and their cost relative to one gradient (as ps/drivers/sim.py DelayModel counts them).
 GRAD, GRAD_PAIR, FULL_GRAD = 1, 2, 3
 PAIR_COST = 2.0
-LR_FACTORS = (0.5, 1.0, 2.0)  # the step-size grid, times the base step size
-ADAM_LR_FACTORS = (1.0, 10.0, 100.0)  # Adam's default lr (1e-3) is a floor, not a middle: its grid looks up
+LR_FACTORS = (0.5, 1.0, 2.0, 4.0)  # the step-size grid, times the base step size
+ADAM_LR_FACTORS = (1.0, 10.0, 30.0, 100.0)  # Adam's default lr (1e-3) is a floor, not a middle: its grid looks up
 LMO_ALGORITHMS = ("ringmaster-lmo", "delay-adaptive-muon", "rennala-muon")
 
 

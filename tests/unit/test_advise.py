@@ -97,7 +97,7 @@ def test_the_proxy_fit_recovers_a_known_loss_curve():
 def test_grid_states_its_knobs_and_skips_what_does_not_apply():
     cands, skipped = A.grid(["rennala", "asgd", "ringmaster-lmo", "snapshot-vr"], _proxy(), 4, 0.2)
     assert sorted({c.settings["B"] for c in cands if c.algorithm == "rennala"}) == [2, 4, 8]
-    assert sorted(c.settings["lr"] for c in cands if c.algorithm == "asgd") == pytest.approx([0.1, 0.2, 0.4])
+    assert sorted(c.settings["lr"] for c in cands if c.algorithm == "asgd") == pytest.approx([0.1, 0.2, 0.4, 0.8])
     assert set(skipped) == {"ringmaster-lmo", "snapshot-vr"}
 
 
