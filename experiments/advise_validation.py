@@ -165,7 +165,8 @@ def what_if(root: str, delays: list[float]) -> dict[str, Any]:
 def write_outputs(out: str, results: list[dict[str, Any]], whatif: dict[str, Any]) -> None:
     with open(os.path.join(out, "validation.json"), "w", encoding="utf-8") as f:
         json.dump({"settings": results, "what_if_drop_slowest_1": whatif}, f, indent=1)
-    lines = ["| setting | algorithm (recommended settings) | predicted (s) [spread] | measured (s) |", "|---|---|---|---|"]
+    lines = ["| setting | algorithm (recommended settings) | predicted (s) [spread] | measured (s) |",
+             "|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             s = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["settings"].items())
@@ -199,7 +200,7 @@ def _plot(out: str, results: list[dict[str, Any]]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 6))
     top = 1.0
-    for res, marker in zip(results, "os^"):
+    for res, marker in zip(results, "os^"[:len(results)], strict=True):
         xs = [r["predicted_s"] for r in res["rows"] if r["predicted_s"] and r["measured_s"]]
         ys = [r["measured_s"] for r in res["rows"] if r["predicted_s"] and r["measured_s"]]
         ax.scatter(xs, ys, marker=marker, label=f"{res['setting']} (τ {res['kendall_tau']:.2f})")

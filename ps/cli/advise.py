@@ -109,6 +109,7 @@ def load_live(server: str, problem_opt: dict, settings: dict, timeout_s: float =
     if "worker" not in col or "mean_job_s" not in col:
         raise ValueError(f"{server}'s status has no per-worker job times")
     means = {str(r[col["worker"]]): float(r[col["mean_job_s"]]) for r in st.rows}
+    done = {str(r[col["worker"]]): int(r[col["jobs_done"]]) for r in st.rows} if "jobs_done" in col else {}
     spec = str(info.get("problem"))
     problem = load_problem(spec, problem_opt)
     cfg = CoreConfig(problem=spec, problem_options=problem_opt,
@@ -118,7 +119,7 @@ def load_live(server: str, problem_opt: dict, settings: dict, timeout_s: float =
                                                                                               "eval.version")}}]
     rec = Recorded(spec, problem_opt, problem, cfg, str(info.get("algorithm")), settings, [],
                    evals if "eval.loss" in info else [], source=server)
-    return rec, trace_from_means(means)
+    return rec, trace_from_means(means, done)
 
 
 def _target(rec: Recorded, target_loss: float | None, target_accuracy: float | None) -> Any:
@@ -313,7 +314,7 @@ def report_dict(rec: Recorded, trace: Any, target: Any, oracle: str, found: Sear
         "recorded": {"algorithm": rec.algorithm, "settings": rec.settings, "time_to_target_s": _finite(t_rec),
                      "predicted": _row(found.recorded_pred, t_rec) if found.recorded_pred else None},
         "cluster": {"note": trace.note, "workers": [
-            {"worker": w.worker_id, "jobs": len(w.durations), "mean_job_s": w.mean, "lost": w.lost,
+            {"worker": w.worker_id, "jobs": w.seen, "mean_job_s": w.mean, "lost": w.lost,
              "present": w.present} for w in trace.workers]},
         "grid": {"lr_factors": list(LR_FACTORS), "structure": "R / B / tau_max at n/2, n, 2n workers",
                  "candidates": found.grid_size, "seeds": found.seeds, "horizon_s": horizon},
@@ -332,7 +333,8 @@ def render(d: dict[str, Any]) -> str:
              f"{'<=' if t['key'] == 'loss' else '>='} {t['value']:.4g}",
              f"oracle: {d['oracle']}",
              f"cluster{' ' + d['cluster']['note'] if d['cluster']['note'] else ''}: " + ", ".join(
-                 f"{w['worker']} {w['mean_job_s'] * 1000:.3g} ms/job ({w['jobs']} jobs)" for w in d['cluster']['workers']),
+                 f"{w['worker']} {w['mean_job_s'] * 1000:.3g} ms/job ({w['jobs']} jobs)"
+                 for w in d['cluster']['workers']),
              f"grid: lr x {', '.join(f'{f:g}' for f in d['grid']['lr_factors'])}; {d['grid']['structure']}; "
              f"{d['grid']['candidates']} candidates, best of each over {d['grid']['seeds']} seeds "
              f"(simulated up to {d['grid']['horizon_s']:.3g} s)",
@@ -372,12 +374,12 @@ def plot_predictions(rec: Recorded, found: Search, target: Any, path: str) -> st
     fig, ax = plt.subplots(figsize=(9, 5))
     for p in [*found.ranked, found.sync]:
         if p.curves:
-            ts, vs = zip(*p.curves[0])
+            ts, vs = zip(*p.curves[0], strict=True)
             ax.plot(ts, vs, label=f"{p.candidate.algorithm} {p.candidate.label}", lw=1.2,
                     ls="--" if p is found.sync else "-")
     meas = [(e["t"], e[target.key]) for e in rec.evaluations if target.key in e]
     if meas:
-        ts, vs = zip(*meas)
+        ts, vs = zip(*meas, strict=True)
         ax.plot(ts, vs, "k.", label=f"recorded ({rec.algorithm or 'measured'})")
     ax.axhline(target.value, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("time (s)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -52,6 +52,11 @@ class WorkerTrace:
     durations: list[float]
     present: list[tuple[float, float | None]] = field(default_factory=lambda: [(0.0, None)])
     lost: int = 0
+    jobs: int = 0  # the jobs its durations stand for (a live server's: its mean of so many); 0: one each
+
+    @property
+    def seen(self) -> int:
+        return self.jobs or len(self.durations)
 
     @property
     def mean(self) -> float:
@@ -152,10 +157,12 @@ def fit_trace(events: Sequence[dict[str, Any]]) -> ClusterTrace:
     return ClusterTrace(workers, span=max(ts) - t0)
 
 
-def trace_from_means(means: dict[str, float]) -> ClusterTrace:
-    """A cluster known only by each worker's mean job time (a live server's ``status?``): every
-    job of a worker takes its mean (no spread)."""
-    workers = [WorkerTrace(w, [float(m)]) for w, m in means.items() if m and math.isfinite(m) and m > 0]
+def trace_from_means(means: dict[str, float], jobs: dict[str, int] | None = None) -> ClusterTrace:
+    """A cluster known only by each worker's mean job time (a live server's ``status?``, over
+    ``jobs[w]`` jobs): every job of a worker takes its mean (no spread)."""
+    jobs = jobs or {}
+    workers = [WorkerTrace(w, [float(m)], jobs=int(jobs.get(w, 0))) for w, m in means.items()
+               if m and math.isfinite(m) and m > 0]
     if not workers:
         raise ValueError("no worker has finished a job yet: no delays to fit")
     return ClusterTrace(sorted(workers, key=lambda w: (len(w.worker_id), w.worker_id)))
@@ -238,7 +245,7 @@ def _simulator(alg: Any, problem: Problem, trace: ClusterTrace, cfg: Any, seed: 
         spans = w.present
         if spans and spans[0][0] > 0:
             late[i] = spans[0][0]
-        for (a, b), nxt in zip(spans, [*spans[1:], None]):
+        for (_, b), nxt in zip(spans, [*spans[1:], None], strict=True):
             if b is not None:
                 crashes.append(Crash(i, b, None if nxt is None else max(0.0, nxt[0] - b)))
     sim = Simulator(alg, problem, EmpiricalDelays(trace, seed), cfg, seed=seed, crashes=crashes)
@@ -400,7 +407,7 @@ def predict_sync(problem: Problem, trace: ClusterTrace, lr: float, batch_size: i
     n = len(trace.workers)
     while reached == math.inf and t <= horizon:
         g = np.zeros_like(x, dtype=np.float64)
-        for i in range(n):
+        for _ in range(n):
             res: GradResult = problem.grad(x, int(rng.integers(2 ** 62)), batch_size)
             g += res.grad
         x = (x - lr * g / n).astype(np.float32)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.integration.util import wait_exit, wait_line
+from tests.integration.util import wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +76,22 @@ def check_the_command_trains(procs, tmp_path, command, target):
     loss = summary["evaluations"][-1]["loss"]
     assert summary["version"] > 0 and math.isfinite(loss)
     assert loss <= 2 * target, f"the winner's command trains towards the target ({loss} vs {target})"
+
+
+def test_advise_live_from_a_running_servers_status(procs, tmp_path):
+    events = str(tmp_path / "events.jsonl")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", "d=16",
+                         "--algorithm", "asgd", "--set", "lr=0.1", "--batch-size", "4", "--eval-every", "10",
+                         "--max-time", "120", "--events", events)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    procs.start("work", "--server", endpoint, "--worker-id", "w1", "--delay", "0.01")
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 30, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "ps", "advise", "--live", endpoint, "--problem-opt", "d=16",
+                        "--set", "lr=0.1", "--target-loss", "0.5", "--algorithms", "asgd", "--seeds", "1",
+                        "--budget", "10", "--out", str(tmp_path / "adv"), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout)
+    (w,) = d["cluster"]["workers"]
+    assert w["worker"] == "w1" and w["mean_job_s"] >= 0.01 and w["jobs"] >= 30, "status?'s job times"
+    assert d["source"] == endpoint and d["recorded"]["algorithm"] == "asgd" and d["ranking"][0]["predicted_s"]

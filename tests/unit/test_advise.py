@@ -81,7 +81,7 @@ def test_asgd_applies_every_reply_of_the_played_back_trace():
 
 def test_the_proxy_fit_recovers_a_known_loss_curve():
     ks = np.arange(0, 400, 10)
-    fit = A.fit_proxy(list(zip(ks, 0.2 + 5.0 * np.exp(-0.015 * ks))))
+    fit = A.fit_proxy(list(zip(ks, 0.2 + 5.0 * np.exp(-0.015 * ks), strict=True)))
     assert fit.floor == pytest.approx(0.2, rel=0.02) and fit.rate == pytest.approx(0.015, rel=0.02)
     assert fit.l0 == pytest.approx(5.2, rel=0.02)
     # A noiseless fit (floor 0): SGD at the recorded lr on the proxy follows l0·exp(−rate·k) exactly.
@@ -131,7 +131,8 @@ def test_cli_table_json_plot_and_one_line_errors(out_dir, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert {row["algorithm"] for row in d["ranking"]} == {"asgd", "rennala"}
-    assert d["oracle"].startswith("exact") and d["grid"]["seeds"] == 2 and d["synchronous"]["algorithm"] == "synchronous"
+    assert d["oracle"].startswith("exact") and d["grid"]["seeds"] == 2
+    assert d["synchronous"]["algorithm"] == "synchronous"
     assert d["command"].startswith("latecomer serve --problem quadratic --problem-opt d=8 --algorithm ")
     assert (out / "advise.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(main, [*args, "--drop-slowest", "1"])
