@@ -99,6 +99,7 @@ def measured_time(summary: dict[str, Any], target: float) -> float:
 
 def advise(state: str, out: str, *extra: str) -> dict[str, Any]:
     r = subprocess.run(_cmd("advise", state, "--algorithms", ALGORITHMS, "--seeds", "3", "--budget", "240",
+                            "--oracle", os.environ.get("ADVISE_ORACLE", "exact"),
                             "--out", out, "--json", *extra), capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])

@@ -142,6 +142,13 @@ def _base_lr(rec: Recorded) -> float | None:
         return None
 
 
+def _timed(f: Any) -> float:
+    """Seconds one call of ``f`` took (the least of several is the cost; the rest is contention)."""
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
 def _oracle(rec: Recorded, choice: str, budget: float, n_cand: int, steps: int) -> tuple[Any, str]:
     """(problem, how it is described): the run's own problem (exact), or the proxy quadratic when
     asked, or when one gradient times the steps the search needs would not fit the budget."""
@@ -150,9 +157,7 @@ def _oracle(rec: Recorded, choice: str, budget: float, n_cand: int, steps: int) 
     if choice == "auto":
         x = rec.problem.init_params(0)
         rec.problem.grad(x, 1, rec.cfg.batch_size)  # the first call pays for imports and caches
-        t = time.perf_counter()
-        rec.problem.grad(x, 2, rec.cfg.batch_size)
-        cost = time.perf_counter() - t + SIM_STEP_S
+        cost = SIM_STEP_S + min(_timed(lambda s=s: rec.problem.grad(x, s, rec.cfg.batch_size)) for s in range(5))
         choice = "exact" if cost * max(steps, 1) * HORIZON_FACTOR * n_cand <= budget else "proxy"
     if choice == "exact":
         return rec.problem, f"exact: the run's problem ({rec.problem_spec}), its real gradients"

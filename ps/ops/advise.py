@@ -427,9 +427,11 @@ def predict_sync(problem: Problem, trace: ClusterTrace, lr: float, batch_size: i
 
 
 def rank(preds: Sequence[Prediction]) -> list[Prediction]:
-    """Best first: by median predicted time to target, then the worst seed, then the name; the
-    best settings of each algorithm only (:func:`best_per_algorithm` first if wanted)."""
-    return sorted(preds, key=lambda p: (p.median, p.spread[1], p.candidate.algorithm, p.candidate.label))
+    """Best first: by median predicted time to target, then the one run over more seeds (a tie
+    with a candidate the budget left at one seed goes to the better-known one), then the worst
+    seed, then the name."""
+    return sorted(preds, key=lambda p: (p.median, -len(p.times), p.spread[1], p.candidate.algorithm,
+                                        p.candidate.label))
 
 
 def best_per_algorithm(preds: Sequence[Prediction]) -> list[Prediction]:
