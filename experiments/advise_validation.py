@@ -130,7 +130,9 @@ def one_setting(name: str, delays: list[float], root: str) -> dict[str, Any]:
         rows.append({"algorithm": row["algorithm"], "settings": row["settings"], "predicted_s": row["predicted_s"],
                      "spread": [row["min_s"], row["max_s"]], "measured_s": _finite(measured_time(summary, target))})
     return {"setting": name, "delays": delays, "target": target, "oracle": adv["oracle"],
-            "recorded_s": adv["recorded"]["time_to_target_s"], "rows": rows, **verdict(rows)}
+            "recorded_s": adv["recorded"]["time_to_target_s"],
+            "recorded_predicted_s": (adv["recorded"]["predicted"] or {}).get("predicted_s"),
+            "rows": rows, **verdict(rows)}
 
 
 def _finite(v: float) -> float | None:
@@ -166,7 +168,8 @@ def what_if(root: str, delays: list[float]) -> dict[str, Any]:
 def write_outputs(out: str, results: list[dict[str, Any]], whatif: dict[str, Any]) -> None:
     with open(os.path.join(out, "validation.json"), "w", encoding="utf-8") as f:
         json.dump({"settings": results, "what_if_drop_slowest_1": whatif}, f, indent=1)
-    lines = ["| setting | algorithm (recommended settings) | predicted (s) [spread] | measured (s) |",
+    lines = [f"oracle: {results[0]['oracle'] if results else '-'}", "",
+             "| setting | algorithm (recommended settings) | predicted (s) [spread] | measured (s) |",
              "|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
@@ -174,12 +177,13 @@ def write_outputs(out: str, results: list[dict[str, Any]], whatif: dict[str, Any
             lo, hi = r["spread"]
             lines.append(f"| {res['setting']} | {r['algorithm']} ({s}) | {_f(r['predicted_s'])} [{_f(lo)}, {_f(hi)}] "
                          f"| {_f(r['measured_s'])} |")
-    lines += ["", "| setting | Kendall τ | top = measured best | top within 10 % | winner's error |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| setting | Kendall τ | top = measured best | top within 10 % | winner's error "
+                  "| recorded asgd: measured / predicted (s) |", "|---|---|---|---|---|---|"]
     for res in results:
         err = res["winner_error"]
         lines.append(f"| {res['setting']} | {res['kendall_tau']:.2f} | {res['top_is_best']} | {res['top_within_10pct']}"
-                     f" | {'-' if err is None else f'{100 * err:+.0f} %'} |")
+                     f" | {'-' if err is None else f'{100 * err:+.0f} %'} | {_f(res['recorded_s'])} / "
+                     f"{_f(res['recorded_predicted_s'])} |")
     w = whatif
     lines += ["", f"what-if --drop-slowest 1 (straggler): {w['algorithm']} predicted {_f(w['predicted_s'])} s, "
                   f"measured {_f(w['measured_s'])} s"
