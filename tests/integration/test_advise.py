@@ -59,10 +59,11 @@ def test_advise_a_recorded_run_and_start_its_winner(procs, tmp_path):
     assert any(line.split()[:1] == ["synchronous"] for line in lines) and "oracle: exact" in table
     command = lines[lines.index("winner:") + 1].strip()
     assert command == d["command"]
-    check_the_command_trains(procs, tmp_path, command, d["target"]["value"])
+    recorded = json.loads((tmp_path / "state" / "run.json").read_text())
+    check_the_command_trains(procs, tmp_path, command, d["target"]["value"], recorded["problem_options"])
 
 
-def check_the_command_trains(procs, tmp_path, command, target):
+def check_the_command_trains(procs, tmp_path, command, target, problem_options):
     args = shlex.split(command)
     assert args[:2] == ["latecomer", "serve"]
     out = tmp_path / "winner"
@@ -72,6 +73,8 @@ def check_the_command_trains(procs, tmp_path, command, target):
     worker = procs.start("work", "--server", endpoint, "--worker-id", "w1")
     assert wait_exit(server, timeout=120) == 0
     assert wait_exit(worker, timeout=30) == 0
+    assert json.loads((out / "problem.json").read_text())["problem_options"] == problem_options, \
+        "the recorded run's problem, options included"
     summary = json.loads((out / "summary.json").read_text())
     loss = summary["evaluations"][-1]["loss"]
     assert summary["version"] > 0 and math.isfinite(loss)
