@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from ps.cli.options import allow_options, allowed_from, parse_pairs
+from ps.cli.options import allow_options, allowed_from, finite, parse_pairs
 from ps.cli.paths import output_dir
 
 HORIZON_FACTOR = 3.0  # simulate up to this many times the recorded run's time to target
@@ -434,15 +434,16 @@ def _names(algorithms: str | None) -> list[str]:
 @click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False))
 @click.option("--live", metavar="tcp://HOST:PORT", default=None,
               help="Advise from a running server's status (the mean job time of each worker so far) instead.")
-@click.option("--target-loss", type=float, default=None, help="Target (default: the loss the recorded run reached).")
-@click.option("--target-accuracy", type=float, default=None)
+@click.option("--target-loss", type=float, default=None, callback=finite,
+              help="Target (default: the loss the recorded run reached).")
+@click.option("--target-accuracy", type=float, default=None, callback=finite)
 @click.option("--oracle", type=click.Choice(["auto", "exact", "proxy"]), default="auto", show_default=True,
               help="exact: the run's own problem (its gradients); proxy: a quadratic fitted to the run's loss "
                    "curve; auto: exact if it fits the budget.")
 @click.option("--algorithms", default=None, help="Comma-separated algorithms to consider (default: all that apply).")
 @click.option("--seeds", type=click.IntRange(1, 50), default=3, show_default=True,
               help="Draws of the delays (and of the samples) per prediction of the best settings.")
-@click.option("--budget", type=click.FloatRange(min=1), default=120.0, show_default=True,
+@click.option("--budget", type=click.FloatRange(min=1), default=120.0, show_default=True, callback=finite,
               help="Seconds advise may take; candidates not reached by then are listed as not evaluated.")
 @click.option("--drop-slowest", type=click.IntRange(min=0), default=0, help="What if: without the K slowest workers.")
 @click.option("--add-workers", type=click.IntRange(min=0), default=0, help="What if: N more workers (with --like).")
