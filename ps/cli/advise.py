@@ -491,6 +491,9 @@ def _advise(rec, trace, target, oracle, names, seeds, deadline, out, as_json) ->
         found = search(rec, problem, trace, target, names, seeds, horizon, max_updates,
                        lambda: time.monotonic() > deadline, bar)
     if not found.ranked:
+        if not found.grid_size:
+            raise click.ClickException("none of the algorithms applies to this problem: " + "; ".join(
+                f"{a} {why}" for a, why in found.skipped.items()))
         raise click.ClickException("no candidate could be simulated within the budget: give a larger --budget")
     os.makedirs(out, exist_ok=True)
     plot = plot_predictions(rec, found, target, os.path.join(out, "advise.png"))

@@ -143,6 +143,7 @@ def test_cli_table_json_plot_and_one_line_errors(out_dir, tmp_path):
                      ([*args, "--target-loss", "nan"], "must be a finite number"),
                      ([*args, "--budget", "inf"], "must be a finite number"),
                      ([*args, "--add-workers", "2"], "needs --like"),
+                     ([*args[:2], "--algorithms", "snapshot-vr"], "none of the algorithms applies"),
                      ([*args, "--oracle", "proxy"], "needs the recorded run's step size")):
         r = CliRunner().invoke(main, bad)
         assert r.exit_code in (1, 2) and msg in r.output and "Traceback" not in r.output, r.output
