@@ -79,6 +79,17 @@ def test_asgd_applies_every_reply_of_the_played_back_trace():
     assert pred.times == [math.inf], "an unreachable target is 'not reached', not a time"
 
 
+def test_joins_leaves_and_crashes_are_replayed_when_they_happened():
+    """w1 (10 ms jobs) crashes at 0.205 s and is back at 0.5 s; w2 (20 ms) joins at 0.5 s. By
+    1.011 s: w1 replied 20 times before its crash and 51 times after, w2 25 times."""
+    from ps.core.config import CoreConfig
+
+    tr = A.ClusterTrace([A.WorkerTrace("w1", [0.01], [(0.0, 0.205), (0.5, None)]),
+                         A.WorkerTrace("w2", [0.02], [(0.5, None)])])
+    pred = A.predict(A.Candidate("asgd", {"lr": 0.01}), _proxy(), tr, CoreConfig(), A.Target("loss", -1.0), 1.011, 0)
+    assert pred.steps == [20 + 51 + 25]
+
+
 def test_the_proxy_fit_recovers_a_known_loss_curve():
     ks = np.arange(0, 400, 10)
     fit = A.fit_proxy(list(zip(ks, 0.2 + 5.0 * np.exp(-0.015 * ks), strict=True)))
