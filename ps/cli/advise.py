@@ -151,25 +151,34 @@ def _timed(f: Any) -> float:
 
 def _oracle(rec: Recorded, choice: str, budget: float, n_cand: int, steps: int) -> tuple[Any, str]:
     """(problem, how it is described): the run's own problem (exact), or the proxy quadratic when
-    asked, or when one gradient times the steps the search needs would not fit the budget."""
-    from ps.ops.advise import ProxyQuadratic, fit_proxy
-
+    asked, or (auto) when one gradient times the steps the search needs would not fit the budget
+    and the run has what the proxy needs (else exact, saying why)."""
+    exact = f"exact: the run's problem ({rec.problem_spec}), its real gradients"
+    if choice == "exact":
+        return rec.problem, exact
     if choice == "auto":
         x = rec.problem.init_params(0)
         rec.problem.grad(x, 1, rec.cfg.batch_size)  # the first call pays for imports and caches
         cost = SIM_STEP_S + min(_timed(lambda s=s: rec.problem.grad(x, s, rec.cfg.batch_size)) for s in range(5))
-        choice = "exact" if cost * max(steps, 1) * HORIZON_FACTOR * n_cand <= budget else "proxy"
-    if choice == "exact":
-        return rec.problem, f"exact: the run's problem ({rec.problem_spec}), its real gradients"
+        if cost * max(steps, 1) * HORIZON_FACTOR * n_cand <= budget:
+            return rec.problem, exact
+    try:
+        return _proxy(rec)
+    except ValueError as e:
+        if choice == "proxy":
+            raise click.ClickException(str(e)) from None
+        return rec.problem, f"{exact} (over the budget's estimate, but no proxy: {e})"
+
+
+def _proxy(rec: Recorded) -> tuple[Any, str]:
+    """The proxy quadratic of the recorded run (ps/ops/advise.py ``fit_proxy``)."""
+    from ps.ops.advise import ProxyQuadratic, fit_proxy
+
     lr = _base_lr(rec)
     if lr is None:
-        raise click.UsageError("the proxy oracle needs the recorded run's step size (lr): a --state directory's "
-                               "run.json records it")
-    pts = [(e["version"], e["loss"]) for e in rec.evaluations if "loss" in e]
-    try:
-        fit = fit_proxy(pts)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        raise ValueError("the proxy oracle needs the recorded run's step size (lr): a --state directory's "
+                         "run.json records it")
+    fit = fit_proxy([(e["version"], e["loss"]) for e in rec.evaluations if "loss" in e])
     proxy = ProxyQuadratic.from_fit(fit, lr, rec.cfg.batch_size)
     return proxy, (f"proxy: a quadratic fitted to the run's loss curve (start {fit.l0:.4g}, floor {fit.floor:.4g}, "
                    f"rate {fit.rate:.3g}/step at lr {lr:g}; d={proxy.d}, h={proxy.h:.3g}, noise {proxy.sigma:.3g})")
