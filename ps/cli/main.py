@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from ps.cli.advise import advise
 from ps.cli.algorithm_list import list_algorithms
 from ps.cli.conformance import conformance
 from ps.cli.dashboard import dashboard
@@ -66,7 +67,7 @@ def main() -> None:
 
 # `latecomer --help` lists them sorted by name (_LazyGroup.list_commands), whatever the order here
 for _command in (serve, stop, shard, work, run, simulate, replay, status, report, dashboard, list_algorithms, keys,
-                 launch, chaos, conformance):
+                 launch, chaos, conformance, advise):
     main.add_command(_command)
 
 
