@@ -22,24 +22,12 @@ import numpy as np
 import pytest
 
 from ps.ops.children import reap
-from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+from tests.integration.util import gradient_wrapper, read_events, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
 STEPS = 150
-ATTACKER = """
-import sys
-import numpy as np
-import worker.runner as runner
-real = runner.compute_grads
-def huge(job, points, problem):
-    grads, loss, count = real(job, points, problem)
-    return tuple(np.full(g.shape, 3.4e38, g.dtype) for g in grads), loss, count
-runner.compute_grads = huge
-from ps.cli.main import main
-sys.argv[0] = "latecomer"
-main()
-"""
+ATTACKER = gradient_wrapper("np.full(g.shape, 3.4e38, g.dtype)")
 
 CASES = {
     "plain": ["--problem", "quadratic", "--algorithm", "asgd"],  # asgd: the fused step tests in its pass

@@ -17,25 +17,13 @@ import pytest
 
 from ps.journal.segments import read_journal
 from ps.ops.children import reap
-from tests.integration.util import wait_exit, wait_line
+from tests.integration.util import gradient_wrapper, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
 STEPS = 60
 
-DEVIANT = """
-import sys
-import numpy as np
-import worker.runner as runner
-real = runner.compute_grads
-def shifted(job, points, problem):
-    grads, loss, count = real(job, points, problem)
-    return tuple(g + np.float32(0.001) * (np.arange(g.size) % 3).astype(np.float32) for g in grads), loss, count
-runner.compute_grads = shifted
-from ps.cli.main import main
-sys.argv[0] = "latecomer"
-main()
-"""
+DEVIANT = gradient_wrapper("g + np.float32(0.001) * (np.arange(g.size) % 3).astype(np.float32)")
 
 
 def spawn(argv: list[str], log: str) -> subprocess.Popen:

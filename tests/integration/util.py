@@ -98,3 +98,22 @@ def readme_block(heading: str, lang: str, readme: str = "README.md") -> str:
     section = text[text.index(f"\n## {heading}"):]
     section = section[:section.index("\n## ", 1)]
     return re.search(rf"```{lang}\n(.*?)```", section, re.S).group(1)
+
+
+def gradient_wrapper(expr: str) -> str:
+    """A ``python -c`` program that is the real ``latecomer`` CLI with each computed gradient ``g``
+    replaced by ``expr`` (numpy as ``np``): a deviant or hostile worker that speaks the real protocol.
+    Run it as ``[sys.executable, "-c", gradient_wrapper(...), "work", ...]``."""
+    return f"""
+import sys
+import numpy as np
+import worker.runner as runner
+real = runner.compute_grads
+def wrapped(job, points, problem):
+    grads, loss, count = real(job, points, problem)
+    return tuple(({expr}) for g in grads), loss, count
+runner.compute_grads = wrapped
+from ps.cli.main import main
+sys.argv[0] = "latecomer"
+main()
+"""
