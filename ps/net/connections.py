@@ -186,7 +186,149 @@ class ConnectionCounters:
     hb_flood: int = 0  # heartbeats dropped unread: past the connection's heartbeat rate
 
 
-class Connections:
+class _StatusQueue:
+    """The order and budgets of waiting ``status?`` requests (PROTOCOL.md 6.10): per connection, per
+    source, then the global one, the least recently answered first (a mixin of :class:`Connections`,
+    which holds the state)."""
+
+    def status_ask(self, c: Conn, token: int, now: float, source: str = "", auth: bool = False) -> bool:
+        """A ``status?`` from ``c``. True: answer it now. Otherwise it waits for its turn (see
+        :meth:`status_due`), or, if one of ``c``'s requests is already waiting, it is dropped.
+
+        ``source``: who is behind the connection (a CURVE key's fingerprint, a client address the
+        front vouches for; "": the connection alone), whose answers share a bucket
+        (``status_source_rate``) and whose last answer orders the waiting requests. ``auth``: the
+        request came with a key of the allow-list: it never waits behind an anonymous one. It is
+        answered at once only when nothing waits whose own buckets are ready: else it takes its
+        place in line, least recently served first (:meth:`_status_rank`)."""
+        c.status_asks += 1
+        if c.status_token is not None:
+            self.counters.status_dropped += 1
+            return False
+        self._set_source(c, source)
+        c.status_auth = auth
+        self._status_promote(now)
+        if not self._status_ready_valid() and self._own_ready(c, now) <= now and self.status_global.take(now):
+            self._answered(c, now)
+            return True
+        self.seq += 1
+        c.status_token, c.status_seq = token, self.seq
+        self._status_enqueue(c, now)
+        return False
+
+    def status_due(self, now: float) -> list[tuple[bytes, int]]:
+        """The waiting ``status?`` requests whose turn has come: (routing id, token), as far as the
+        global rate allows, authenticated ones first, then least recently served first: a source
+        (then a connection) never answered, as the operator's one ``latecomer status``, goes
+        before any flooder that was answered recently, however many wait."""
+        out: list[tuple[bytes, int]] = []
+        self._status_promote(now)
+        ready = self.status_ready
+        while self._status_ready_valid():
+            rank, seq, rid = ready[0]
+            c = self.by_rid[rid]
+            if self._status_rank(c) != rank:  # its source was answered, or it asked, meanwhile: it moves back
+                heapq.heapreplace(ready, (self._status_rank(c), seq, rid))
+                continue
+            if self._own_ready(c, now) > now:  # its source's bucket ran dry meanwhile
+                heapq.heappop(ready)
+                heapq.heappush(self.status_wait, (self._own_ready(c, now), seq, rid))
+                continue
+            if not self.status_global.take(now):
+                break
+            heapq.heappop(ready)
+            out.append((rid, c.status_token))
+            self._answered(c, now)
+        return out
+
+    def _answered(self, c: Conn, now: float) -> None:
+        """``c`` gets an answer now: its tokens are taken, its (and its source's) last answer is now."""
+        c.status_bucket.take(now)
+        c.status_token = None
+        c.status_last, c.status_asks = now, 0
+        src = self.sources.get(c.source) if c.source else None
+        if src is not None:
+            src.bucket.take(now)
+            src.last = now
+        self.counters.status_answered += 1
+
+    def _own_ready(self, c: Conn, now: float) -> float:
+        """When both ``c``'s bucket and its source's have a token."""
+        src = self.sources.get(c.source) if c.source else None
+        t = c.status_bucket.ready_at(now)
+        return t if src is None else max(t, src.bucket.ready_at(now))
+
+    def _status_rank(self, c: Conn) -> tuple[int, float, float, int]:
+        """A waiting request's place: authenticated first, then its source's last answer, then its
+        connection's (-inf: never answered), then how often it asked since (a flooder that was
+        never answered either goes after the operator's one request). A rank only grows while its
+        request waits (its source answered, more asks), which :meth:`status_due` relies on."""
+        src = self.sources.get(c.source) if c.source else None
+        return (0 if c.status_auth else 1, c.status_last if src is None else src.last, c.status_last, c.status_asks)
+
+    def _status_enqueue(self, c: Conn, now: float) -> None:
+        ready_at = self._own_ready(c, now)
+        if ready_at <= now:
+            heapq.heappush(self.status_ready, (self._status_rank(c), c.status_seq, c.rid))
+        else:
+            heapq.heappush(self.status_wait, (ready_at, c.status_seq, c.rid))
+        self._status_compact()
+
+    def _status_promote(self, now: float) -> None:
+        """Requests whose own buckets have filled move from waiting to the line."""
+        wait = self.status_wait
+        while wait and wait[0][0] <= now:
+            _, seq, rid = heapq.heappop(wait)
+            c = self._waiting(rid, seq)
+            if c is not None:
+                heapq.heappush(self.status_ready, (self._status_rank(c), seq, rid))
+
+    def _status_ready_valid(self) -> bool:
+        """Whether a request is in line (entries of records gone or answered are dropped first)."""
+        ready = self.status_ready
+        while ready and self._waiting(ready[0][2], ready[0][1]) is None:
+            heapq.heappop(ready)
+        return bool(ready)
+
+    def _waiting(self, rid: bytes, seq: int) -> Conn | None:
+        c = self.by_rid.get(rid)
+        return c if c is not None and c.status_seq == seq and c.status_token is not None else None
+
+    def _status_compact(self) -> None:
+        """Entries of records that went stay in the heaps until they come up; should they pile up
+        (connections that asked once and went), the heaps are rebuilt from the live ones: they
+        never hold more than about twice the table's records (one waiting request per record)."""
+        if len(self.status_ready) + len(self.status_wait) <= 2 * len(self.by_rid) + 64:
+            return
+        self.status_ready = [e for e in self.status_ready if self._waiting(e[2], e[1]) is not None]
+        self.status_wait = [e for e in self.status_wait if self._waiting(e[2], e[1]) is not None]
+        heapq.heapify(self.status_ready)
+        heapq.heapify(self.status_wait)
+
+    def _set_source(self, c: Conn, source: str) -> None:
+        """``c``'s source (see :meth:`status_ask`); a source's record lives while a record names it."""
+        if source == c.source:
+            return
+        self._source_gone(c)
+        c.source = source
+        if source:
+            src = self.sources.get(source)
+            if src is None:
+                lim = self.limits
+                src = self.sources[source] = Source(TokenBucket(lim.status_source_rate, lim.status_source_burst,
+                                                                c.last_heard))
+            src.refs += 1
+
+    def _source_gone(self, c: Conn) -> None:
+        src = self.sources.get(c.source) if c.source else None
+        if src is not None:
+            src.refs -= 1
+            if src.refs <= 0:
+                del self.sources[c.source]
+        c.source = ""
+
+
+class Connections(_StatusQueue):
     """The table of :class:`Conn` records (see the module docstring)."""
 
     def __init__(self, limits: ConnectionLimits | None = None, *, now: float = 0.0,
@@ -452,142 +594,6 @@ class Connections:
             return False
         c.error_next = now + self.limits.error_interval_s
         return True
-
-    def status_ask(self, c: Conn, token: int, now: float, source: str = "", auth: bool = False) -> bool:
-        """A ``status?`` from ``c``. True: answer it now. Otherwise it waits for its turn (see
-        :meth:`status_due`), or, if one of ``c``'s requests is already waiting, it is dropped.
-
-        ``source``: who is behind the connection (a CURVE key's fingerprint, a client address the
-        front vouches for; "": the connection alone), whose answers share a bucket
-        (``status_source_rate``) and whose last answer orders the waiting requests. ``auth``: the
-        request came with a key of the allow-list: it never waits behind an anonymous one. It is
-        answered at once only when nothing waits whose own buckets are ready: else it takes its
-        place in line, least recently served first (:meth:`_status_rank`)."""
-        c.status_asks += 1
-        if c.status_token is not None:
-            self.counters.status_dropped += 1
-            return False
-        self._set_source(c, source)
-        c.status_auth = auth
-        self._status_promote(now)
-        if not self._status_ready_valid() and self._own_ready(c, now) <= now and self.status_global.take(now):
-            self._answered(c, now)
-            return True
-        self.seq += 1
-        c.status_token, c.status_seq = token, self.seq
-        self._status_enqueue(c, now)
-        return False
-
-    def status_due(self, now: float) -> list[tuple[bytes, int]]:
-        """The waiting ``status?`` requests whose turn has come: (routing id, token), as far as the
-        global rate allows, authenticated ones first, then least recently served first: a source
-        (then a connection) never answered, as the operator's one ``latecomer status``, goes
-        before any flooder that was answered recently, however many wait."""
-        out: list[tuple[bytes, int]] = []
-        self._status_promote(now)
-        ready = self.status_ready
-        while self._status_ready_valid():
-            rank, seq, rid = ready[0]
-            c = self.by_rid[rid]
-            if self._status_rank(c) != rank:  # its source was answered, or it asked, meanwhile: it moves back
-                heapq.heapreplace(ready, (self._status_rank(c), seq, rid))
-                continue
-            if self._own_ready(c, now) > now:  # its source's bucket ran dry meanwhile
-                heapq.heappop(ready)
-                heapq.heappush(self.status_wait, (self._own_ready(c, now), seq, rid))
-                continue
-            if not self.status_global.take(now):
-                break
-            heapq.heappop(ready)
-            out.append((rid, c.status_token))
-            self._answered(c, now)
-        return out
-
-    def _answered(self, c: Conn, now: float) -> None:
-        """``c`` gets an answer now: its tokens are taken, its (and its source's) last answer is now."""
-        c.status_bucket.take(now)
-        c.status_token = None
-        c.status_last, c.status_asks = now, 0
-        src = self.sources.get(c.source) if c.source else None
-        if src is not None:
-            src.bucket.take(now)
-            src.last = now
-        self.counters.status_answered += 1
-
-    def _own_ready(self, c: Conn, now: float) -> float:
-        """When both ``c``'s bucket and its source's have a token."""
-        src = self.sources.get(c.source) if c.source else None
-        t = c.status_bucket.ready_at(now)
-        return t if src is None else max(t, src.bucket.ready_at(now))
-
-    def _status_rank(self, c: Conn) -> tuple[int, float, float, int]:
-        """A waiting request's place: authenticated first, then its source's last answer, then its
-        connection's (-inf: never answered), then how often it asked since (a flooder that was
-        never answered either goes after the operator's one request). A rank only grows while its
-        request waits (its source answered, more asks), which :meth:`status_due` relies on."""
-        src = self.sources.get(c.source) if c.source else None
-        return (0 if c.status_auth else 1, c.status_last if src is None else src.last, c.status_last, c.status_asks)
-
-    def _status_enqueue(self, c: Conn, now: float) -> None:
-        ready_at = self._own_ready(c, now)
-        if ready_at <= now:
-            heapq.heappush(self.status_ready, (self._status_rank(c), c.status_seq, c.rid))
-        else:
-            heapq.heappush(self.status_wait, (ready_at, c.status_seq, c.rid))
-        self._status_compact()
-
-    def _status_promote(self, now: float) -> None:
-        """Requests whose own buckets have filled move from waiting to the line."""
-        wait = self.status_wait
-        while wait and wait[0][0] <= now:
-            _, seq, rid = heapq.heappop(wait)
-            c = self._waiting(rid, seq)
-            if c is not None:
-                heapq.heappush(self.status_ready, (self._status_rank(c), seq, rid))
-
-    def _status_ready_valid(self) -> bool:
-        """Whether a request is in line (entries of records gone or answered are dropped first)."""
-        ready = self.status_ready
-        while ready and self._waiting(ready[0][2], ready[0][1]) is None:
-            heapq.heappop(ready)
-        return bool(ready)
-
-    def _waiting(self, rid: bytes, seq: int) -> Conn | None:
-        c = self.by_rid.get(rid)
-        return c if c is not None and c.status_seq == seq and c.status_token is not None else None
-
-    def _status_compact(self) -> None:
-        """Entries of records that went stay in the heaps until they come up; should they pile up
-        (connections that asked once and went), the heaps are rebuilt from the live ones: they
-        never hold more than about twice the table's records (one waiting request per record)."""
-        if len(self.status_ready) + len(self.status_wait) <= 2 * len(self.by_rid) + 64:
-            return
-        self.status_ready = [e for e in self.status_ready if self._waiting(e[2], e[1]) is not None]
-        self.status_wait = [e for e in self.status_wait if self._waiting(e[2], e[1]) is not None]
-        heapq.heapify(self.status_ready)
-        heapq.heapify(self.status_wait)
-
-    def _set_source(self, c: Conn, source: str) -> None:
-        """``c``'s source (see :meth:`status_ask`); a source's record lives while a record names it."""
-        if source == c.source:
-            return
-        self._source_gone(c)
-        c.source = source
-        if source:
-            src = self.sources.get(source)
-            if src is None:
-                lim = self.limits
-                src = self.sources[source] = Source(TokenBucket(lim.status_source_rate, lim.status_source_burst,
-                                                                c.last_heard))
-            src.refs += 1
-
-    def _source_gone(self, c: Conn) -> None:
-        src = self.sources.get(c.source) if c.source else None
-        if src is not None:
-            src.refs -= 1
-            if src.refs <= 0:
-                del self.sources[c.source]
-        c.source = ""
 
     # ------------------------------------------------------------------ figures
     def figures(self) -> dict[str, int]:

@@ -287,7 +287,278 @@ class _Source:
         return h
 
 
-class Front:
+class _Admission:
+    """The front's side of accepting clients: the descriptor budget, shedding by source and silence,
+    the handshake and progress deadlines (a mixin of :class:`Front`, which holds the state)."""
+
+    def check_deadlines(self, now: float) -> None:
+        """Cut the connections past the handshake deadline, and those whose unfinished message
+        brought less than the floor in its last window while the daemon was taking their bytes."""
+        b = self.budget
+        while self.handshaking:
+            p = next(iter(self.handshaking))
+            if now - p.born < b.handshake_s:
+                break
+            self._cut(p, f"no ZMTP handshake within {b.handshake_s:g} s")
+        for p in [p for p in self.mid if now - p.win_start >= b.window_s]:
+            if p.up or p.up_full:  # the daemon is not reading: the slowness is not the client's
+                p.win_start, p.win_bytes = now, 0
+            elif p.win_bytes < b.floor_bytes:
+                self._cut(p, f"an unfinished message brought {p.win_bytes} bytes in {b.window_s:g} s "
+                             f"(at least {b.floor_bytes} per {b.window_s:g} s, or finish it)")
+            else:
+                p.win_start, p.win_bytes = now, 0
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                c, addr = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self._shed_one(f"no descriptor left ({os.strerror(e.errno)})"):
+                        continue  # room made at once: accept again
+                    self._pause_accepts(f"cannot accept more connections ({os.strerror(e.errno)})")
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                raise
+            source = _source_of(c, addr)
+            per = self.budget.per_source
+            if per and source in self.sources and self.sources[source].total >= per:
+                self.refused += 1
+                c.close()
+                self._log_cut(f"{source} holds {per} connections (serve --max-connections-per-source)")
+                continue
+            if not self._make_room():  # FD_RESERVE holds the accepted socket meanwhile
+                self.refused += 1
+                c.close()
+                return
+            if not self._connect(c, source):
+                return
+
+    def _make_room(self) -> bool:
+        """Room for the client just accepted (two descriptors) within the budget, shedding
+        connections that may be shed (:meth:`_shed_one`) until there is. False: none may be (it
+        is closed, and accepts pause)."""
+        while 2 * self.clients + len(self.draining) + 2 > self.budget.max_fds:
+            if not self._shed_one(f"the front's {self.budget.max_clients} connections are taken"):
+                self._pause_accepts(f"all {self.clients} connections are authenticated or draining")
+                return False
+        return True
+
+    def _pause_accepts(self, why: str) -> None:
+        """Nothing can be shed: further clients wait in the listen backlog for 0.2 s."""
+        self._log_cut(f"{why}: pausing accepts for 0.2 s")
+        self._set_accepting(False)
+        self.accept_paused_until = self.clock() + 0.2
+
+    def _shed_one(self, why: str) -> bool:
+        """Cut the connection that has waited longest without a sign of life (see
+        :meth:`_Source.victim`), from the source address with the most connections that may be
+        shed. An authenticated connection (CURVE) is never shed. False: none may be."""
+        while self.top_n and not self.by_n.get(self.top_n):
+            self.top_n -= 1
+        if not self.top_n:
+            return False
+        src = self.sources[next(iter(self.by_n[self.top_n]))]
+        self.shed += 1
+        self._cut(src.victim(), f"shed to make room ({why}; {src.name} holds {src.total})")
+        return True
+
+    def _connect(self, c: socket.socket, source: str) -> bool:
+        """Pair an accepted client with a new connection to the daemon. False: stop accepting
+        for now (no descriptor for the daemon's side)."""
+        try:
+            d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:
+            c.close()
+            log.warning("cannot open a connection to the daemon (%s)", e)
+            return False
+        d.setblocking(False)
+        try:
+            d.connect(self.backend)
+        except OSError as e:  # the daemon's backlog is full or it is going: the client retries
+            c.close()
+            d.close()
+            log.debug("connection to the daemon refused: %s", e)
+            return True
+        c.setblocking(False)
+        if c.family in (socket.AF_INET, socket.AF_INET6):
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(c)
+        p = _Pair(c, d, InboundParser(self.limits), self.clock())
+        if self.limits.mechanism == b"NULL":
+            p.hs_buf = bytearray()
+        else:
+            p.dscan = bytearray()
+        self.pairs[p.cfd] = p
+        self.pairs[p.dfd] = p
+        self.ep.register(p.cfd, select.EPOLLIN)
+        self.ep.register(p.dfd, select.EPOLLIN)
+        self.accepted += 1
+        self._track(p, source)
+        return True
+
+    def _bump(self, src: _Source, delta: int) -> None:
+        """Move a source between the buckets of its sheddable count."""
+        if src.n:
+            bucket = self.by_n[src.n]
+            del bucket[src.name]
+            if not bucket:
+                del self.by_n[src.n]
+        src.n += delta
+        if src.n:
+            self.by_n.setdefault(src.n, {})[src.name] = None
+            self.top_n = max(self.top_n, src.n)
+
+    def _track(self, p: _Pair, source: str) -> None:
+        src = self.sources.get(source)
+        if src is None:
+            src = self.sources[source] = _Source(source)
+        p.src = src
+        src.total += 1
+        src.hs[p] = None
+        self.handshaking[p] = None
+        self.clients += 1
+        self._bump(src, 1)
+
+    def _untrack(self, p: _Pair) -> None:
+        """The client is gone: out of every table (idempotent)."""
+        src = p.src
+        if src is None:
+            return
+        p.src = None
+        self.clients -= 1
+        self.handshaking.pop(p, None)
+        self.mid.discard(p)
+        src.total -= 1
+        if src.hs.pop(p, 0) is None or src.open.pop(p, 0) is None:
+            self._bump(src, -1)
+        if not src.total:
+            del self.sources[src.name]
+
+    def _handshake_done(self, p: _Pair, stage: int) -> None:
+        """The client finished its handshake: OPEN (NULL), or AUTHED (CURVE: never shed)."""
+        src = p.src
+        if src is None or p.stage != HANDSHAKE:
+            return
+        p.stage = stage
+        self.handshaking.pop(p, None)
+        del src.hs[p]
+        p.last_done = self.clock()
+        if stage == OPEN:
+            src.open[p] = None
+        else:
+            self._bump(src, -1)
+
+    def _progress(self, p: _Pair, n: int) -> None:
+        """``n`` bytes of the client's arrived: a message finished (its last frame's body
+        passed) or the unfinished one's window counts them."""
+        if p.stage == HANDSHAKE or p.src is None:
+            return
+        parser = p.parser
+        if parser.skip or parser.header_need or parser.frames:
+            if p not in self.mid:
+                self.mid.add(p)
+                p.win_start, p.win_bytes = self.clock(), 0
+            p.win_bytes += n
+            return
+        self.mid.discard(p)
+        p.last_done = self.clock()
+        if p.stage == OPEN:  # to the end of the shedding order
+            del p.src.open[p]
+            p.src.open[p] = None
+
+class _Splicing:
+    """Moving frame bodies and the daemon's bytes with splice(2) through the shared pipe (a mixin of
+    :class:`Front`)."""
+
+    def _splice_body(self, p: _Pair) -> bool:
+        """Splice the next bytes of a frame body to the daemon (never past the body: the next
+        header is read, and parsed, in userspace). False: splice was refused."""
+        p.short = True
+        n = self._splice_in(p.cfd, min(p.parser.skip, CHUNK))
+        if n is None:
+            return False
+        if n > 0:
+            p.parser.skip -= n  # a body changes nothing the bounds count
+            self.spliced += n
+            self._progress(p, n)
+            p.up, failed = self._splice_out(p.dfd, n)
+            if failed:
+                self._daemon_gone(p)
+                return True
+            p.up_full = bool(p.up)
+            self._mask(p)
+        elif not n:
+            self._client_gone(p)
+        return True
+
+    def _splice_in(self, fd: int, count: int) -> int | None:
+        """Splice at most ``count`` bytes from ``fd`` into the (empty) pipe: how many (0: EOF or
+        an error, the side is gone), -1 for nothing yet, None where splice is refused."""
+        try:
+            return os.splice(fd, self.pipe[1], count, flags=_SPLICE_FLAGS)
+        except OSError as e:
+            if e.errno in _SOFT_ERRORS:
+                return -1
+            if e.errno in _NO_SPLICE:
+                self._no_splice(e)
+                return None
+            return 0
+
+    def _splice_out(self, fd: int, n: int) -> tuple[bytes, bool]:
+        """Move the ``n`` bytes in the pipe to ``fd``. Returns what ``fd`` did not take (read
+        back out of the pipe, which is empty again) and whether writing ``fd`` failed."""
+        sent, failed, refused = 0, False, None
+        try:
+            sent = os.splice(self.pipe[0], fd, n, flags=_SPLICE_FLAGS)
+        except OSError as e:
+            if e.errno in _NO_SPLICE:
+                refused = e
+            elif e.errno not in _SOFT_ERRORS:
+                failed = True
+        rest = b""
+        while len(rest) < n - sent:  # the pipe holds exactly these bytes: each read returns some
+            chunk = os.read(self.pipe[0], n - sent - len(rest))
+            if not chunk:
+                raise RuntimeError("the front's pipe held fewer bytes than were spliced into it")
+            rest += chunk
+        if refused is not None:
+            self._no_splice(refused)
+        return rest, failed
+
+    def _no_splice(self, e: OSError | None) -> None:
+        """Stop splicing (every connection goes on through the front's buffer)."""
+        if e is not None:
+            log.warning("splice refused (%s): relaying through the front's buffer", os.strerror(e.errno))
+        if self.pipe is not None:
+            for fd in self.pipe:
+                os.close(fd)
+            self.pipe = None
+
+    def _splice_down(self, p: _Pair) -> bool:
+        """Splice what the daemon sent to the client. False: splice was refused."""
+        n = self._splice_in(p.dfd, CHUNK)
+        if n is None:
+            return False
+        if n > 0:
+            self.spliced += n
+            p.big_down = n >= SPLICE_MIN
+            p.down, failed = self._splice_out(p.cfd, n)
+            if failed:
+                self._client_gone(p)
+                return True
+            p.down_full = bool(p.down)
+            self._mask(p)
+        elif not n:
+            self._daemon_gone(p)
+        return True
+
+
+class Front(_Admission, _Splicing):
     """The relay's event loop (epoll, level-triggered, one thread).
 
     Args:
@@ -407,193 +678,13 @@ class Front:
             self.next_check = now + CHECK_EVERY_S
             self.check_deadlines(now)
 
-    def check_deadlines(self, now: float) -> None:
-        """Cut the connections past the handshake deadline, and those whose unfinished message
-        brought less than the floor in its last window while the daemon was taking their bytes."""
-        b = self.budget
-        while self.handshaking:
-            p = next(iter(self.handshaking))
-            if now - p.born < b.handshake_s:
-                break
-            self._cut(p, f"no ZMTP handshake within {b.handshake_s:g} s")
-        for p in [p for p in self.mid if now - p.win_start >= b.window_s]:
-            if p.up or p.up_full:  # the daemon is not reading: the slowness is not the client's
-                p.win_start, p.win_bytes = now, 0
-            elif p.win_bytes < b.floor_bytes:
-                self._cut(p, f"an unfinished message brought {p.win_bytes} bytes in {b.window_s:g} s "
-                             f"(at least {b.floor_bytes} per {b.window_s:g} s, or finish it)")
-            else:
-                p.win_start, p.win_bytes = now, 0
-
     def close(self) -> None:
         self.set_backend(None)
         self.ep.close()
         self._no_splice(None)
 
     # ---------------------------------------------------------------- connections
-    def _accept(self) -> None:
-        for _ in range(64):
-            try:
-                c, addr = self.listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    if self._shed_one(f"no descriptor left ({os.strerror(e.errno)})"):
-                        continue  # room made at once: accept again
-                    self._pause_accepts(f"cannot accept more connections ({os.strerror(e.errno)})")
-                    return
-                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
-                    continue
-                raise
-            source = _source_of(c, addr)
-            per = self.budget.per_source
-            if per and source in self.sources and self.sources[source].total >= per:
-                self.refused += 1
-                c.close()
-                self._log_cut(f"{source} holds {per} connections (serve --max-connections-per-source)")
-                continue
-            if not self._make_room():  # FD_RESERVE holds the accepted socket meanwhile
-                self.refused += 1
-                c.close()
-                return
-            if not self._connect(c, source):
-                return
-
-    def _make_room(self) -> bool:
-        """Room for the client just accepted (two descriptors) within the budget, shedding
-        connections that may be shed (:meth:`_shed_one`) until there is. False: none may be (it
-        is closed, and accepts pause)."""
-        while 2 * self.clients + len(self.draining) + 2 > self.budget.max_fds:
-            if not self._shed_one(f"the front's {self.budget.max_clients} connections are taken"):
-                self._pause_accepts(f"all {self.clients} connections are authenticated or draining")
-                return False
-        return True
-
-    def _pause_accepts(self, why: str) -> None:
-        """Nothing can be shed: further clients wait in the listen backlog for 0.2 s."""
-        self._log_cut(f"{why}: pausing accepts for 0.2 s")
-        self._set_accepting(False)
-        self.accept_paused_until = self.clock() + 0.2
-
-    def _shed_one(self, why: str) -> bool:
-        """Cut the connection that has waited longest without a sign of life (see
-        :meth:`_Source.victim`), from the source address with the most connections that may be
-        shed. An authenticated connection (CURVE) is never shed. False: none may be."""
-        while self.top_n and not self.by_n.get(self.top_n):
-            self.top_n -= 1
-        if not self.top_n:
-            return False
-        src = self.sources[next(iter(self.by_n[self.top_n]))]
-        self.shed += 1
-        self._cut(src.victim(), f"shed to make room ({why}; {src.name} holds {src.total})")
-        return True
-
-    def _connect(self, c: socket.socket, source: str) -> bool:
-        """Pair an accepted client with a new connection to the daemon. False: stop accepting
-        for now (no descriptor for the daemon's side)."""
-        try:
-            d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        except OSError as e:
-            c.close()
-            log.warning("cannot open a connection to the daemon (%s)", e)
-            return False
-        d.setblocking(False)
-        try:
-            d.connect(self.backend)
-        except OSError as e:  # the daemon's backlog is full or it is going: the client retries
-            c.close()
-            d.close()
-            log.debug("connection to the daemon refused: %s", e)
-            return True
-        c.setblocking(False)
-        if c.family in (socket.AF_INET, socket.AF_INET6):
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _keepalive(c)
-        p = _Pair(c, d, InboundParser(self.limits), self.clock())
-        if self.limits.mechanism == b"NULL":
-            p.hs_buf = bytearray()
-        else:
-            p.dscan = bytearray()
-        self.pairs[p.cfd] = p
-        self.pairs[p.dfd] = p
-        self.ep.register(p.cfd, select.EPOLLIN)
-        self.ep.register(p.dfd, select.EPOLLIN)
-        self.accepted += 1
-        self._track(p, source)
-        return True
-
     # ---------------------------------------------------------------- accounting per source
-    def _bump(self, src: _Source, delta: int) -> None:
-        """Move a source between the buckets of its sheddable count."""
-        if src.n:
-            bucket = self.by_n[src.n]
-            del bucket[src.name]
-            if not bucket:
-                del self.by_n[src.n]
-        src.n += delta
-        if src.n:
-            self.by_n.setdefault(src.n, {})[src.name] = None
-            self.top_n = max(self.top_n, src.n)
-
-    def _track(self, p: _Pair, source: str) -> None:
-        src = self.sources.get(source)
-        if src is None:
-            src = self.sources[source] = _Source(source)
-        p.src = src
-        src.total += 1
-        src.hs[p] = None
-        self.handshaking[p] = None
-        self.clients += 1
-        self._bump(src, 1)
-
-    def _untrack(self, p: _Pair) -> None:
-        """The client is gone: out of every table (idempotent)."""
-        src = p.src
-        if src is None:
-            return
-        p.src = None
-        self.clients -= 1
-        self.handshaking.pop(p, None)
-        self.mid.discard(p)
-        src.total -= 1
-        if src.hs.pop(p, 0) is None or src.open.pop(p, 0) is None:
-            self._bump(src, -1)
-        if not src.total:
-            del self.sources[src.name]
-
-    def _handshake_done(self, p: _Pair, stage: int) -> None:
-        """The client finished its handshake: OPEN (NULL), or AUTHED (CURVE: never shed)."""
-        src = p.src
-        if src is None or p.stage != HANDSHAKE:
-            return
-        p.stage = stage
-        self.handshaking.pop(p, None)
-        del src.hs[p]
-        p.last_done = self.clock()
-        if stage == OPEN:
-            src.open[p] = None
-        else:
-            self._bump(src, -1)
-
-    def _progress(self, p: _Pair, n: int) -> None:
-        """``n`` bytes of the client's arrived: a message finished (its last frame's body
-        passed) or the unfinished one's window counts them."""
-        if p.stage == HANDSHAKE or p.src is None:
-            return
-        parser = p.parser
-        if parser.skip or parser.header_need or parser.frames:
-            if p not in self.mid:
-                self.mid.add(p)
-                p.win_start, p.win_bytes = self.clock(), 0
-            p.win_bytes += n
-            return
-        self.mid.discard(p)
-        p.last_done = self.clock()
-        if p.stage == OPEN:  # to the end of the shedding order
-            del p.src.open[p]
-            p.src.open[p] = None
-
     def _mask(self, p: _Pair) -> None:
         """Read a side only when what was read from it has gone to the other side."""
         wait_up, wait_down = p.up or p.up_full, p.down or p.down_full
@@ -679,88 +770,6 @@ class Front:
         else:
             p.up_full = False  # writable again with nothing left to write
         self._mask(p)
-
-    def _splice_body(self, p: _Pair) -> bool:
-        """Splice the next bytes of a frame body to the daemon (never past the body: the next
-        header is read, and parsed, in userspace). False: splice was refused."""
-        p.short = True
-        n = self._splice_in(p.cfd, min(p.parser.skip, CHUNK))
-        if n is None:
-            return False
-        if n > 0:
-            p.parser.skip -= n  # a body changes nothing the bounds count
-            self.spliced += n
-            self._progress(p, n)
-            p.up, failed = self._splice_out(p.dfd, n)
-            if failed:
-                self._daemon_gone(p)
-                return True
-            p.up_full = bool(p.up)
-            self._mask(p)
-        elif not n:
-            self._client_gone(p)
-        return True
-
-    def _splice_in(self, fd: int, count: int) -> int | None:
-        """Splice at most ``count`` bytes from ``fd`` into the (empty) pipe: how many (0: EOF or
-        an error, the side is gone), -1 for nothing yet, None where splice is refused."""
-        try:
-            return os.splice(fd, self.pipe[1], count, flags=_SPLICE_FLAGS)
-        except OSError as e:
-            if e.errno in _SOFT_ERRORS:
-                return -1
-            if e.errno in _NO_SPLICE:
-                self._no_splice(e)
-                return None
-            return 0
-
-    def _splice_out(self, fd: int, n: int) -> tuple[bytes, bool]:
-        """Move the ``n`` bytes in the pipe to ``fd``. Returns what ``fd`` did not take (read
-        back out of the pipe, which is empty again) and whether writing ``fd`` failed."""
-        sent, failed, refused = 0, False, None
-        try:
-            sent = os.splice(self.pipe[0], fd, n, flags=_SPLICE_FLAGS)
-        except OSError as e:
-            if e.errno in _NO_SPLICE:
-                refused = e
-            elif e.errno not in _SOFT_ERRORS:
-                failed = True
-        rest = b""
-        while len(rest) < n - sent:  # the pipe holds exactly these bytes: each read returns some
-            chunk = os.read(self.pipe[0], n - sent - len(rest))
-            if not chunk:
-                raise RuntimeError("the front's pipe held fewer bytes than were spliced into it")
-            rest += chunk
-        if refused is not None:
-            self._no_splice(refused)
-        return rest, failed
-
-    def _no_splice(self, e: OSError | None) -> None:
-        """Stop splicing (every connection goes on through the front's buffer)."""
-        if e is not None:
-            log.warning("splice refused (%s): relaying through the front's buffer", os.strerror(e.errno))
-        if self.pipe is not None:
-            for fd in self.pipe:
-                os.close(fd)
-            self.pipe = None
-
-    def _splice_down(self, p: _Pair) -> bool:
-        """Splice what the daemon sent to the client. False: splice was refused."""
-        n = self._splice_in(p.dfd, CHUNK)
-        if n is None:
-            return False
-        if n > 0:
-            self.spliced += n
-            p.big_down = n >= SPLICE_MIN
-            p.down, failed = self._splice_out(p.cfd, n)
-            if failed:
-                self._client_gone(p)
-                return True
-            p.down_full = bool(p.down)
-            self._mask(p)
-        elif not n:
-            self._daemon_gone(p)
-        return True
 
     def _read_daemon(self, p: _Pair) -> None:
         if p.big_down and p.dscan is None and p.c is not None and self.pipe is not None and self._splice_down(p):

@@ -201,7 +201,48 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
             send(rid, bye)
 
 
-class ServerTransport:
+class _Outbound:
+    """What the server sends of its own accord: heartbeats (a slice per pass), a message in parts, the
+    final byes (a mixin of ServerTransport, which holds the state)."""
+
+    def _parts_out(self, msg: Any) -> list:
+        """The messages that carry ``msg`` in parts, then its header (a new transfer id)."""
+        self.next_xfer += 1
+        messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+        self.parts_out += len(messages) - 1
+        return messages
+
+    def start_heartbeats(self) -> None:
+        """A new heartbeat period: every live worker is queued for its heartbeat."""
+        workers = self.core.workers
+        self.hb_queue.extend(c.rid for c in self.conns.bound() if c.wid in workers)
+
+    def heartbeat_some(self) -> list[str]:
+        """Send this period's heartbeat to the next HB_SLICE workers of the queue: a period's
+        heartbeats go out a slice per pass of the loop, between batches of messages, so thousands
+        of workers do not hold the others' replies back for the time of one long burst. Returns
+        the workers that could not be reached."""
+        frames = encode(Heartbeat(boot=self.core.server_boot))  # the same bytes for every worker
+        workers, queue, gone = self.core.workers, self.hb_queue, []
+        for _ in range(min(HB_SLICE, len(queue))):
+            conn = self.conns.by_rid.get(queue.popleft())
+            if conn is None or conn.wid not in workers:
+                continue  # gone, or declared dead meanwhile (its record is kept a while)
+            if not self.send_frames(conn.rid, frames):
+                gone.append(conn.wid)
+        return gone
+
+    def drain(self, bye: Bye, deadline: float) -> None:
+        """Tell every worker bye and wait (until ``deadline``) for their acknowledging bye. A
+        worker that missed it (it was reconnecting) gets it again in answer to whatever it sends."""
+        pending = {c.rid for c in self.conns.bound()}
+        for rid in list(pending):
+            if not self.send_message(rid, bye):
+                pending.discard(rid)
+        await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message)
+
+
+class ServerTransport(_Outbound):
     """The ROUTER socket and the per-connection state (see the module docstring).
 
     Args:
@@ -563,44 +604,8 @@ class ServerTransport:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def _parts_out(self, msg: Any) -> list:
-        """The messages that carry ``msg`` in parts, then its header (a new transfer id)."""
-        self.next_xfer += 1
-        messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
-        self.parts_out += len(messages) - 1
-        return messages
-
     # ------------------------------------------------------------------ heartbeats
-    def start_heartbeats(self) -> None:
-        """A new heartbeat period: every live worker is queued for its heartbeat."""
-        workers = self.core.workers
-        self.hb_queue.extend(c.rid for c in self.conns.bound() if c.wid in workers)
-
-    def heartbeat_some(self) -> list[str]:
-        """Send this period's heartbeat to the next HB_SLICE workers of the queue: a period's
-        heartbeats go out a slice per pass of the loop, between batches of messages, so thousands
-        of workers do not hold the others' replies back for the time of one long burst. Returns
-        the workers that could not be reached."""
-        frames = encode(Heartbeat(boot=self.core.server_boot))  # the same bytes for every worker
-        workers, queue, gone = self.core.workers, self.hb_queue, []
-        for _ in range(min(HB_SLICE, len(queue))):
-            conn = self.conns.by_rid.get(queue.popleft())
-            if conn is None or conn.wid not in workers:
-                continue  # gone, or declared dead meanwhile (its record is kept a while)
-            if not self.send_frames(conn.rid, frames):
-                gone.append(conn.wid)
-        return gone
-
     # ------------------------------------------------------------------ the end
-    def drain(self, bye: Bye, deadline: float) -> None:
-        """Tell every worker bye and wait (until ``deadline``) for their acknowledging bye. A
-        worker that missed it (it was reconnecting) gets it again in answer to whatever it sends."""
-        pending = {c.rid for c in self.conns.bound()}
-        for rid in list(pending):
-            if not self.send_message(rid, bye):
-                pending.discard(rid)
-        await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message)
-
     def close(self) -> None:
         if self.shard is not None:
             self.sock.close(linger=0)
