@@ -1,0 +1,153 @@
+"""The front's connection limits against a real ``serve`` (issue 29, point 1; SECURITY.md, "Limits
+and rates"): under CurveZMQ an unauthenticated connection never displaces an authenticated one,
+and ``--max-connections-per-source`` caps what one address holds.
+
+What is observed is the connections themselves: each real worker's TCP connection (its local
+port, from the worker process's own socket table) is the same one before and after the flood, so
+it was never cut and reconnected; the flood's sockets see the server close them (EOF or reset).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import time
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from ps.cli.main import main
+from tests.integration.attack import Victim
+from tests.integration.util import read_events
+from tests.integration.zmtp_raw import greeting, ready, tcp_address
+
+pytestmark = pytest.mark.slow
+
+
+def worker_connection(pid: int, port: int) -> tuple[int, str]:
+    """The worker process's TCP connection to the server's ``port``: (its local port, its state)."""
+    conns = [c for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr and c.raddr.port == port]
+    assert len(conns) == 1, conns
+    return conns[0].laddr.port, conns[0].status
+
+
+def open_raw(endpoint: str, source: str, first: bytes) -> socket.socket:
+    """A TCP connection from ``source`` that sends ``first`` (a greeting, a handshake) and nothing more."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((source, 0))
+    s.settimeout(10)
+    s.connect(tcp_address(endpoint))
+    s.sendall(first)
+    s.setblocking(False)
+    return s
+
+
+def closed_by_server(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (an EOF or a reset is waiting); what it sent is read and dropped."""
+    while True:
+        if not select.select([s], [], [], 0)[0]:
+            return False
+        try:
+            if not s.recv(65536):
+                return True
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.ECONNRESET, errno.EPIPE):
+                return True
+            raise
+
+
+def wait_closed(socks: list[socket.socket], n: int, timeout: float) -> int:
+    """Wait until at least ``n`` of ``socks`` were closed by the server; the number closed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        closed = sum(closed_by_server(s) for s in socks)
+        if closed >= n:
+            return closed
+        assert time.monotonic() < deadline, f"only {closed} of {len(socks)} connections closed within {timeout} s"
+        time.sleep(0.05)  # polling interval of a bounded wait
+
+
+def joined(state: str, worker_id: str) -> bool:
+    return any(e.get("ev") == "joined" and e.get("worker_id") == worker_id
+               for e in read_events(os.path.join(state, "events.jsonl")))
+
+
+def test_under_curve_a_flood_of_unauthenticated_connections_never_displaces_an_authenticated_one(procs, tmp_path):
+    """``serve --keys --max-connections 4``: two allowed workers train (2 connections); 300
+    connections that send a CURVE greeting and never finish the handshake arrive from two
+    addresses. The front makes room for each by shedding a connection still in its handshake,
+    never one whose CURVE handshake the daemon accepted (its READY seen): the two workers keep
+    the very connections they had (same local port, ESTABLISHED), keep training, and a third
+    allowed worker started during the flood joins (the front sheds a flood connection for it).
+    Broken on purpose (authenticated connections made sheddable), the workers' ports change."""
+    d = str(tmp_path / "keys")
+    runner = CliRunner()
+    assert runner.invoke(main, ["keys", "init", d]).exit_code == 0
+    for name in ("real1", "real2", "late"):
+        assert runner.invoke(main, ["keys", "add-worker", name, "--keys", d]).exit_code == 0
+
+    def key_args(name: str) -> tuple[str, ...]:
+        return ("--key", f"{d}/workers/{name}.key_secret", "--server-key", f"{d}/server.key")
+
+    victim = Victim(procs, tmp_path, extra_serve=("--keys", d, "--max-connections", "4"),
+                    worker_args=lambda i: key_args(f"real{i}"))
+    port = tcp_address(victim.endpoint)[1]
+    before = [worker_connection(w.pid, port) for w in victim.workers]
+    assert all(st == psutil.CONN_ESTABLISHED for _, st in before), before
+
+    flood = []
+    try:
+        for i in range(300):
+            flood.append(open_raw(victim.endpoint, ("127.0.0.1", "127.0.0.2")[i % 2], greeting(b"CURVE")))
+        # 300 in, 2 sheddable slots: all but at most 2 were shed (or cut at the handshake deadline)
+        shed = wait_closed(flood, len(flood) - 2, timeout=60)
+        late = procs.start("work", "--server", victim.endpoint, "--worker-id", "late", "--delay", "0.01",
+                           *key_args("late"))
+        deadline = time.monotonic() + 60
+        while not joined(victim.state, "late"):
+            assert late.poll() is None, f"the late worker exited ({late.returncode})"
+            assert time.monotonic() < deadline, "the late allowed worker did not join during the flood"
+            time.sleep(0.05)  # polling interval of a bounded wait
+        victim.workers.append(late)
+        after = [worker_connection(w.pid, port) for w in victim.workers[:2]]
+        assert after == before, f"an authenticated connection was cut and remade: {before} -> {after}"
+        print(f"flood: {shed} of {len(flood)} closed by the server; workers' connections {before} kept")
+    finally:
+        for s in flood:
+            s.close()
+    victim.wait_applied(victim.events.applied + 100, timeout=60)
+    assert not victim.events.real_lost, victim.events.real_lost
+    victim.finish()
+
+
+def test_one_source_holds_at_most_its_cap_and_the_others_are_served(procs, tmp_path):
+    """``serve --max-connections-per-source 5`` (NULL): 40 clients from 127.0.0.2 finish the ZMTP
+    handshake and hold; the server closes all but 5 at once, keeps those 5 (they broke no bound),
+    closes a new one from that address too, and a worker from 127.0.0.1 still joins and trains.
+    Broken on purpose (no cap), nothing is closed and the wait fails."""
+    victim = Victim(procs, tmp_path, extra_serve=("--max-connections-per-source", "5"))
+    held = [open_raw(victim.endpoint, "127.0.0.2", greeting() + ready()) for _ in range(40)]
+    try:
+        assert wait_closed(held, 35, timeout=60) == 35
+        kept = [s for s in held if not closed_by_server(s)]
+        assert len(kept) == 5, "the first 5 of the address are kept"
+        extra = open_raw(victim.endpoint, "127.0.0.2", greeting() + ready())
+        held.append(extra)
+        assert wait_closed([extra], 1, timeout=30) == 1, "a sixth connection from the address is closed at once"
+        w = procs.start("work", "--server", victim.endpoint, "--worker-id", "real3", "--delay", "0.01")
+        victim.workers.append(w)
+        deadline = time.monotonic() + 60
+        while not joined(victim.state, "real3"):
+            assert w.poll() is None, f"the worker exited ({w.returncode})"
+            assert time.monotonic() < deadline, "a worker from another address did not join"
+            time.sleep(0.05)  # polling interval of a bounded wait
+        assert not any(closed_by_server(s) for s in kept), "the 5 within the cap are still open"
+    finally:
+        for s in held:
+            s.close()
+    victim.finish()
