@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-browser test-deploy gpu-check setup clean
+.PHONY: run test test-bench test-fast test-browser test-deploy gpu-check setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,12 @@ run: $(STAMP)
 # 2 cores. The real-process tests run one at a time: several measure rates and liveness.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests/unit tests/sim
-	$(BIN)/python -m pytest -q --durations=25 tests/integration
+	$(BIN)/python -m pytest -q --durations=25 -m "not bench" tests/integration
+
+# The benchmark harnesses end to end (`latecomer bench --quick`, `--models`, `--shards`, the GPU
+# check's plan on CPU workers): about 3 minutes, a stage of its own that CI runs after `make test`.
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=0 -m bench tests/integration
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow" tests/unit tests/sim

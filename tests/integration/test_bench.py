@@ -15,6 +15,7 @@ from benchmarks.latecomer_ps import missing_flag
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECONDS, WARMUP = 1.0, 0.25  # per cell: timed interval (5 windows of 0.2 s) and warm-up
+pytestmark = pytest.mark.bench  # `make test-bench` (CI runs it after `make test`)
 FIGURES = ("updates_per_s", "bytes_per_update", "cpu_s_per_update", "rtt_p50_s", "rtt_p99_s", "peak_rss_bytes")
 
 

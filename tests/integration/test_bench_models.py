@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 SYSTEMS = ("plain", "ddp-2", "latecomer-2", "ddp-2-slow", "latecomer-2-slow")
 

@@ -24,7 +24,7 @@ import pytest
 from benchmarks.netns import why_unusable
 from tests.integration.test_netns import REPO, netns_unusable
 
-pytestmark = [pytest.mark.slow, pytest.mark.netns]
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.bench]
 
 D = 200_000  # 800 KB float32 vectors: 4 blocks of 200 KB
 RATE = "100mbit"  # ~65 ms per whole vector each way on a data link
