@@ -54,6 +54,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from protocol.codec import looks_like_heartbeat
+
 log = logging.getLogger("latecomer.front")
 
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
@@ -125,6 +127,9 @@ class Limits:
         max_message_bytes: the most one connection's unfinished message may declare.
         max_frames: the most frames one message may have.
         max_pending_bytes: the most all connections' unfinished messages may declare together.
+        hb_repeat_s: under NULL, a heartbeat byte for byte the connection's previous message,
+            which the front passed on less than this long ago, is dropped (0: never); see
+            :meth:`Front._repeat`. The daemon's own rule (half its ``hb_refresh_s``).
     """
 
     mechanism: bytes
@@ -132,6 +137,7 @@ class Limits:
     max_message_bytes: int
     max_frames: int
     max_pending_bytes: int
+    hb_repeat_s: float = 0.0  # NULL: a heartbeat repeating the connection's last message this recently is dropped
 
     @property
     def max_command_bytes(self) -> int:
@@ -237,7 +243,7 @@ class _Pair:
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
                  "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
-                 "dscan", "win_start", "win_bytes")
+                 "dscan", "win_start", "win_bytes", "hb_last", "hb_at")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser, now: float = 0.0) -> None:
         self.src: _Source | None = None  # the source address's tables while the client is there
@@ -246,6 +252,8 @@ class _Pair:
         self.hs_buf: bytearray | None = None  # NULL: the first command, held until it is whole
         self.dscan: bytearray | None = None  # CURVE: the daemon's bytes looked at until its READY
         self.win_start, self.win_bytes = 0.0, 0  # the progress window of an unfinished message
+        self.hb_last: bytes | None = None  # NULL: the heartbeat passed on last, if nothing else came since
+        self.hb_at = 0.0  # ... when
         self.c: socket.socket | None = c
         self.d: socket.socket | None = d
         self.cfd, self.dfd = c.fileno(), d.fileno()
@@ -579,6 +587,7 @@ class Front(_Admission, _Splicing):
         self.mid: set[_Pair] = set()  # connections with an unfinished message (progress windows)
         self.next_check = 0.0
         self.shed = self.refused = 0
+        self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
         self.listener = listener
         listener.setblocking(False)
         self.limits = limits
@@ -715,6 +724,7 @@ class Front(_Admission, _Splicing):
             self._client_gone(p)
             return
         data = self.view[:n]
+        boundary = not (parser.skip or parser.header_need or parser.frames)  # a message may start here
         before, greeting = parser.unfinished, GREETING_BYTES - len(parser.greeting)
         try:
             parser.feed(data)
@@ -736,8 +746,33 @@ class Front(_Admission, _Splicing):
                 self._mask(p)
                 return
         self._progress(p, n)
+        if p.stage == OPEN and self.limits.hb_repeat_s and self._repeat(p, data, boundary):
+            return
         p.up = data
         self._write_daemon(p)
+
+    def _repeat(self, p: _Pair, data: memoryview, boundary: bool) -> bool:
+        """Whether ``data`` (a whole read, past the NULL handshake) is a heartbeat that repeats,
+        byte for byte, the connection's previous message, passed on less than
+        ``limits.hb_repeat_s`` ago: it is dropped here, one hop before the daemon would drop it
+        unread (ps/net/connections.py, ``repeat_heartbeat``), which saves the daemon receiving it
+        and the front sending it. Only a read that is exactly one short one-frame message
+        counts; anything else passed on forgets the heartbeat. The window is half the daemon's,
+        so a worker heartbeating at the interval it was told is never thinned here, and one
+        heartbeating faster still has one passed on at least every half window plus its period
+        (the daemon hands one to the core at least every ``hb_refresh_s`` of those)."""
+        n = len(data)
+        if boundary and 2 < n <= 257 and data[0] == 0 and data[1] == n - 2:
+            body = bytes(data[2:])
+            if looks_like_heartbeat(body):
+                now = self.clock()
+                if body == p.hb_last and now - p.hb_at < self.limits.hb_repeat_s:
+                    self.hb_dropped += 1
+                    return True
+                p.hb_last, p.hb_at = body, now
+                return False
+        p.hb_last = None
+        return False
 
     def _hold_handshake(self, p: _Pair, data: memoryview, greeting: int) -> bytes | None:
         """NULL: pass the greeting on as it comes (libzmq sends the rest of its greeting only

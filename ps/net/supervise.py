@@ -171,6 +171,12 @@ def _start_trimmer() -> None:
     threading.Thread(target=loop, name="malloc-trim", daemon=True).start()
 
 
+def _hb_repeat_s(daemon: Any) -> float:
+    """The front's window for heartbeat repeats (Front._repeat): half the daemon's own (0: none)."""
+    limits = getattr(getattr(daemon, "conns", None), "limits", None)
+    return float(getattr(limits, "hb_refresh_s", 0.0)) / 2
+
+
 def announce(daemon: Any) -> None:
     """Say the daemon is ready: print the endpoint (alone), or tell the supervisor the private
     endpoint and the bounds its front enforces. Either way memory the daemon frees goes back to
@@ -189,7 +195,8 @@ def announce(daemon: Any) -> None:
     largest = MAX_HEADER_BYTES + 2 * daemon.max_array_bytes  # a header and a pair of float64 gradients
     info = {"endpoint": daemon.endpoint, "mechanism": "CURVE" if daemon.security is not None else "NULL",
             "max_frame_bytes": daemon.sock.getsockopt(zmq.MAXMSGSIZE), "max_message_bytes": largest,
-            "max_frames": 1 + MAX_ARRAYS, "pid": os.getpid()}
+            "max_frames": 1 + MAX_ARRAYS, "pid": os.getpid(),
+            "hb_repeat_s": _hb_repeat_s(daemon)}
     with os.fdopen(int(fd), "w", encoding="utf-8") as f:
         f.write(json.dumps(info) + "\n")
 
@@ -202,7 +209,8 @@ def _limits(info: dict[str, Any], max_unfinished: int | None):
     largest = int(info["max_message_bytes"])
     return Limits(mechanism=info["mechanism"].encode(), max_frame_bytes=int(info["max_frame_bytes"]),
                   max_message_bytes=largest, max_frames=int(info["max_frames"]),
-                  max_pending_bytes=max_unfinished or max(256 << 20, 8 * largest))
+                  max_pending_bytes=max_unfinished or max(256 << 20, 8 * largest),
+                  hb_repeat_s=float(info.get("hb_repeat_s", 0.0)))
 
 
 def _budget(max_connections: int | None, per_source: int):

@@ -617,3 +617,59 @@ def test_the_daemon_reads_the_client_address_as_x_source(tmp_path):
         front.close()
         listener.close()
         ctx.destroy(linger=0)
+
+
+def test_a_repeated_heartbeat_is_dropped_within_half_the_daemons_window(clocked):
+    """Under NULL, past the handshake, a heartbeat that repeats byte for byte the connection's
+    previous message, passed on less than ``hb_repeat_s`` ago, is dropped by the front (the
+    daemon would drop it unread: ConnectionLimits.hb_refresh_s, of which this is half). Once the
+    window has passed, or after any other message, or with other bytes, it is passed on."""
+    from dataclasses import replace
+
+    from protocol.codec import encode
+    from protocol.messages import Heartbeat
+
+    relay, clock = clocked(Budget(max_fds=64), replace(LIMITS, hb_repeat_s=0.5))
+    c, d = joined(relay)
+    hb = bytes(encode(Heartbeat(boot=7, credit=1, busy=(3,), seen=3))[0])
+    other_hb = bytes(encode(Heartbeat(boot=7, credit=1, busy=(), seen=4))[0])
+    wire_hb, wire_other = frame_header(len(hb)) + hb, frame_header(len(other_hb)) + other_hb
+
+    def passed(data: bytes) -> None:
+        c.sendall(data)
+        assert recv_exactly(d, len(data)) == data
+
+    def dropped(data: bytes) -> None:
+        n = relay.front.hb_dropped
+        c.sendall(data)
+        wait_until(lambda: relay.front.hb_dropped == n + 1)
+
+    passed(wire_hb)
+    dropped(wire_hb)
+    clock.t += 0.49
+    dropped(wire_hb)  # still within 0.5 s of the one passed on
+    clock.t += 0.01
+    passed(wire_hb)  # the window is over: passed on, and the window starts again
+    dropped(wire_hb)
+    passed(frame_header(5) + b"hello")  # anything else in between ...
+    passed(wire_hb)  # ... and the next heartbeat is passed on whatever it repeats
+    passed(wire_other)  # other bytes: passed on
+    dropped(wire_other)
+    passed(wire_other + frame_header(5) + b"hello")  # not one message a read: passed on as it is
+    d.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        d.recv(1)  # nothing else reached the daemon: the dropped ones are gone
+    assert relay.front.hb_dropped == 4
+
+
+def test_without_a_window_every_heartbeat_is_passed_on(relay):
+    """``hb_repeat_s`` 0 (CURVE, where the bytes are encrypted, or a daemon that asks none)."""
+    from protocol.codec import encode
+    from protocol.messages import Heartbeat
+
+    c, d = joined(relay)
+    hb = bytes(encode(Heartbeat(boot=7, credit=1))[0])
+    for _ in range(3):
+        c.sendall(frame_header(len(hb)) + hb)
+        assert recv_exactly(d, len(hb) + 2) == frame_header(len(hb)) + hb
+    assert relay.front.hb_dropped == 0
