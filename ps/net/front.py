@@ -757,10 +757,10 @@ class Front(_Admission, _Splicing):
         ``limits.hb_repeat_s`` ago: it is dropped here, one hop before the daemon would drop it
         unread (ps/net/connections.py, ``repeat_heartbeat``), which saves the daemon receiving it
         and the front sending it. Only a read that is exactly one short one-frame message
-        counts; anything else passed on forgets the heartbeat. The window is half the daemon's,
-        so a worker heartbeating at the interval it was told is never thinned here, and one
-        heartbeating faster still has one passed on at least every half window plus its period
-        (the daemon hands one to the core at least every ``hb_refresh_s`` of those)."""
+        counts; anything else passed on forgets the heartbeat. The window is half the daemon's:
+        whatever a worker's pace, one of its heartbeats is passed on at least every half window
+        plus its period, so the daemon still hands one to the core at least every
+        ``hb_refresh_s`` plus that period (1.5 s at the defaults, against a liveness of 3 s)."""
         n = len(data)
         if boundary and 2 < n <= 257 and data[0] == 0 and data[1] == n - 2:
             body = bytes(data[2:])
