@@ -760,7 +760,7 @@ class Front(_Admission, _Splicing):
         counts; anything else passed on forgets the heartbeat. The window is half the daemon's:
         whatever a worker's pace, one of its heartbeats is passed on at least every half window
         plus its period, so the daemon still hands one to the core at least every
-        ``hb_refresh_s`` plus that period (1.5 s at the defaults, against a liveness of 3 s)."""
+        ``1.5 * hb_refresh_s`` plus that period (2 s at the defaults, against a liveness of 3 s)."""
         n = len(data)
         if boundary and 2 < n <= 257 and data[0] == 0 and data[1] == n - 2:
             body = bytes(data[2:])
