@@ -25,6 +25,10 @@ cannot give (SECURITY.md, "Limits and rates"):
   reads an EOF once its input runs again) and reads and discards until the daemon closes
   (at most ``DRAIN_S``), so nothing reaches the daemon's engine while its input is stopped.
 
+A client that does not read is bounded the same way: once the daemon's bytes wait in the front for
+it, it must take ``floor_bytes`` in every window or it is reset, and the daemon drops what it
+queued for it (``Front._down_progress``).
+
 Everything else (the greeting's version and security mechanism, CURVE, the protocol) is the
 daemon's: the front forwards the daemon's bytes untouched and parses only what it must.
 Per connection the front holds at most ``CHUNK`` bytes in each direction (it reads a side
@@ -236,6 +240,7 @@ class InboundParser:
 
 _SOFT_ERRORS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 _IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
+_SIOCOUTQ = 0x5411  # TIOCOUTQ: a socket's unsent bytes (Linux)
 
 
 class _Pair:
@@ -243,7 +248,7 @@ class _Pair:
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
                  "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
-                 "dscan", "win_start", "win_bytes", "hb_last", "hb_at")
+                 "dscan", "win_start", "win_bytes", "hb_last", "hb_at", "dwin_start", "dwin_bytes", "dwin_q0")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser, now: float = 0.0) -> None:
         self.src: _Source | None = None  # the source address's tables while the client is there
@@ -254,6 +259,9 @@ class _Pair:
         self.win_start, self.win_bytes = 0.0, 0  # the progress window of an unfinished message
         self.hb_last: bytes | None = None  # NULL: the heartbeat passed on last, if nothing else came since
         self.hb_at = 0.0  # ... when
+        # the window of a client leaving the daemon's bytes waiting: its start, the bytes written
+        # to the client's socket since, and the bytes its send queue held then
+        self.dwin_start, self.dwin_bytes, self.dwin_q0 = 0.0, 0, 0
         self.c: socket.socket | None = c
         self.d: socket.socket | None = d
         self.cfd, self.dfd = c.fileno(), d.fileno()
@@ -316,6 +324,32 @@ class _Admission:
                              f"(at least {b.floor_bytes} per {b.window_s:g} s, or finish it)")
             else:
                 p.win_start, p.win_bytes = now, 0
+        for p in [p for p in self.stuck if now - p.dwin_start >= b.window_s]:
+            queued = _unsent(p.c)
+            took = p.dwin_q0 + p.dwin_bytes - queued  # what left the socket's send queue for the client
+            if took < b.floor_bytes:
+                self._cut(p, f"took {took} bytes of what the server sent it in {b.window_s:g} s "
+                             f"(at least {b.floor_bytes} per {b.window_s:g} s while bytes wait for it)")
+            else:
+                p.dwin_start, p.dwin_bytes, p.dwin_q0 = now, 0, queued
+
+    def _down_progress(self, p: _Pair, sent: int) -> None:
+        """``sent`` bytes of the daemon's went to the client; ``p.down`` is what it did not take.
+        A client that leaves the daemon's bytes waiting (its socket full: it does not read) must
+        take ``floor_bytes`` in every ``window_s`` while they wait, or it is cut
+        (:meth:`check_deadlines`): what the daemon queues towards a peer that does not read
+        (libzmq's pipe, up to its high-water mark) is then freed within a window, not held for as
+        long as the peer likes, at any machine speed (the front writes what a client takes
+        before it looks at the windows). What the client took is what left the socket's send
+        queue (``SIOCOUTQ``), not what the front wrote: a slow reader frees the queue's room in
+        large steps, and between them it still takes bytes."""
+        if not p.down:
+            self.stuck.discard(p)
+        elif p in self.stuck:
+            p.dwin_bytes += sent
+        else:
+            self.stuck.add(p)
+            p.dwin_start, p.dwin_bytes, p.dwin_q0 = self.clock(), 0, _unsent(p.c)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -441,6 +475,7 @@ class _Admission:
         self.clients -= 1
         self.handshaking.pop(p, None)
         self.mid.discard(p)
+        self.stuck.discard(p)
         src.total -= 1
         if src.hs.pop(p, 0) is None or src.open.pop(p, 0) is None:
             self._bump(src, -1)
@@ -560,6 +595,7 @@ class _Splicing:
                 self._client_gone(p)
                 return True
             p.down_full = bool(p.down)
+            self._down_progress(p, n - len(p.down))
             self._mask(p)
         elif not n:
             self._daemon_gone(p)
@@ -585,6 +621,7 @@ class Front(_Admission, _Splicing):
         self.clients = 0  # client sockets open
         self.handshaking: dict[_Pair, None] = {}  # every connection in its handshake, oldest first
         self.mid: set[_Pair] = set()  # connections with an unfinished message (progress windows)
+        self.stuck: set[_Pair] = set()  # connections whose client leaves the daemon's bytes waiting
         self.next_check = 0.0
         self.shed = self.refused = 0
         self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
@@ -640,7 +677,7 @@ class Front(_Admission, _Splicing):
     def run_once(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for events and handle them."""
         now = self.clock()
-        if self.draining or self.handshaking or self.mid:
+        if self.draining or self.handshaking or self.mid or self.stuck:
             timeout = min(timeout, CHECK_EVERY_S)
         if not self.accepting and self.backend is not None and now >= self.accept_paused_until:
             self._set_accepting(True)
@@ -854,6 +891,7 @@ class Front(_Admission, _Splicing):
                     self._client_gone(p)
                     return
             p.down = bytes(p.down[n:]) if n < len(p.down) else b""
+            self._down_progress(p, n)
         else:
             p.down_full = False
         self._mask(p)
@@ -939,6 +977,16 @@ def _source_of(c: socket.socket, addr) -> str:
         return "unix"
     host = str(addr[0])
     return host[7:] if host.startswith("::ffff:") and "." in host else host
+
+
+def _unsent(s: socket.socket | None) -> int:
+    """Bytes in a socket's send queue (TCP: not yet acknowledged by the peer); 0 if unknown."""
+    if s is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(s.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def _frame_end(buf: bytearray, at: int) -> int | None:

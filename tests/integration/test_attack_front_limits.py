@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from ps.cli.main import main
 from tests.integration.attack import Victim
 from tests.integration.util import read_events
-from tests.integration.zmtp_raw import greeting, ready, tcp_address
+from tests.integration.zmtp_raw import MORE, frame_header, greeting, ready, tcp_address
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +151,54 @@ def test_one_source_holds_at_most_its_cap_and_the_others_are_served(procs, tmp_p
         for s in held:
             s.close()
     victim.finish()
+
+
+def test_a_worker_that_never_reads_is_cut_once_the_bytes_for_it_wait(procs, tmp_path):
+    """A raw client joins as a worker with credit 4 (4 jobs of a 4 MiB iterate: more than its
+    receive buffer of 4 KiB and the front's socket buffer hold), heartbeats every 0.4 s and never
+    reads. Once the daemon's bytes wait in the front for it, it must take 64 KiB in every 5 s
+    window: it takes nothing, so the front resets it (its next send fails) and the daemon drops
+    what it queued for it, well before the heartbeats would ever let the liveness timeout end
+    it; the real workers train on and nothing accepted is lost. Broken on purpose (no outbound
+    window), the client is never cut and the wait fails."""
+    from protocol.codec import encode
+    from protocol.messages import Heartbeat, Hello, Ready
+
+    victim = Victim(procs, tmp_path, d=1 << 20)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: no autotuning
+    s.settimeout(10)
+    s.connect(tcp_address(victim.endpoint))
+
+    def message(msg) -> bytes:
+        frames = [bytes(f) for f in encode(msg)]
+        return b"".join(frame_header(len(f), MORE if i < len(frames) - 1 else 0) + f for i, f in enumerate(frames))
+
+    s.sendall(greeting() + ready())
+    got = b""
+    while len(got) < 64 + 2 or len(got) < 64 + 2 + got[65]:  # the server's greeting and READY (a short command)
+        chunk = s.recv(4096)
+        assert chunk, "the server closed the connection in the handshake"
+        got += chunk
+    s.sendall(message(Hello(worker_id="sink", boot=3, credit=4)) + message(Ready(credit=4)))
+    t0 = time.monotonic()
+    deadline = t0 + 60  # the design: about a window (5 s) once its buffers are full
+    cut = False
+    try:
+        while not cut:
+            assert time.monotonic() < deadline, "a client that never reads was not cut within 60 s"
+            try:
+                s.sendall(message(Heartbeat(boot=3, credit=4, busy=(), seen=-1)))
+            except OSError as e:
+                assert e.errno in (errno.ECONNRESET, errno.EPIPE), e
+                cut = True
+            time.sleep(0.4)  # its heartbeat interval
+    finally:
+        s.close()
+    took = time.monotonic() - t0
+    victim.wait_applied(victim.events.applied + 50, timeout=60)
+    assert not victim.events.real_lost, victim.events.real_lost
+    victim.finish()
+    log = (victim.server.stdout.read() + victim.server.stderr.read()).decode(errors="replace")
+    assert "of what the server sent it in 5 s" in log, log[-2000:]
+    print(f"the non-reading worker was cut {took:.1f} s after it joined")

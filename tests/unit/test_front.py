@@ -673,3 +673,31 @@ def test_without_a_window_every_heartbeat_is_passed_on(relay):
         c.sendall(frame_header(len(hb)) + hb)
         assert recv_exactly(d, len(hb) + 2) == frame_header(len(hb)) + hb
     assert relay.front.hb_dropped == 0
+
+
+def test_a_client_that_leaves_the_daemons_bytes_waiting_is_cut_and_a_slow_reader_is_not(clocked):
+    """What the daemon sends a client that does not read fills the client's socket, then the
+    front holds it: the client must take ``floor_bytes`` in every ``window_s`` while bytes wait
+    for it (what left the socket's send queue counts), or it is cut, and the daemon's side gets
+    an EOF (libzmq then drops what it queued for that peer). A client reading above the floor,
+    in whatever steps, stays."""
+    relay, clock = clocked(Budget(max_fds=100, window_s=5, floor_bytes=100_000))
+    (c, d), (slow, slow_d) = joined(relay), joined(relay)
+    for s in (c, slow):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    senders = [send_in_thread(x, bytes(16 << 20)) for x in (d, slow_d)]  # more than the buffers hold
+    wait_until(lambda: len(relay.front.stuck) == 2)
+    recv_exactly(slow, 300_000)  # the slow reader takes 300 KB in this window, the other nothing
+    clock.t += 5.1
+    wait_until(lambda: relay.front.cut == 1)
+    assert was_cut(c)
+    d.settimeout(5)
+    while d.recv(1 << 20):  # the daemon's side: what was in flight, then the EOF
+        pass
+    assert relay.front.cut == 1 and slow.recv(1) != b"", "the slow reader is still served"
+    recv_exactly(slow, 50_000)  # too little in the next window: cut too
+    clock.t += 5.1
+    wait_until(lambda: relay.front.cut == 2)
+    assert was_cut(slow)
+    for t in senders:
+        t.join(10)
