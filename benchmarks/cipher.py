@@ -101,7 +101,7 @@ def constructions(lib: ctypes.CDLL | None = None) -> list[Aead]:
 
 def cipher_gbps(aead: Aead, n: int, seconds: float = 0.5) -> float:
     """Plaintext GB sealed per CPU second (this thread) at message size ``n``."""
-    msg = ctypes.create_string_buffer(os.urandom(min(n, 1 << 16)) * (n // (1 << 16) + 1), n)
+    msg = ctypes.create_string_buffer((os.urandom(min(n, 1 << 16)) * (n // (1 << 16) + 1))[:n], n)
     out = ctypes.create_string_buffer(n + MAC_BYTES)
     key = ctypes.create_string_buffer(os.urandom(KEY_BYTES), KEY_BYTES)
     nonce = ctypes.create_string_buffer(aead.nonce_bytes)
@@ -215,8 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     print(f"\nCurveZMQ's cipher limit here: {limit_gbps(rows):.2f} GB/s per core (XSalsa20-Poly1305)")
     if args.out:
+        import platform
+
         with open(args.out, "w", encoding="utf-8") as f:
-            f.write(table + "\n")
+            f.write(f"# The cipher's limit and libzmq's CurveZMQ ({time.strftime('%Y-%m-%d')})\n\n"
+                    f"`python -m benchmarks.cipher`: {platform.machine()}, {os.cpu_count()} logical cores, "
+                    f"Python {platform.python_version()}, pyzmq's bundled libzmq and libsodium; sealing GB/s of "
+                    "plaintext per CPU second on one core, and raw pyzmq round trips of one message each way "
+                    "(median). Shared, noisy machine: read the ratios. What it means for latecomer: "
+                    "benchmarks/PROFILE.md, \"The encrypted path\".\n\n" + table
+                    + f"\n\nCurveZMQ's cipher limit here: {limit_gbps(rows):.2f} GB/s per core "
+                    "(XSalsa20-Poly1305 at 4-40 MB).\n")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([{**asdict(r), "curve_over_plain": r.curve_over_plain} for r in rows], f, indent=1)
