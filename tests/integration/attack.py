@@ -81,18 +81,27 @@ class AttackReport:
     seconds: float  # how long the attack ran
     attack: dict = field(default_factory=dict)  # the attack's own figures
     rate_after: float | None = None  # ... once the attack was over and its effects gone (see reference())
+    rate_control: float | None = None  # ... after it, with burners using the attacker's CPU (see reference())
+    attacker_cores: float = 0.0  # CPU the attacking process used during the attack (cores)
 
     def reference(self) -> float:
-        """The rate the one during the attack is held against: the rate before it, or, when one
-        was measured after it too (``rate_after``), the mean of the two. This VM's speed wanders
+        """The rate the one during the attack is held against: the control's (``rate_control``,
+        a window after the attack in which burners used the CPU the attacker used: on a 2-core
+        machine an attacker that spins takes a core from the real workers whatever the server
+        does, and the control pays the same), else the rate before it, or, when one was
+        measured after it too (``rate_after``), the mean of the two. This VM's speed wanders
         by up to 2x over seconds (real workers without a delay, no attack, 1 s windows: 660 to
         1,450 updates/s within 20 s); the mean of a window on each side cancels a drift that is
         linear over the test, where one window before it would stand for whatever moment it hit."""
+        if self.rate_control is not None:
+            return self.rate_control
         return self.rate_before if self.rate_after is None else 0.5 * (self.rate_before + self.rate_after)
 
     def summary(self) -> str:
         mb = 2**20
         after = "" if self.rate_after is None else f", {self.rate_after:.0f}/s after"
+        if self.rate_control is not None:
+            after += f", control {self.rate_control:.0f}/s (burners {self.attacker_cores:.2f} cores)"
         return (f"rate {self.rate_before:.0f}/s -> {self.rate_during:.0f}/s during{after}; "
                 f"RSS {self.rss0 / mb:.0f} MiB -> "
                 f"peak {self.rss_peak / mb:.0f} MiB, after {self.rss_after / mb:.0f} MiB; {self.seconds:.1f} s; "
@@ -215,9 +224,12 @@ class Victim:
 
     # ---- one attack
     def measure(self, attack: Attack, *, seconds: float, baseline_s: float = 2.0,
-                settle_s: float = 1.5) -> AttackReport:
+                settle_s: float = 1.5, control_s: float = 5.0) -> AttackReport:
         """Measure the rate for ``baseline_s``, then run ``attack`` for at most ``seconds`` while
-        sampling RSS every 50 ms; ``rss_after`` is sampled ``settle_s`` after the attack returned."""
+        sampling RSS every 50 ms; ``rss_after`` is sampled ``settle_s`` after the attack returned.
+        Then, unless ``control_s`` is 0, a control window (as long as the attack, at most
+        ``control_s`` and at least 2 s) in which burners use the CPU the attack's process used:
+        the rate the one during the attack is held against (AttackReport.reference)."""
         rate_before = self.rate(baseline_s)
         rss0 = self.rss()
         stop = threading.Event()
@@ -231,7 +243,7 @@ class Victim:
                 errors.append(e)
 
         th = threading.Thread(target=run, daemon=True)
-        a0, t0 = self.events.poll(), time.monotonic()
+        a0, t0, cpu0 = self.events.poll(), time.monotonic(), time.process_time()
         th.start()
         peak = rss0
         while th.is_alive() and time.monotonic() - t0 < seconds and self.alive():
@@ -241,6 +253,7 @@ class Victim:
         th.join(30)
         elapsed = time.monotonic() - t0
         applied = self.events.poll() - a0
+        cores = (time.process_time() - cpu0) / max(elapsed, 1e-9)
         alive = self.alive()
         if alive:
             peak = max(peak, self.rss())
@@ -252,8 +265,18 @@ class Victim:
             peak = max(peak, self.rss())
             time.sleep(0.05)  # sampling interval
         rss_after = self.rss() if self.alive() else 0
+        rate_control = None
+        if control_s > 0 and self.alive():
+            burners = self.burn(cores)
+            try:
+                rate_control = self.rate(max(2.0, min(elapsed, control_s)))
+            finally:
+                for b in burners:
+                    b.kill()
+                    b.wait(10)
         return AttackReport(rate_before=rate_before, rate_during=applied / max(elapsed, 1e-9), rss0=rss0,
-                            rss_peak=peak, rss_after=rss_after, alive=self.alive(), seconds=elapsed, attack=out)
+                            rss_peak=peak, rss_after=rss_after, alive=self.alive(), seconds=elapsed, attack=out,
+                            rate_control=rate_control, attacker_cores=cores)
 
     # ---- an attack against a control (A B A B)
     def burn(self, cores: float) -> list[subprocess.Popen]:

@@ -167,7 +167,7 @@ def test_job_hoarders_do_not_slow_the_real_workers(procs, tmp_path):
 
 def _hoard(victim: Victim, prefix: str):
     """One trial of the hoarders' attack (see the test): its report, with the rate after it."""
-    report = _measure(victim, _attack(N_HOARDERS, 256, 1.0, 10.0, prefix), 10.0, baseline_s=3.0)
+    report = _measure(victim, _attack(N_HOARDERS, 256, 1.0, 10.0, prefix), 10.0, baseline_s=3.0, control_s=0)
     a = report.attack
     assert a["joined"] == N_HOARDERS, a
     assert N_HOARDERS * MAX_CREDIT <= a["outstanding"] <= N_HOARDERS * MAX_CREDIT + 2, \
