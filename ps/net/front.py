@@ -25,6 +25,10 @@ cannot give (SECURITY.md, "Limits and rates"):
   reads an EOF once its input runs again) and reads and discards until the daemon closes
   (at most ``DRAIN_S``), so nothing reaches the daemon's engine while its input is stopped.
 
+A client that sends faster than any worker does is slowed, not served: past ``max_frame_rate``
+frames a second the front stops reading it until its budget is back (``Front._throttle``), so a
+flood waits in the sender's socket instead of costing the daemon's loop a read per message.
+
 A client that does not read is bounded the same way: once the daemon's bytes wait in the front for
 it, it must take ``floor_bytes`` in every window or it is reset, and the daemon drops what it
 queued for it (``Front._down_progress``).
@@ -134,6 +138,9 @@ class Limits:
         hb_repeat_s: under NULL, a heartbeat byte for byte the connection's previous message,
             which the front passed on less than this long ago, is dropped (0: never); see
             :meth:`Front._repeat`. The daemon's own rule (half its ``hb_refresh_s``).
+        max_frame_rate: frames per second one connection may send (a burst of one second's
+            worth); past it the front stops reading that connection until its budget is back
+            (0: no bound); see :meth:`Front._throttle`.
     """
 
     mechanism: bytes
@@ -142,6 +149,7 @@ class Limits:
     max_frames: int
     max_pending_bytes: int
     hb_repeat_s: float = 0.0  # NULL: a heartbeat repeating the connection's last message this recently is dropped
+    max_frame_rate: float = 0.0  # frames/s per connection (burst: one second's worth); 0: no bound
 
     @property
     def max_command_bytes(self) -> int:
@@ -155,7 +163,7 @@ class InboundParser:
     headers (bodies are skipped, never copied). ``feed`` raises :class:`Cut` at the first byte
     that breaks a bound; ``unfinished`` is what the current message has declared so far."""
 
-    __slots__ = ("limits", "greeting", "header", "header_need", "skip", "unfinished", "frames")
+    __slots__ = ("limits", "greeting", "header", "header_need", "skip", "unfinished", "frames", "seen")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
@@ -165,6 +173,7 @@ class InboundParser:
         self.skip = 0  # body bytes of the current frame still to pass
         self.unfinished = 0  # bytes declared by the frames of the message in progress
         self.frames = 0  # its frames so far
+        self.seen = 0  # frame headers read in all (commands included)
 
     def feed(self, data: memoryview | bytes) -> None:
         i, n = 0, len(data)
@@ -213,6 +222,7 @@ class InboundParser:
 
     def _frame(self, flags: int, size: int) -> None:
         lim = self.limits
+        self.seen += 1
         if flags & RESERVED:
             raise Cut(f"frame flags {flags:#04x} have reserved bits set")
         if flags & COMMAND:
@@ -248,7 +258,8 @@ class _Pair:
 
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
                  "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
-                 "dscan", "win_start", "win_bytes", "hb_last", "hb_at", "dwin_start", "dwin_bytes", "dwin_q0")
+                 "dscan", "win_start", "win_bytes", "hb_last", "hb_at", "dwin_start", "dwin_bytes", "dwin_q0",
+                 "tokens", "tok_at", "paused_until")
 
     def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser, now: float = 0.0) -> None:
         self.src: _Source | None = None  # the source address's tables while the client is there
@@ -262,6 +273,9 @@ class _Pair:
         # the window of a client leaving the daemon's bytes waiting: its start, the bytes written
         # to the client's socket since, and the bytes its send queue held then
         self.dwin_start, self.dwin_bytes, self.dwin_q0 = 0.0, 0, 0
+        # the frame budget (Front._throttle): what is left of it, when it was last refilled, and
+        # until when the client is not read (0.0: it is read)
+        self.tokens, self.tok_at, self.paused_until = float("inf"), now, 0.0
         self.c: socket.socket | None = c
         self.d: socket.socket | None = d
         self.cfd, self.dfd = c.fileno(), d.fileno()
@@ -476,6 +490,7 @@ class _Admission:
         self.handshaking.pop(p, None)
         self.mid.discard(p)
         self.stuck.discard(p)
+        self.paused.discard(p)
         src.total -= 1
         if src.hs.pop(p, 0) is None or src.open.pop(p, 0) is None:
             self._bump(src, -1)
@@ -625,6 +640,8 @@ class Front(_Admission, _Splicing):
         self.next_check = 0.0
         self.shed = self.refused = 0
         self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
+        self.paused: set[_Pair] = set()  # connections not read until their frame budget is back (_throttle)
+        self.throttled = 0  # times a connection was paused for its frame rate
         self.listener = listener
         listener.setblocking(False)
         self.limits = limits
@@ -679,6 +696,8 @@ class Front(_Admission, _Splicing):
         now = self.clock()
         if self.draining or self.handshaking or self.mid or self.stuck:
             timeout = min(timeout, CHECK_EVERY_S)
+        if self.paused:
+            timeout = max(0.0, min(timeout, min(p.paused_until for p in self.paused) - now))
         if not self.accepting and self.backend is not None and now >= self.accept_paused_until:
             self._set_accepting(True)
         try:
@@ -717,6 +736,12 @@ class Front(_Admission, _Splicing):
                     elif ev & _GONE:
                         self._daemon_gone(p)
         now = self.clock()
+        if self.paused:
+            for p in [p for p in self.paused if now >= p.paused_until]:
+                self.paused.discard(p)
+                p.paused_until = 0.0
+                if p.c is not None:
+                    self._mask(p)
         if self.draining:
             for p in [p for p in self.draining if now - p.closing_since > DRAIN_S]:
                 self._close_pair(p)  # the daemon did not close in time: close (it has read our EOF or will)
@@ -735,12 +760,13 @@ class Front(_Admission, _Splicing):
         """Read a side only when what was read from it has gone to the other side."""
         wait_up, wait_down = p.up or p.up_full, p.down or p.down_full
         if p.c is not None:
+            wait_up = wait_up or p.paused_until
             m = (0 if wait_up else select.EPOLLIN) | (select.EPOLLOUT if wait_down else 0)
             if m != p.cmask:
                 self.ep.modify(p.cfd, m)
                 p.cmask = m
         if p.d is not None:
-            m = (0 if wait_down and p.c is not None else select.EPOLLIN) | (select.EPOLLOUT if wait_up else 0)
+            m = (0 if wait_down and p.c is not None else select.EPOLLIN) | (select.EPOLLOUT if p.up or p.up_full else 0)
             if m != p.dmask:
                 self.ep.modify(p.dfd, m)
                 p.dmask = m
@@ -762,12 +788,14 @@ class Front(_Admission, _Splicing):
             return
         data = self.view[:n]
         boundary = not (parser.skip or parser.header_need or parser.frames)  # a message may start here
-        before, greeting = parser.unfinished, GREETING_BYTES - len(parser.greeting)
+        before, greeting, seen = parser.unfinished, GREETING_BYTES - len(parser.greeting), parser.seen
         try:
             parser.feed(data)
         except Cut as e:
             self._cut(p, str(e))
             return
+        if self.limits.max_frame_rate and parser.seen > seen:
+            self._throttle(p, parser.seen - seen)
         delta = parser.unfinished - before
         if delta:
             self.pending += delta
@@ -787,6 +815,23 @@ class Front(_Admission, _Splicing):
             return
         p.up = data
         self._write_daemon(p)
+
+    def _throttle(self, p: _Pair, frames: int) -> None:
+        """``frames`` frame headers came in the client's last read: take them from its budget
+        (a bucket of ``max_frame_rate`` a second, holding at most one second's worth); once it
+        is spent the client is not read until the budget is back. What was read is passed on:
+        nothing is dropped, the sender's own socket fills and its sends wait, so one connection's
+        flood (heartbeats sent as fast as a peer can) costs its sender, not the daemon's loop
+        that every worker's replies share. A worker's own pace is far below the bound (a reply
+        and a heartbeat per job: a few thousand frames a second at the smallest sizes)."""
+        rate = self.limits.max_frame_rate
+        now = self.clock()
+        p.tokens = min(rate, p.tokens + (now - p.tok_at) * rate) - frames
+        p.tok_at = now
+        if p.tokens < 0:
+            p.paused_until = now - p.tokens / rate
+            self.paused.add(p)
+            self.throttled += 1
 
     def _repeat(self, p: _Pair, data: memoryview, boundary: bool) -> bool:
         """Whether ``data`` (a whole read, past the NULL handshake) is a heartbeat that repeats,

@@ -51,6 +51,7 @@ STOP_FLUSH_S = 2.0  # after the daemon exited: how long the front may still pass
 PR_SET_PDEATHSIG = 1
 TRIM_INTERVAL_S = 1.0  # the daemon hands freed memory back to the OS this often
 META = "latecomer.supervise"
+DEFAULT_FRAME_RATE = 20_000.0  # frames/s one connection may send through the front (Front._throttle)
 
 
 # --------------------------------------------------------------------------- the serve command
@@ -85,6 +86,11 @@ class ServeCommand(click.Command):
                          expose_value=False, callback=_store, is_eager=True,
                          help="Connections one source address may hold (0: no cap; workers behind one NAT "
                               "share an address). Past it, new connections from it are closed at once."),
+            click.Option(["--max-frame-rate"], type=click.FloatRange(min=0), default=DEFAULT_FRAME_RATE,
+                         show_default=True, expose_value=False, callback=_store, is_eager=True,
+                         help="Frames per second one connection may send (a burst of one second's worth); "
+                              "past it the front stops reading that connection until its budget is back: a "
+                              "flood slows its sender, nothing is dropped (0: no bound)."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),
         ]
@@ -203,14 +209,14 @@ def announce(daemon: Any) -> None:
 
 # --------------------------------------------------------------------------- the supervisor
 
-def _limits(info: dict[str, Any], max_unfinished: int | None):
+def _limits(info: dict[str, Any], max_unfinished: int | None, max_frame_rate: float = DEFAULT_FRAME_RATE):
     from ps.net.front import Limits
 
     largest = int(info["max_message_bytes"])
     return Limits(mechanism=info["mechanism"].encode(), max_frame_bytes=int(info["max_frame_bytes"]),
                   max_message_bytes=largest, max_frames=int(info["max_frames"]),
                   max_pending_bytes=max_unfinished or max(256 << 20, 8 * largest),
-                  hb_repeat_s=float(info.get("hb_repeat_s", 0.0)))
+                  hb_repeat_s=float(info.get("hb_repeat_s", 0.0)), max_frame_rate=max_frame_rate)
 
 
 def _budget(max_connections: int | None, per_source: int):
@@ -254,10 +260,12 @@ class Supervisor:
     """
 
     def __init__(self, bind: str, argv: list[str], state_dir: str | None, max_unfinished: int | None,
-                 max_connections: int | None = None, per_source: int = 0) -> None:
+                 max_connections: int | None = None, per_source: int = 0,
+                 max_frame_rate: float = DEFAULT_FRAME_RATE) -> None:
         from ps.net.front import Front
 
         self.max_connections, self.per_source = max_connections, per_source
+        self.max_frame_rate = max_frame_rate
         self.bind = bind
         self.argv = argv
         self.state_dir = state_dir
@@ -332,7 +340,7 @@ class Supervisor:
             if not self._listen():
                 return
         self.child_ready = True
-        self.front.set_backend(self.backend, _limits(info, self.max_unfinished))
+        self.front.set_backend(self.backend, _limits(info, self.max_unfinished, self.max_frame_rate))
         if self.ready_at is not None:
             log.warning("the server process is back (pid %d) %.2f s after the last one died", info["pid"],
                         time.monotonic() - self.ready_at)
@@ -466,4 +474,5 @@ def supervise(bind: str, state_dir: str | None) -> int:
     """Run ``serve`` supervised (the command line's own arguments); returns the exit status."""
     m = _meta()
     return Supervisor(bind, list(m.get("argv", [])), state_dir, m.get("max_unfinished_bytes"),
-                      m.get("max_connections"), m.get("max_connections_per_source") or 0).run()
+                      m.get("max_connections"), m.get("max_connections_per_source") or 0,
+                      m.get("max_frame_rate", DEFAULT_FRAME_RATE)).run()

@@ -701,3 +701,36 @@ def test_a_client_that_leaves_the_daemons_bytes_waiting_is_cut_and_a_slow_reader
     assert was_cut(slow)
     for t in senders:
         t.join(10)
+
+
+def test_a_connection_past_its_frame_rate_is_not_read_until_its_budget_is_back(clocked):
+    """``max_frame_rate`` frames a second per connection, a burst of one second's worth: the
+    read that spends the budget is passed on whole (nothing is dropped), then the front reads
+    that connection no more until the budget is back, so its bytes wait in its own socket (the
+    sender's sends wait); other connections are read meanwhile."""
+    from dataclasses import replace
+
+    relay, clock = clocked(Budget(max_fds=64), replace(LIMITS, max_frame_rate=100.0))
+    c, d = joined(relay)  # its READY: one frame of the 100
+    other_c, other_d = joined(relay)
+    hello = frame_header(5) + b"hello"
+    c.sendall(hello * 109)  # 99 left, then 10 past the budget: read and passed on all the same
+    assert recv_exactly(d, 109 * len(hello)) == hello * 109
+    wait_until(lambda: relay.front.throttled == 1)
+    c.sendall(hello * 5)
+    d.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        d.recv(1)  # not read: 10 frames owed at 100 a second, and the clock has not moved
+    message(other_c, other_d)  # another connection is read meanwhile
+    clock.t += 0.2  # the 10 owed are paid, and 10 more earned: read again
+    assert recv_exactly(d, 5 * len(hello)) == hello * 5
+    assert relay.front.throttled == 1 and not relay.front.paused  # 5 left: not paused again
+
+
+def test_without_a_frame_rate_a_connection_is_read_at_any_pace(relay):
+    """``max_frame_rate`` 0 (the front of a test, or ``serve --max-frame-rate 0``)."""
+    c, d = joined(relay)
+    hello = frame_header(5) + b"hello"
+    c.sendall(hello * 5000)
+    assert recv_exactly(d, 5000 * len(hello)) == hello * 5000
+    assert relay.front.throttled == 0
