@@ -43,7 +43,7 @@ QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
 # The default plan (no --workers): the CurveZMQ and bf16 rows are a cost of an option on top of
 # the latecomer row, so two worker counts show it; the rest run 1, 2 and 4 workers.
-REDUCED_WORKERS = {"latecomer-curve": (1, 4), "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
+REDUCED_WORKERS = {"latecomer-curve": (1, 2), "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -157,6 +157,51 @@ def _best(*rows: Row | None) -> Row | None:
     return max(ok, key=lambda r: r.updates_per_s) if ok else None
 
 
+def cipher_limit(seconds: float = 0.5, n: int = 4_000_000) -> dict[str, float]:
+    """The cipher's limit on this machine: GB of plaintext sealed per CPU second, one core, at
+    ``n`` bytes (benchmarks/cipher.py: libsodium through pyzmq's own build): XSalsa20-Poly1305,
+    the box CurveZMQ seals every frame with, and AES-256-GCM where the CPU has AES-NI."""
+    from benchmarks.cipher import cipher_gbps, constructions
+
+    return {a.name: cipher_gbps(a, n, seconds) for a in constructions() if a.available}
+
+
+def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[str]:
+    """The secure rows beside the plaintext ones: latecomer under CurveZMQ (``latecomer-curve``,
+    TCP) over latecomer in plaintext (TCP), its payload bytes/s and what fraction of the cipher's
+    limit that is (XSalsa20-Poly1305, one core), and the updates/s the cipher alone would allow a
+    lockstep worker (4 passes over the payload's arrays per update: sealed and opened each way,
+    one after the other)."""
+    by = {(r.backend, r.d, r.workers): r for r in rows}
+    cells = sorted({(r.d, r.workers) for r in rows if r.backend == "latecomer-curve" and _ok(r)})
+    if not cells:
+        return []
+    xs = (cipher or {}).get("xsalsa20poly1305", math.nan)
+    limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in (cipher or {}).items()) or "not measured"
+    out = ["", "## The encrypted path", "",
+           f"Cipher limit, one core, 4 MB messages (measured in this run): {limit}. Targets (issue 32): "
+           "CurveZMQ >= 0.7x plaintext at every d with 1 and 2 workers; payload bytes/s >= 50 % of the "
+           "XSalsa20-Poly1305 limit at 1e6-1e7. *1-worker cipher bound* = the updates/s a lockstep worker "
+           "would reach if each update cost only the cipher's 4 passes over its arrays (x sealed and opened, "
+           "g sealed and opened, one after the other) on top of the plaintext round trip.", "",
+           "| d | workers | plaintext upd/s | CurveZMQ upd/s | CurveZMQ / plaintext | payload MB/s | "
+           "% of cipher limit | 1-worker cipher bound upd/s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for d, w in cells:
+        c, p = by[("latecomer-curve", d, w)], by.get(("latecomer", d, w))
+        mbps = c.updates_per_s * c.bytes_per_update / 1e6
+        ratio = c.updates_per_s / p.updates_per_s if p is not None and _ok(p) else math.nan
+        arrays = 4.0 * d  # bytes of one float32 array
+        bound = math.nan
+        if p is not None and _ok(p) and xs == xs:
+            bound = 1.0 / (1.0 / p.updates_per_s + 4 * arrays / (xs * 1e9))
+        out.append(f"| {d:,} | {w} | {_cell(p.updates_per_s if p else math.nan, ',.1f')} | "
+                   f"{c.updates_per_s:,.1f} | {_f(ratio, '.2f')} | {mbps:,.0f} | "
+                   f"{_f(100 * mbps / (xs * 1e3) if xs == xs else math.nan, '.0f')} | "
+                   f"{_f(bound if w == 1 else math.nan, ',.0f')} |")
+    return out
+
+
 def ratio_table(rows: list[Row], ref: dict[int, float] | None = None,
                 ceiling: dict[int, float] | None = None) -> list[str]:
     """Ratios of latecomer to the other backends (updates/s, server CPU per update), latecomer's
@@ -228,7 +273,7 @@ def _cell(v: float, fmt: str, scale: float = 1.0) -> str:
 def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, desc: str, *,
              the_plan: list[tuple[str, list]] | None = None, credit: int = 1, estimate: float | None = None,
              ref: dict[int, float] | None = None, plan_note: str = "",
-             ceiling: dict[int, float] | None = None) -> str:
+             ceiling: dict[int, float] | None = None, cipher: dict[str, float] | None = None) -> str:
     planned = ""
     if the_plan:
         planned = ("Cells run: " + "; ".join(
@@ -268,13 +313,15 @@ def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, des
                      f"{_cell(r.peak_rss_bytes, ',.1f', 2**-20)} | {' '.join(f'{x:.0f}' for x in r.windows)} | "
                      f"{r.note} |")
     lines += ratio_table(rows, ref, ceiling)
+    lines += encrypted_table(rows, cipher)
     return "\n".join(lines) + "\n"
 
 
 DEFAULT_PLAN_NOTE = (
     f"Default plan: a {SECONDS:g} s timed interval after a {WARMUP:g} s warm-up (a cell's fixed cost, process "
-    "start-up and shutdown, is a few seconds, so longer intervals buy little), the CurveZMQ and bf16 rows at 1 "
-    f"and 4 workers only, so that the full default run stays within {TARGET_S // 60} min even at {LOADED:g}x its "
+    "start-up and shutdown, is a few seconds, so longer intervals buy little), the CurveZMQ rows at 1 and 2 "
+    "workers (the encrypted path's targets), the bf16 rows at 1 and 4 workers only, so that the full default "
+    f"run stays within {TARGET_S // 60} min even at {LOADED:g}x its "
     "estimate (a loaded machine: the previous 5-backend run at load average 5 took 14 min). ")
 
 
@@ -369,6 +416,7 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
         from benchmarks.reference import ceiling_s, vector_passes
         ds = sorted({d for b, c in the_plan if b != SIM for d, _ in c})
         ref, ceil = vector_passes(ds), {d: ceiling_s(d) for d in ds}
+    cipher = cipher_limit() if "latecomer-curve" in bl else None
     default = (not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and credit == 1
                and bl == list(BACKENDS))
     out = out or os.path.join(REPO, "benchmarks", "RESULTS.md" if default else
@@ -378,20 +426,21 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
         with open(json_out, "w", encoding="utf-8") as f:
             json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
                        "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref, "ceiling_s": ceil,
+                       "cipher_gbps": cipher,
                        "rows": [r.as_dict() for r in rows]}, f, indent=1)
     note = DEFAULT_PLAN_NOTE if default else ("--quick: d in {1e3, 1e5}, 1 worker. " if quick else
                                               "Cells, interval and warm-up chosen on the command line. ")
     md = markdown(rows, seconds, warmup, elapsed, desc, the_plan=the_plan, credit=credit, estimate=est, ref=ref,
-                  ceiling=ceil, plan_note=note)
+                  ceiling=ceil, plan_note=note, cipher=cipher)
     with open(out, "w", encoding="utf-8") as f:
         f.write(md)
     if plot_out or default:
         from benchmarks.plot import plot
         plot_out = plot_out or os.path.join(REPO, "docs", "img", "bench.png")
-        plot([r.as_dict() for r in rows], plot_out, f"latecomer bench ({time.strftime('%Y-%m-%d')}): "
-             "x -= lr*g on loopback; " + desc.split(";")[0])
+        plot([r.as_dict() for r in rows], plot_out, cipher_gbps=cipher,
+             title=f"latecomer bench ({time.strftime('%Y-%m-%d')}): x -= lr*g on loopback; " + desc.split(";")[0])
         click.echo(f"wrote {plot_out}")
-    click.echo("\n".join(ratio_table(rows, ref, ceil)))
+    click.echo("\n".join(ratio_table(rows, ref, ceil) + encrypted_table(rows, cipher)))
     click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 
 

@@ -20,7 +20,9 @@ STYLE = {  # backend -> (colour, marker, line style)
 }
 
 
-def plot(rows: list[dict], out: str, title: str = "") -> None:
+def plot(rows: list[dict], out: str, title: str = "", cipher_gbps: dict | None = None) -> None:
+    """``cipher_gbps`` (construction -> GB/s per core): with it, each panel holding CurveZMQ rows
+    shows the updates/s at which their payload would move at XSalsa20-Poly1305's limit."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,6 +36,12 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
             pts = sorted((r["d"], r["updates_per_s"]) for r in ok if r["backend"] == b and r["workers"] == w)
             if pts:
                 ax.plot(*zip(*pts, strict=True), color=c, marker=m, linestyle=ls, label=b)
+        xs = (cipher_gbps or {}).get("xsalsa20poly1305")
+        secure = sorted((r["d"], r["bytes_per_update"]) for r in ok
+                        if r["backend"] == "latecomer-curve" and r["workers"] == w)
+        if xs and secure:
+            ax.plot([d for d, _ in secure], [xs * 1e9 / b for _, b in secure], color="tab:gray", linestyle="-",
+                    alpha=0.5, linewidth=3, label="cipher limit, 1 core")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("d (float32 parameters)")
@@ -44,11 +52,11 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     for ax in axes[0]:
         for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
-    order = [b for b in STYLE if b in handles]
+    order = [b for b in STYLE if b in handles] + [k for k in handles if k not in STYLE]
     fig.legend([handles[b] for b in order], order, fontsize=8, loc="center right")
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.88, 1))
+    fig.tight_layout(rect=(0, 0, 0.87, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
@@ -58,7 +66,8 @@ def main(argv: list[str]) -> None:
         sys.exit("usage: python -m benchmarks.plot RESULTS.json OUT.png")
     with open(argv[0], encoding="utf-8") as f:
         data = json.load(f)
-    plot(data["rows"], argv[1], "latecomer bench: same workload (x -= lr*g), loopback, 2 cores")
+    plot(data["rows"], argv[1], "latecomer bench: same workload (x -= lr*g), loopback, 2 cores",
+         cipher_gbps=data.get("cipher_gbps"))
 
 
 if __name__ == "__main__":

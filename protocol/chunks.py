@@ -14,23 +14,54 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from protocol.codec import encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import CHUNK_BYTES, CHUNK_THRESHOLD, MAX_PARTS, Part
+from protocol.messages import (
+    CHUNK_BYTES,
+    CHUNK_THRESHOLD,
+    CURVE_CHUNK_BYTES,
+    CURVE_CHUNK_THRESHOLD,
+    CURVE_MAX_PARTS,
+    MAX_PARTS,
+    Part,
+)
+
+
+class Chunking(NamedTuple):
+    """How a sender splits a connection's large messages (its choice, PROTOCOL.md §6.13): the
+    array bytes above which a ``job`` or ``reply`` travels in parts, the parts' size, and the
+    most parts one message takes (past it the parts are larger)."""
+
+    threshold: int
+    chunk: int
+    max_parts: int = MAX_PARTS
+
+    def split(self, msg: Any, xfer: int) -> list[list[Any]]:
+        return split(msg, xfer, threshold=self.threshold, chunk=self.chunk, max_parts=self.max_parts)
+
+
+def chunking(encrypted: bool) -> Chunking:
+    """A connection's :class:`Chunking`: under CurveZMQ small parts (CURVE_CHUNK_BYTES, at most
+    CURVE_MAX_PARTS a message), else few large ones."""
+    if encrypted:
+        return Chunking(CURVE_CHUNK_THRESHOLD, CURVE_CHUNK_BYTES, CURVE_MAX_PARTS)
+    return Chunking(CHUNK_THRESHOLD, CHUNK_BYTES)
 
 
 def array_bytes(frames: list[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames[1:])
 
 
-def split(msg: Any, xfer: int, *, threshold: int = CHUNK_THRESHOLD, chunk: int = CHUNK_BYTES) -> list[list[Any]]:
+def split(msg: Any, xfer: int, *, threshold: int = CHUNK_THRESHOLD, chunk: int = CHUNK_BYTES,
+          max_parts: int = MAX_PARTS) -> list[list[Any]]:
     """The messages (each a list of frames) that carry ``msg``: ``[encode(msg)]`` when its arrays
     are small, else its parts then the header-only carrier. ``xfer``: a transfer id, nonzero and
-    new on this connection (the sender's counter)."""
+    new on this connection (the sender's counter). Parts are ``chunk`` bytes unless that needs
+    more than ``max_parts`` (at most MAX_PARTS) parts; then larger."""
     frames = encode(msg)
     total = array_bytes(frames)
     if total <= threshold or len(frames) == 1:
@@ -38,8 +69,9 @@ def split(msg: Any, xfer: int, *, threshold: int = CHUNK_THRESHOLD, chunk: int =
     carrier = encode(dataclasses.replace(msg, xfer=xfer))
     arrays = [memoryview(a).cast("B") if memoryview(a).nbytes else memoryview(b"") for a in carrier[1:]]
     pieces = [(a, lo) for a in arrays for lo in range(0, a.nbytes, chunk)]
-    if len(pieces) > MAX_PARTS:  # very large: bigger parts, never more than MAX_PARTS
-        chunk = max(chunk, math.ceil(total / (MAX_PARTS - len(arrays))))
+    max_parts = min(max_parts, MAX_PARTS)
+    if len(pieces) > max_parts:  # very large: bigger parts, never more than max_parts
+        chunk = max(chunk, math.ceil(total / max(max_parts - len(arrays), 1)))
         pieces = [(a, lo) for a in arrays for lo in range(0, a.nbytes, chunk)]
     out = [encode(Part(xfer=xfer, index=i, count=len(pieces), data=a[lo:lo + chunk]))
            for i, (a, lo) in enumerate(pieces)]

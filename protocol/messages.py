@@ -52,6 +52,13 @@ ALLOWED_DTYPES: dict[str, np.dtype] = {
 # `part` messages of at most CHUNK_BYTES (more when a message would need over MAX_PARTS parts).
 CHUNK_THRESHOLD = 16 << 20
 CHUNK_BYTES = 4 << 20
+# Under CurveZMQ, from 1 MiB, in parts of 1 MiB (at most 16 a message): libzmq seals and opens
+# each frame whole, into fresh zeroed buffers, so in parts the sender seals the next while the
+# receiver opens the last (benchmarks/PROFILE.md, "The encrypted path": 1.17-1.29x one frame at
+# d = 10^6; 256 KiB and 64 KiB parts cost more per part than they gain).
+CURVE_CHUNK_THRESHOLD = 1 << 20
+CURVE_CHUNK_BYTES = 1 << 20
+CURVE_MAX_PARTS = 16
 MAX_PARTS = 64
 
 # How iterates and gradients may travel in frames (Welcome.wire_dtype; protocol/wire.py converts).

@@ -25,10 +25,9 @@ import zmq
 from algorithms._pool import POOL
 from problems.loader import is_local
 from problems.trust import Allowed
-from protocol.chunks import Reassembler, split
+from protocol.chunks import Reassembler, chunking
 from protocol.codec import encode
 from protocol.messages import (
-    CHUNK_THRESHOLD,
     DEFAULT_MAX_ARRAY_BYTES,
     HEARTBEAT_INTERVAL_S,
     HELLO_BACKOFF_MAX_S,
@@ -199,9 +198,10 @@ class Worker(ServerSession, JobIntake, ReplySender):
                 return False
             msg = header_only(msg)
         try:
-            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > CHUNK_THRESHOLD:
+            how = chunking(self.curve is not None)
+            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > how.threshold:
                 self.next_xfer += 1
-                for frames in split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                for frames in how.split(msg, self.next_xfer):  # large gradients: parts, then the reply
                     send_frames(sock, frames, _NOBLOCK)
                 return True
             send_frames(sock, encode(msg), _NOBLOCK)

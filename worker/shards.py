@@ -50,12 +50,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from protocol.chunks import Reassembler, split
+from protocol.chunks import Reassembler, chunking
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import (
-    CHUNK_BYTES,
-    CHUNK_THRESHOLD,
     DEFAULT_MAX_ARRAY_BYTES,
     Error,
     ErrorCode,
@@ -128,6 +126,7 @@ class ShardLinks:
         self.parts_ok = [False] * n  # shard i takes parts: its welcome said so
         self.parts = [Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES) for _ in range(n)]  # its transfer to us
         self.next_xfer = 0
+        self.chunking = chunking(curve is not None)  # (threshold, part bytes) of the blocks sent in parts
         self.parts_in = self.parts_out = 0
         self.hello: list | None = None  # what we answer a shard's welcome (None: we never use parts)
         if parts:
@@ -328,9 +327,9 @@ class ShardLinks:
                 continue
             block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
                           loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
-            if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > CHUNK_THRESHOLD:
+            if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > self.chunking.threshold:
                 self.next_xfer += 1  # large: parts, then the block with xfer (a new transfer drops one cut short)
-                messages = split(block, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+                messages = self.chunking.split(block, self.next_xfer)
                 self.parts_out += len(messages) - 1
             else:
                 messages = [encode(block)]

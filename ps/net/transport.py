@@ -43,12 +43,10 @@ import numpy as np
 import zmq
 
 from algorithms._pool import POOL
-from protocol.chunks import split
+from protocol.chunks import chunking
 from protocol.codec import DEFAULT_MAX_ARRAY_BYTES, decode, encode
 from protocol.errors import RemoteProtocolError, UnsupportedVersion
 from protocol.messages import (
-    CHUNK_BYTES,
-    CHUNK_THRESHOLD,
     MAX_HEADER_BYTES,
     MAX_PARTS,
     Bye,
@@ -208,7 +206,7 @@ class _Outbound:
     def _parts_out(self, msg: Any) -> list:
         """The messages that carry ``msg`` in parts, then its header (a new transfer id)."""
         self.next_xfer += 1
-        messages = split(msg, self.next_xfer, threshold=CHUNK_THRESHOLD, chunk=CHUNK_BYTES)
+        messages = self.chunking.split(msg, self.next_xfer)
         self.parts_out += len(messages) - 1
         return messages
 
@@ -276,6 +274,7 @@ class ServerTransport(_Outbound):
             from ps.net.security import ServerSecurity
 
             self.security = ServerSecurity(ctx, keys_dir)
+        self.chunking = chunking(self.security is not None)  # (threshold, part bytes) of what it sends in parts
         self.wire_dtype = wire_dtype
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
         self.send_failures = self.invalid_messages = self.bytes_in = 0
@@ -456,7 +455,7 @@ class ServerTransport(_Outbound):
             return True
         if isinstance(msg, Job):
             msg = self._job_arrays(conn, msg)
-            if conn.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
+            if conn.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
                 messages = self._parts_out(msg)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
@@ -584,7 +583,7 @@ class ServerTransport(_Outbound):
         parts, then the job with ``xfer`` (PROTOCOL.md §6.13), to a connection whose hello said it
         takes them; the first job to a connection is followed by a welcome that says the shard
         takes parts."""
-        if type(msg) is Job and rid in self.peers.parts and sum(p.nbytes for p in msg.points) > CHUNK_THRESHOLD:
+        if type(msg) is Job and rid in self.peers.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
             messages = self._parts_out(msg)
         else:
             messages = [encode(msg)]

@@ -95,7 +95,8 @@ def _restart_fresh() -> None:
 
 def _parts() -> None:
     import worker.link as link
-    link.CHUNK_THRESHOLD = 1 << 62  # says parts in its hello, never sends any
+    from protocol.chunks import Chunking
+    link.chunking = lambda encrypted: Chunking(1 << 62, 1 << 22)  # says parts in its hello, never sends any
 
 
 def _bye() -> None:

@@ -70,3 +70,39 @@ def test_bf16_replies_in_parts_are_journaled_as_sent_and_replay_exactly(procs, t
     assert np.all(recorded == want)
     replayed = replay_run(state)
     assert replayed.version == 8 and np.array_equal(replayed.final_x, recorded)
+
+
+def test_under_curve_vectors_from_1_mib_travel_in_small_parts_and_train_exactly(procs, tmp_path):
+    """Under CurveZMQ the threshold is 1 MiB and the parts 1 MiB, at most 16 a message
+    (protocol.messages.CURVE_CHUNK_*): a 2 MB vector (d = 500,000) goes as 2 parts each way,
+    a job through the daemon's CURVE socket and the reply through the worker's, reassembled,
+    journaled whole and replayed exactly."""
+    from click.testing import CliRunner
+
+    from ps.cli.main import main
+    from ps.drivers.replay import replay_run
+
+    d, steps = 500_000, 10
+    keys, state = str(tmp_path / "keys"), str(tmp_path / "state")
+    r = CliRunner()
+    assert r.invoke(main, ["keys", "init", keys]).exit_code == 0
+    assert r.invoke(main, ["keys", "add-worker", "big", "--keys", keys]).exit_code == 0
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
+                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
+                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "big", "--shm", "off",
+                         "--key", f"{keys}/workers/big.key_secret", "--server-key", f"{keys}/server.key")
+    assert wait_exit(server, timeout=120) == 0
+    assert wait_exit(worker, timeout=20) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    t = summary["transport"]
+    assert summary["version"] == steps and t["shm_workers"] == []
+    assert t["parts_out"] >= 2 * steps and t["parts_in"] >= 2 * steps, t  # 2 MB: 2 parts of 1 MiB each way
+    x = np.load(os.path.join(state, "final_x.npy"))
+    want = np.float32(0)
+    for _ in range(steps):
+        want = np.float32(want - np.float32(LR) * np.float32(1e-3))
+    assert x.shape == (d,) and np.all(x == want)
+    assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"

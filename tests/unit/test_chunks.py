@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.chunks import Reassembler, split
+from protocol.chunks import Reassembler, chunking, split
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_PARTS, Job, JobKind, Part, Reply
@@ -56,6 +56,33 @@ def test_a_huge_message_never_needs_more_than_max_parts():
     assert len(msgs) - 1 <= MAX_PARTS
     got = deliver(msgs, Reassembler(1 << 30))
     assert [p.shape for p in got.points] == [(3_000_000,), (3_000_000,)]
+
+
+@given(n=st.integers(1, 200_000), chunk=st.integers(1, 5000), max_parts=st.integers(3, MAX_PARTS), pair=st.booleans())
+def test_a_message_takes_at_most_max_parts_and_arrives_whole(n, chunk, max_parts, pair):
+    """``max_parts`` (a sender's bound below MAX_PARTS: under CurveZMQ a job in parts stays a
+    few messages, within the server's send high-water mark at any credit a worker asks)."""
+    x = np.arange(n, dtype=np.float32)
+    msgs = split(job(x, x + 1) if pair else job(x), xfer=9, threshold=0, chunk=chunk * 4, max_parts=max_parts)
+    assert 1 <= len(msgs) - 1 <= max_parts
+    got = deliver(msgs, Reassembler(1 << 30))
+    assert np.array_equal(got.points[0], x) and (not pair or np.array_equal(got.points[1], x + 1))
+
+
+def test_under_curve_parts_are_small_and_few_in_plaintext_large():
+    """The sender's choice per connection (PROTOCOL.md §6.13): a 4 MB vector (d = 10^6) goes
+    whole in plaintext and in CURVE_MAX_PARTS parts of CURVE_CHUNK_BYTES under CurveZMQ; a
+    40 MB one in at most CURVE_MAX_PARTS larger parts."""
+    from protocol.messages import CHUNK_THRESHOLD, CURVE_CHUNK_BYTES, CURVE_MAX_PARTS
+
+    plain, curve = chunking(False), chunking(True)
+    assert plain.threshold == CHUNK_THRESHOLD and curve.threshold < 4_000_000
+    x = np.zeros(1_000_000, np.float32)
+    assert len(plain.split(job(x), 1)) == 1
+    parts = curve.split(job(x), 1)[:-1]
+    assert len(parts) == -(-x.nbytes // CURVE_CHUNK_BYTES) <= CURVE_MAX_PARTS
+    big = np.zeros(10_000_000, np.float32)
+    assert len(curve.split(job(big), 2)) - 1 <= CURVE_MAX_PARTS
 
 
 def test_out_of_order_oversized_or_missing_parts_are_refused():

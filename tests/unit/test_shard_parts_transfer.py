@@ -24,6 +24,7 @@ import zmq
 
 import ps.net.transport as shard_mod
 import worker.shards as links_mod
+from protocol.chunks import Chunking
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import Error, ErrorCode, Hello, Part, Ready, Reply, Welcome
@@ -55,9 +56,8 @@ class Clock:
 @pytest.fixture
 def small_parts(monkeypatch):
     """The threshold and part size every sender and receiver here reads, made small."""
-    for mod in (shard_mod, links_mod):
-        monkeypatch.setattr(mod, "CHUNK_THRESHOLD", THRESHOLD)
-        monkeypatch.setattr(mod, "CHUNK_BYTES", CHUNK)
+    for mod in (shard_mod, links_mod):  # what the senders read when they are made
+        monkeypatch.setattr(mod, "chunking", lambda encrypted: Chunking(THRESHOLD, CHUNK))
     monkeypatch.setattr(shard_mod, "TRANSFER_TOTAL_MIN", 0)  # the total bound: four blocks' worth, no floor
 
 
