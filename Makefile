@@ -23,7 +23,13 @@ run: $(STAMP)
 # 2 cores. The real-process tests run one at a time: several measure rates and liveness.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests/unit tests/sim
-	$(BIN)/python -m pytest -q --durations=25 -m "not bench" tests/integration
+	$(BIN)/python -m pytest -q --durations=25 -m "not bench and not attack" tests/integration
+
+# The hostile-input suite (tests/integration/test_attack_*.py: floods, descriptor exhaustion,
+# crafted state files, ... each through a real server with real workers training): about 9
+# minutes, a stage of its own that CI runs after `make test`.
+test-attack: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=0 -m attack tests/integration
 
 # The benchmark harnesses end to end (`latecomer bench --quick`, `--models`, `--shards`, the GPU
 # check's plan on CPU workers): about 3 minutes, a stage of its own that CI runs after `make test`.

@@ -34,7 +34,7 @@ from ps.cli.main import main
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 MiB = 1 << 20
 BIG_D = 262_144  # a float64 gradient is 2 MiB: 2 MiB parts are legal, one transfer holds at most 4 MiB

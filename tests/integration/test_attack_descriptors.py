@@ -27,7 +27,7 @@ from tests.conftest import REPO
 from tests.integration.attack import Victim
 from tests.integration.util import daemon_pid, read_events, wait_exit, wait_line
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 TRICKLE_EVERY_S = 15.0  # the 10 s, stretched so that the measurements fit before the first byte
 PER_CONNECTION_BYTES = 64 << 10  # what one idle connection may cost both processes: the front's pair

@@ -24,7 +24,7 @@ from tests.integration.attack import Victim
 from tests.integration.util import read_events
 from tests.integration.zmtp_raw import MORE, frame_header, greeting, ready, tcp_address
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 
 def worker_connection(pid: int, port: int) -> tuple[int, str]:

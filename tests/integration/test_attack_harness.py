@@ -12,7 +12,7 @@ from protocol.codec import decode, encode
 from protocol.messages import StatusRequest
 from tests.integration.attack import Victim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 
 def polite_status_poller(endpoint, running):

@@ -24,7 +24,7 @@ import pytest
 from ps.ops.children import reap
 from tests.integration.util import gradient_wrapper, read_events, wait_events, wait_exit, wait_line
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 STEPS = 150
 ATTACKER = gradient_wrapper("np.full(g.shape, 3.4e38, g.dtype)")

@@ -19,7 +19,7 @@ from ps.core.config import MAX_CREDIT
 from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 N_JOINED = 4000  # fake workers that said hello and ready, each heartbeating
 N_HOARDERS = 400  # fake workers asking for credit 256 and never answering

@@ -31,7 +31,7 @@ from ps.drivers.schedule import MAX_READS
 from ps.journal.segments import first_journal_lsn, read_journal
 from tests.integration.attack import Victim
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 PAD_KEYS = 15  # msgpack caps a header string at 4 KiB and a map at 64 keys: 15 keys of 4000 chars
 HEARTBEAT_BYTES = 60_000

@@ -31,7 +31,7 @@ from tests import crafted_state as crafted
 from tests.conftest import REPO, Procs
 from tests.integration.util import wait_exit, wait_line
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 LATECOMER = os.path.join(os.path.dirname(sys.executable), "latecomer")
 SERVE = ("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--algorithm", "asgd", "--set", "lr=0.1",

@@ -36,7 +36,7 @@ from ps.ops.status import fetch_status
 from tests.integration.attack import Victim
 from tests.integration.zmtp_raw import ZmtpClient, command, frame_header
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 D = 32  # the victim's problem size: the largest message a worker sends is MAX_HEADER_BYTES + 2 * 8 * D
 LARGEST = MAX_HEADER_BYTES + 2 * 8 * D
