@@ -141,6 +141,7 @@ class Worker(ServerSession, JobIntake, ReplySender):
         # server process that is gone is resent as frames (``_detach``)
         self.shm_jobs: dict[int, list] = {}
         self.parts_ok = False  # the server takes large arrays in parts (Welcome.parts)
+        self.chunking = chunking(self.curve is not None)  # how its large replies are split
         self.parts = Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES, alloc=lambda n: POOL.empty((n,), np.uint8))
         self.next_xfer = 0
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
@@ -198,10 +199,9 @@ class Worker(ServerSession, JobIntake, ReplySender):
                 return False
             msg = header_only(msg)
         try:
-            how = chunking(self.curve is not None)
-            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > how.threshold:
+            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > self.chunking.threshold:
                 self.next_xfer += 1
-                for frames in how.split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                for frames in self.chunking.split(msg, self.next_xfer):  # large gradients: parts, then the reply
                     send_frames(sock, frames, _NOBLOCK)
                 return True
             send_frames(sock, encode(msg), _NOBLOCK)

@@ -126,7 +126,7 @@ class ShardLinks:
         self.parts_ok = [False] * n  # shard i takes parts: its welcome said so
         self.parts = [Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES) for _ in range(n)]  # its transfer to us
         self.next_xfer = 0
-        self.chunking = chunking(curve is not None)  # (threshold, part bytes) of the blocks sent in parts
+        self.chunking = chunking(curve is not None)  # how the blocks it sends in parts are split
         self.parts_in = self.parts_out = 0
         self.hello: list | None = None  # what we answer a shard's welcome (None: we never use parts)
         if parts:

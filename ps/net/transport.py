@@ -274,7 +274,7 @@ class ServerTransport(_Outbound):
             from ps.net.security import ServerSecurity
 
             self.security = ServerSecurity(ctx, keys_dir)
-        self.chunking = chunking(self.security is not None)  # (threshold, part bytes) of what it sends in parts
+        self.chunking = chunking(self.security is not None)  # how what it sends in parts is split
         self.wire_dtype = wire_dtype
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
         self.send_failures = self.invalid_messages = self.bytes_in = 0
