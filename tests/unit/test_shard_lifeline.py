@@ -115,13 +115,18 @@ def test_exit_with_parent_checks_the_prctl_and_the_parent_it_was_given(monkeypat
 
 def test_set_pdeathsig_reports_the_call_that_fails():
     """The prctl's -1 is seen (here: an invalid signal, EINVAL); a valid one in a child process
-    (setting it on the test process itself would tie it to its parent's thread)."""
-    import multiprocessing
+    (setting it on the test process itself would tie it to its parent's thread). The child is a
+    fresh interpreter, not a fork: a forked pool of this multi-threaded process (pyzmq's and
+    tqdm's threads) hung once on a fresh clone until the 300 s timeout."""
+    import subprocess
+    import sys
 
     assert "failed: Invalid argument" in ps.net.supervise.set_pdeathsig(1000)
-    ctx = multiprocessing.get_context("fork")
-    with ctx.Pool(1) as pool:
-        assert pool.apply(ps.net.supervise.set_pdeathsig, (signal.SIGKILL,)) is None
+    child = subprocess.run([sys.executable, "-c", "import signal, ps.net.supervise as s; "
+                            "print(s.set_pdeathsig(signal.SIGKILL))"], cwd=os.path.dirname(os.path.dirname(
+                               os.path.dirname(os.path.abspath(__file__)))), capture_output=True, text=True,
+                           timeout=60)
+    assert child.returncode == 0 and child.stdout.strip() == "None", child.stderr
 
 
 def test_local_shards_are_started_watching_this_process_and_never_time_out(monkeypatch, tmp_path):
