@@ -38,6 +38,7 @@ from protocol.messages import (
     MAX_PARTS,
     MAX_STR_LEN,
     PROTOCOL_VERSION,
+    SEAL_SESSION_BYTES,
     TYPE_NAMES,
     TYPES_BY_NAME,
     WIRE_DTYPES,
@@ -215,6 +216,13 @@ def _shards(v: Any) -> tuple:
     return tuple(out)
 
 
+def _session(v: Any) -> str:
+    """Welcome.seal: empty, or a session's keys and token in hex (protocol/seal.py)."""
+    if not isinstance(v, str) or len(v) not in (0, 2 * SEAL_SESSION_BYTES) or v.strip("0123456789abcdef"):
+        raise RemoteProtocolError(f"seal must be empty or {SEAL_SESSION_BYTES} bytes in lowercase hex")
+    return v
+
+
 _U64 = _int(0, U64_MAX)
 _NAT = _int(0, I64_MAX)
 _CREDIT = _int(1, MAX_LIST_LEN)  # busy lists are capped at MAX_LIST_LEN
@@ -226,10 +234,11 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
             "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool,
-            "shards": _bool},
+            "shards": _bool, "seal": _bool},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
-              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards},
+              "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards,
+              "seal": _session},
     Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS, "shm": _bool},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
@@ -252,7 +261,7 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 # the header while at their default.
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
                                    "in_shm": (False,), "parts": (False,), "xfer": (0,),
-                                   "shards": ([], False)}
+                                   "shards": ([], False), "seal": (False, "")}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }

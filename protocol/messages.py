@@ -56,6 +56,8 @@ CHUNK_BYTES = 4 << 20
 # each frame whole, into fresh zeroed buffers, so in parts the sender seals the next while the
 # receiver opens the last (benchmarks/PROFILE.md, "The encrypted path": 1.17-1.29x one frame at
 # d = 10^6; 256 KiB and 64 KiB parts cost more per part than they gain).
+# Welcome.seal (§6.15, protocol/seal.py): a session's two 32-byte keys and its 32-byte token.
+SEAL_SESSION_BYTES = 96
 CURVE_CHUNK_THRESHOLD = 1 << 20
 CURVE_CHUNK_BYTES = 1 << 20
 CURVE_MAX_PARTS = 16
@@ -115,6 +117,7 @@ class Hello:
     shm: bool = False  # the worker can use the same-host shared-memory path (PROTOCOL.md §6.11)
     parts: bool = False  # the worker sends and receives large arrays in `part` messages (§6.13)
     shards: bool = False  # the worker follows Welcome.shards (§12): a sharded server refuses a hello without it
+    seal: bool = False  # under CurveZMQ the worker can move to a sealed data connection (§6.15)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,9 @@ class Welcome:
     # A sharded server (§12): per shard (its data endpoint, the [lo, hi) range of the flat vector it
     # owns). Jobs then carry no iterate values: they are fetched from the shards, and gradients go there.
     shards: tuple[tuple[str, int, int], ...] = ()
+    # Under CurveZMQ, to a hello with ``seal``: the session's keys (up, down) and its data connection's
+    # token (protocol/seal.py, §6.15), in hex (headers carry no binary); "": none offered.
+    seal: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,9 +46,10 @@ from worker.identity import claim_default_id
 from worker.intake import JobIntake
 from worker.replies import ReplySender, printable
 from worker.runner import ComputeThread, DelaySpec, IterateCache
+from worker.sealed import SealedLink
 from worker.session import ServerSession
 from worker.shards import header_only
-from worker.sockio import recv_frames, send_frames
+from worker.sockio import recv_frames
 
 # Plain ints: no enum per call.
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
@@ -101,7 +102,7 @@ class WorkerConfig:
     local_problems: tuple[str, ...] = ()  # local names (<local>:NAME#N) of the forking process it trusts exactly
 
 
-class Worker(ServerSession, JobIntake, ReplySender):
+class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
     """One worker process's I/O loop. ``run()`` returns the reason it stopped.
 
     Its parts: the socket, the loop and its timers here; what the server says (worker/session.py),
@@ -142,6 +143,7 @@ class Worker(ServerSession, JobIntake, ReplySender):
         self.shm_jobs: dict[int, list] = {}
         self.parts_ok = False  # the server takes large arrays in parts (Welcome.parts)
         self.chunking = chunking(self.curve is not None)  # how its large replies are split
+        self._init_seal()  # the sealed data connection (worker/sealed.py)
         self.parts = Reassembler(2 * DEFAULT_MAX_ARRAY_BYTES, alloc=lambda n: POOL.empty((n,), np.uint8))
         self.next_xfer = 0
         self.waiting: dict[int, Job] = {}  # jobs waiting for a missing iterate
@@ -167,6 +169,7 @@ class Worker(ServerSession, JobIntake, ReplySender):
 
     # ------------------------------------------------------------------ socket
     def _connect(self) -> None:
+        self._close_seal()
         if self.sock is not None:
             self.sock.close(linger=0)
         s = self.ctx.socket(zmq.DEALER)
@@ -193,18 +196,19 @@ class Worker(ServerSession, JobIntake, ReplySender):
         self.welcomed = False
 
     def _send(self, msg: Any) -> bool:
-        sock = self.sock
         if self.shards is not None and type(msg) is Reply and msg.grads:
             if not self.shards.send_blocks(msg):  # the blocks to the shards, then the header here
                 return False
             msg = header_only(msg)
+        sealed = self.seal_up and type(msg) is not Hello
+        chunks = self.plain_chunking if sealed else self.chunking
         try:
-            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > self.chunking.threshold:
+            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > chunks.threshold:
                 self.next_xfer += 1
-                for frames in self.chunking.split(msg, self.next_xfer):  # large gradients: parts, then the reply
-                    send_frames(sock, frames, _NOBLOCK)
+                for frames in chunks.split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                    self._out(frames, sealed)
                 return True
-            send_frames(sock, encode(msg), _NOBLOCK)
+            self._out(encode(msg), sealed)
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
@@ -218,10 +222,12 @@ class Worker(ServerSession, JobIntake, ReplySender):
         return ids[:256]
 
     def _hello(self) -> bool:
+        self._close_seal()  # a new session comes with the welcome
         return self._send(Hello(worker_id=self.worker_id, boot=self.boot, credit=self.cfg.credit,
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
-                                shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True))
+                                shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True,
+                                seal=self.curve is not None))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -247,9 +253,12 @@ class Worker(ServerSession, JobIntake, ReplySender):
                 # message, instead of a zmq_poll of the socket and the wake-up pipe (four).
                 # pending drops only after a result is in the outbox (runner.py), so this order
                 # of the two reads never misses one.
-                if self.shards is None and (compute is None or (self.loaded and compute.pending == 0
-                                                                and not compute.outbox)):
-                    self._receive_one(timeout_ms)
+                if self.shards is None and (self.seal_sock is None or self.seal_up) and (
+                        compute is None or (self.loaded and compute.pending == 0 and not compute.outbox)):
+                    if self.seal_sock is None:
+                        self._receive_one(timeout_ms)
+                    else:
+                        self._receive_sealed(timeout_ms)
                 else:
                     self._poll(timeout_ms)
                     compute = self.compute
@@ -297,14 +306,16 @@ class Worker(ServerSession, JobIntake, ReplySender):
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
-        if self.poller_for != (self.sock, self.compute, self.shards):  # rebuilt on reconnect, a new problem
+        if self.poller_for != (self.sock, self.compute, self.shards, self.seal_sock):  # rebuilt on reconnect, ...
             self.poller = zmq.Poller()
             self.poller.register(self.sock, zmq.POLLIN)
+            if self.seal_sock is not None:
+                self.poller.register(self.seal_sock, zmq.POLLIN)
             if self.compute is not None:
                 self.poller.register(self.compute.wake_r, zmq.POLLIN)
             for s in self.shards.socks if self.shards is not None else ():
                 self.poller.register(s, zmq.POLLIN)
-            self.poller_for = (self.sock, self.compute, self.shards)
+            self.poller_for = (self.sock, self.compute, self.shards, self.seal_sock)
         ready = dict(self.poller.poll(timeout_ms))
         if self.shards is not None:
             for i, s in enumerate(self.shards.socks):
@@ -323,6 +334,18 @@ class Worker(ServerSession, JobIntake, ReplySender):
                 self._on_message(frames)
                 if sock is not self.sock:  # reconnected meanwhile
                     break
+        seal = self.seal_sock
+        if seal is not None and seal in ready:
+            for i in range(64):
+                if i and not seal.get(_EVENTS) & _POLLIN:
+                    break
+                try:
+                    frames = recv_frames(seal, _NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_sealed(frames)
+                if seal is not self.seal_sock:  # a new session meanwhile
+                    break
         if self.compute is not None and self.compute.wake_r in ready:
             self.compute.drain_wakeups()
 
@@ -336,6 +359,7 @@ class Worker(ServerSession, JobIntake, ReplySender):
         if self.sock is not None:
             if self.welcomed:  # our own leaving, or the acknowledgement of the server's bye
                 self._send(Bye(printable(self.stopping or "exit")[:1000]))
+            self._close_seal(linger=500)
             self.sock.close(linger=500)
             self.sock = None
         if self.shards is not None:

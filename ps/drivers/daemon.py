@@ -196,6 +196,8 @@ class Daemon:
         poller.register(self.sock, zmq.POLLIN)
         if self.hub is not None:
             poller.register(self.hub.sock, zmq.POLLIN)
+        if self.transport.sealed is not None:  # the sealed data path (ps/net/sealed.py)
+            poller.register(self.transport.sealed.sock, zmq.POLLIN)
         self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:

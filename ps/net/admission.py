@@ -56,6 +56,7 @@ class Admission:
                 return self.refuse(conn, msg.worker_id, refused[1], now, kind=refused[0])
             t.conns.bind(conn, msg.worker_id, key)  # a record bound to wid before loses it
             conn.parts = msg.parts
+            conn.seal_capable = msg.seal and bool(key)
             if t.arena is not None:
                 t.arena.forget_worker(msg.worker_id)
                 conn.shm_capable = t.offers_shm(msg)

@@ -132,7 +132,7 @@ class Conn:
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
                  "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
                  "status_auth", "source",
-                 "hb_raw", "hb_at", "hb_bucket")
+                 "hb_raw", "hb_at", "hb_bucket", "seal_capable")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -142,6 +142,7 @@ class Conn:
         self.last_heard = now
         self.parts = False  # the worker takes large arrays in parts (§6.13)
         self.shm_capable = False  # said hello from this host, asking for shared memory
+        self.seal_capable = False  # its hello asked for the sealed data path (§6.15)
         self.shm_ready = False  # opened our shared memory (Ready.shm)
         self.xfer: Reassembler | None = None  # its unfinished transfer, if any
         self.xfer_at = 0.0  # when it last got a part
@@ -342,6 +343,7 @@ class Connections(_StatusQueue):
         self.xfer_total = 0
         self.alloc = alloc or (lambda n: np.empty(n, np.uint8))
         self.counters = ConnectionCounters()
+        self.on_unbind: Callable[[bytes], None] | None = None  # a record lost its worker: its sealed session ends
         lim = self.limits
         self.status_global = TokenBucket(lim.status_global_rate, lim.status_global_burst, now)
         self.error_global = TokenBucket(lim.error_global_rate, lim.error_global_burst, now)
@@ -504,8 +506,10 @@ class Connections(_StatusQueue):
         if c.wid is not None and self.by_wid.get(c.wid) is c:
             del self.by_wid[c.wid]
         c.wid, c.key = None, ""
-        c.parts = c.shm_capable = c.shm_ready = False
+        c.parts = c.shm_capable = c.shm_ready = c.seal_capable = False
         self.drop_transfer(c)
+        if self.on_unbind is not None:
+            self.on_unbind(c.rid)
 
     def _drop(self, c: Conn) -> None:
         self._unbind(c)

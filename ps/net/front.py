@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from protocol.codec import looks_like_heartbeat
+from protocol.seal import token_ok
 
 log = logging.getLogger("latecomer.front")
 
@@ -82,6 +83,14 @@ HANDSHAKE_S = 10.0  # a connection must finish its ZMTP handshake within this (N
 PROGRESS_WINDOW_S = 5.0  # an unfinished message must finish, or bring PROGRESS_FLOOR_BYTES, in every such window
 PROGRESS_FLOOR_BYTES = 64 * 1024  # 13 KB/s: a 40 MB gradient at this floor takes 51 min; a trickler is cut
 MAX_READY_BYTES = 8 * 1024  # under NULL the client's first command (READY) is held whole to add X-Source
+# Under CurveZMQ with the sealed data path (PROTOCOL.md §6.15) the front routes a connection by its
+# greeting's mechanism, so it answers the greeting itself until it knows it: libzmq's signature and
+# major version (what the daemon's ROUTER sends first: padding = routing id size 0 + 1), and for
+# NULL the rest (minor 1, "NULL", as-server 0). The daemon's own greeting is then checked against
+# what the client got and dropped (``_Pair.strip``).
+SIGNATURE = bytes.fromhex("ff00000000000000017f03")
+NULL_GREETING = SIGNATURE + b"\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+ROUTE_NONE, ROUTE_GREETING, ROUTE_READY = 0, 1, 2
 CHECK_EVERY_S = 0.5  # how often the handshake and progress deadlines are looked at
 SOURCE_PROPERTY = b"X-Source"  # the READY property the front sets to the client's address (NULL only)
 
@@ -163,10 +172,11 @@ class InboundParser:
     headers (bodies are skipped, never copied). ``feed`` raises :class:`Cut` at the first byte
     that breaks a bound; ``unfinished`` is what the current message has declared so far."""
 
-    __slots__ = ("limits", "greeting", "header", "header_need", "skip", "unfinished", "frames", "seen")
+    __slots__ = ("limits", "alt", "greeting", "header", "header_need", "skip", "unfinished", "frames", "seen")
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, alt: Limits | None = None) -> None:
         self.limits = limits
+        self.alt = alt  # the sealed data path's limits: a greeting naming its mechanism takes them
         self.greeting = bytearray()
         self.header = bytearray()  # a frame header split across reads
         self.header_need = 0  # its bytes still to come (0: at a frame boundary)
@@ -216,7 +226,9 @@ class InboundParser:
             raise Cut(f"ZMTP {g[10]}.x peers are not served (ZMTP 3 or later)")
         if start < 32 <= len(g):
             mech = bytes(g[12:32]).rstrip(b"\x00")
-            if mech != self.limits.mechanism:
+            if mech != self.limits.mechanism and self.alt is not None and mech == self.alt.mechanism:
+                self.limits = self.alt
+            elif mech != self.limits.mechanism:
                 shown = mech.decode("ascii", "replace")[:20]
                 raise Cut(f"security mechanism {shown!r}: this server speaks {self.limits.mechanism.decode()}")
 
@@ -259,9 +271,9 @@ class _Pair:
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
                  "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
                  "dscan", "win_start", "win_bytes", "hb_last", "hb_at", "dwin_start", "dwin_bytes", "dwin_q0",
-                 "tokens", "tok_at", "paused_until")
+                 "tokens", "tok_at", "paused_until", "route", "hs_pre", "strip")
 
-    def __init__(self, c: socket.socket, d: socket.socket, parser: InboundParser, now: float = 0.0) -> None:
+    def __init__(self, c: socket.socket, d: socket.socket | None, parser: InboundParser, now: float = 0.0) -> None:
         self.src: _Source | None = None  # the source address's tables while the client is there
         self.born = self.last_done = now  # accepted; the last complete inbound message (or the handshake)
         self.stage = HANDSHAKE  # HANDSHAKE, then OPEN (NULL) or AUTHED (CURVE: the daemon sent READY)
@@ -278,7 +290,10 @@ class _Pair:
         self.tokens, self.tok_at, self.paused_until = float("inf"), now, 0.0
         self.c: socket.socket | None = c
         self.d: socket.socket | None = d
-        self.cfd, self.dfd = c.fileno(), d.fileno()
+        self.cfd, self.dfd = c.fileno(), (d.fileno() if d is not None else -1)
+        # routing by mechanism (ROUTE_*): the client's bytes held until its side is known, and the
+        # start of the daemon's greeting still to be checked and dropped (the front answered it)
+        self.route, self.hs_pre, self.strip = ROUTE_NONE, None, b""
         self.parser = parser
         self.up = b""  # read from the client, not yet written to the daemon
         self.down = b""  # read from the daemon, not yet written to the client
@@ -425,7 +440,21 @@ class _Admission:
 
     def _connect(self, c: socket.socket, source: str) -> bool:
         """Pair an accepted client with a new connection to the daemon. False: stop accepting
-        for now (no descriptor for the daemon's side)."""
+        for now (no descriptor for the daemon's side). With the sealed data path the daemon's
+        side waits for the client's mechanism (:meth:`_route`)."""
+        if self.data is not None:
+            c.setblocking(False)
+            if c.family in (socket.AF_INET, socket.AF_INET6):
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _keepalive(c)
+            p = _Pair(c, None, InboundParser(self.limits, self.data[1]), self.clock())
+            p.route, p.hs_pre, p.down = ROUTE_GREETING, bytearray(), SIGNATURE
+            self.pairs[p.cfd] = p
+            self.ep.register(p.cfd, select.EPOLLIN)
+            self.accepted += 1
+            self._track(p, source)
+            self._write_client(p)
+            return True
         try:
             d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as e:
@@ -617,7 +646,104 @@ class _Splicing:
         return True
 
 
-class Front(_Admission, _Splicing):
+class _Handshakes:
+    """The handshake as the front sees it (a mixin of :class:`Front`): X-Source in a NULL READY,
+    a CURVE connection's authentication, and routing by mechanism to the sealed data path."""
+
+    def _hold_handshake(self, p: _Pair, data: memoryview, greeting: int) -> bytes | None:
+        """NULL: pass the greeting on as it comes (libzmq sends the rest of its greeting only
+        once it has read the peer's first bytes), hold the client's first command until it is
+        whole, then pass it on with ``X-Source`` set if it is a READY (:func:`with_source`).
+        ``greeting``: how many bytes at the start of ``data`` are the greeting's. None: nothing
+        to pass on yet."""
+        p.hs_buf += data[greeting:]
+        end = _frame_end(p.hs_buf, 0)
+        if end is None and len(p.hs_buf) > 9 + MAX_READY_BYTES or end is not None and end > 9 + MAX_READY_BYTES:
+            self._cut(p, f"a first command of more than {MAX_READY_BYTES} bytes")
+            return None
+        if end is None:
+            return bytes(data[:greeting]) or None
+        buf, p.hs_buf = p.hs_buf, None
+        self._handshake_done(p, OPEN)
+        return bytes(data[:greeting]) + with_source(bytes(buf[:end]), p.src.name) + bytes(buf[end:])
+
+    def _scan_down(self, p: _Pair, data: memoryview) -> None:
+        """CURVE: the daemon's READY command means ZAP accepted the client's key (libzmq sends it
+        after INITIATE checked out): from then on the connection is authenticated."""
+        p.dscan += data
+        while True:
+            if len(p.dscan) < GREETING_BYTES:
+                return
+            end = _frame_end(p.dscan, GREETING_BYTES)
+            if end is None:
+                return
+            body = p.dscan[GREETING_BYTES + (9 if p.dscan[GREETING_BYTES] & LONG else 2):end]
+            if p.dscan[GREETING_BYTES] & COMMAND and body[:6] == b"\x05READY":
+                p.dscan = None
+                self._handshake_done(p, AUTHED)
+                return
+            del p.dscan[GREETING_BYTES:end]  # WELCOME (or another command): look at the next
+
+    def _attach(self, p: _Pair, backend: str) -> bool:
+        """Connect a routed client's daemon side to ``backend``; False: the client was cut."""
+        try:
+            d = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as e:
+            self._cut(p, f"no connection to the daemon ({e})")
+            return False
+        d.setblocking(False)
+        try:
+            d.connect(backend)
+        except OSError as e:
+            d.close()
+            self._cut(p, f"connection to the daemon refused ({e})")
+            return False
+        p.d, p.dfd = d, d.fileno()
+        self.pairs[p.dfd] = p
+        self.ep.register(p.dfd, select.EPOLLIN)
+        p.dmask = select.EPOLLIN
+        return True
+
+    def _route(self, p: _Pair, data: memoryview) -> bytes | None:
+        """A client whose mechanism is not known yet (the sealed data path, PROTOCOL.md §6.15):
+        ``data`` is held until its greeting names it. CURVE goes to the daemon's CURVE socket (the
+        front answered the greeting's first 11 bytes). NULL gets the rest of a NULL greeting from
+        the front, and its first command (READY) must carry a routing id that is a token of this
+        daemon (an HMAC under the secret the two share, protocol/seal.py): only then does it go
+        to the daemon's data socket, so a peer without a token never reaches the daemon. Returns
+        the bytes to pass on now (None: nothing yet, or cut)."""
+        if p.route == ROUTE_GREETING:
+            p.hs_pre += data
+            if len(p.parser.greeting) < GREETING_BYTES:
+                return None
+            held, p.hs_pre = bytes(p.hs_pre), None
+            if p.parser.limits is self.limits:  # CURVE
+                if not self._attach(p, self.backend):
+                    return None
+                p.route, p.strip, p.dscan = ROUTE_NONE, SIGNATURE, bytearray(SIGNATURE)
+                return held
+            p.route, p.hs_pre, p.hs_buf = ROUTE_READY, bytearray(held[:GREETING_BYTES]), bytearray()
+            p.down = p.down + NULL_GREETING[len(SIGNATURE):]
+            self._write_client(p)
+            data = memoryview(held)[GREETING_BYTES:]
+        out = self._hold_handshake(p, data, 0)
+        if out is None or p.c is None:
+            return None
+        ready = out[:_frame_end(bytearray(out), 0)]
+        body = ready[9 if ready[0] & LONG else 2:]
+        props = dict(_properties(body[6:]) or ()) if ready[0] & COMMAND and body[:6] == b"\x05READY" else {}
+        token = props.get(b"Identity", b"")
+        if not token_ok(self.data[2], token):
+            self._cut(p, "a NULL connection without a token of this server's sealed data path")
+            return None
+        if not self._attach(p, self.data[0]):
+            return None
+        pre, p.hs_pre = bytes(p.hs_pre), None
+        p.route, p.strip = ROUTE_NONE, NULL_GREETING
+        return pre + out
+
+
+class Front(_Admission, _Splicing, _Handshakes):
     """The relay's event loop (epoll, level-triggered, one thread).
 
     Args:
@@ -648,6 +774,7 @@ class Front(_Admission, _Splicing):
         self.clock = clock
         self.ep = select.epoll()
         self.backend: str | None = None  # the daemon's Unix socket path while it is up
+        self.data: tuple[str, Limits, bytes] | None = None  # its sealed data path (set_backend)
         self.pairs: dict[int, _Pair] = {}  # fd (either side) -> its pair
         self.watched: dict[int, Callable[[], None]] = {}  # other fds (signals, the child) -> callback
         self.accepting = False
@@ -671,11 +798,15 @@ class Front(_Admission, _Splicing):
         if self.watched.pop(fd, None) is not None:
             self.ep.unregister(fd)
 
-    def set_backend(self, path: str | None, limits: Limits | None = None) -> None:
+    def set_backend(self, path: str | None, limits: Limits | None = None,
+                    data: tuple[str, Limits, bytes] | None = None) -> None:
         """The daemon is up at ``path`` (accept clients) or down (None: every connection is
-        closed, new ones wait in the listen backlog)."""
+        closed, new ones wait in the listen backlog). ``data``: its sealed data path under
+        CurveZMQ (private endpoint, the NULL connections' limits, the tokens' secret): clients
+        are then routed by their greeting's mechanism (:meth:`_route`)."""
         if limits is not None:
             self.limits = limits
+        self.data = data if path is not None else None
         if path is None:
             for p in set(self.pairs.values()):
                 self._close_pair(p)
@@ -805,13 +936,19 @@ class Front(_Admission, _Splicing):
                 return
         if n == want and p.short and parser.skip < SPLICE_MIN:
             p.short = False  # small frames queue up: read them CHUNK at a time again
-        if p.hs_buf is not None:
+        if p.route:
+            data = self._route(p, data)
+            if data is None:
+                if p.c is not None:
+                    self._mask(p)
+                return
+        elif p.hs_buf is not None:
             data = self._hold_handshake(p, data, min(n, greeting))
             if data is None:
                 self._mask(p)
                 return
         self._progress(p, n)
-        if p.stage == OPEN and self.limits.hb_repeat_s and self._repeat(p, data, boundary):
+        if p.stage == OPEN and parser.limits.hb_repeat_s and self._repeat(p, data, boundary):
             return
         p.up = data
         self._write_daemon(p)
@@ -848,30 +985,13 @@ class Front(_Admission, _Splicing):
             body = bytes(data[2:])
             if looks_like_heartbeat(body):
                 now = self.clock()
-                if body == p.hb_last and now - p.hb_at < self.limits.hb_repeat_s:
+                if body == p.hb_last and now - p.hb_at < p.parser.limits.hb_repeat_s:
                     self.hb_dropped += 1
                     return True
                 p.hb_last, p.hb_at = body, now
                 return False
         p.hb_last = None
         return False
-
-    def _hold_handshake(self, p: _Pair, data: memoryview, greeting: int) -> bytes | None:
-        """NULL: pass the greeting on as it comes (libzmq sends the rest of its greeting only
-        once it has read the peer's first bytes), hold the client's first command until it is
-        whole, then pass it on with ``X-Source`` set if it is a READY (:func:`with_source`).
-        ``greeting``: how many bytes at the start of ``data`` are the greeting's. None: nothing
-        to pass on yet."""
-        p.hs_buf += data[greeting:]
-        end = _frame_end(p.hs_buf, 0)
-        if end is None and len(p.hs_buf) > 9 + MAX_READY_BYTES or end is not None and end > 9 + MAX_READY_BYTES:
-            self._cut(p, f"a first command of more than {MAX_READY_BYTES} bytes")
-            return None
-        if end is None:
-            return bytes(data[:greeting]) or None
-        buf, p.hs_buf = p.hs_buf, None
-        self._handshake_done(p, OPEN)
-        return bytes(data[:greeting]) + with_source(bytes(buf[:end]), p.src.name) + bytes(buf[end:])
 
     def _write_daemon(self, p: _Pair) -> None:
         if p.up:
@@ -904,26 +1024,17 @@ class Front(_Admission, _Splicing):
             return
         p.big_down = n >= SPLICE_MIN
         p.down = self.view[:n]
+        if p.strip:  # the start of the daemon's greeting, which the front answered the client with
+            k = min(len(p.strip), n)
+            if bytes(p.down[:k]) != p.strip[:k]:
+                self._cut(p, "the daemon's greeting is not the one the front answered with")
+                return
+            p.strip, p.down = p.strip[k:], p.down[k:]
+            if not p.down:
+                return
         if p.dscan is not None:
             self._scan_down(p, p.down)
         self._write_client(p)
-
-    def _scan_down(self, p: _Pair, data: memoryview) -> None:
-        """CURVE: the daemon's READY command means ZAP accepted the client's key (libzmq sends it
-        after INITIATE checked out): from then on the connection is authenticated."""
-        p.dscan += data
-        while True:
-            if len(p.dscan) < GREETING_BYTES:
-                return
-            end = _frame_end(p.dscan, GREETING_BYTES)
-            if end is None:
-                return
-            body = p.dscan[GREETING_BYTES + (9 if p.dscan[GREETING_BYTES] & LONG else 2):end]
-            if p.dscan[GREETING_BYTES] & COMMAND and body[:6] == b"\x05READY":
-                p.dscan = None
-                self._handshake_done(p, AUTHED)
-                return
-            del p.dscan[GREETING_BYTES:end]  # WELCOME (or another command): look at the next
 
     def _write_client(self, p: _Pair) -> None:
         if p.down:

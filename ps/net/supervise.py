@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -91,6 +92,12 @@ class ServeCommand(click.Command):
                          help="Frames per second one connection may send (a burst of one second's worth); "
                               "past it the front stops reading that connection until its budget is back: a "
                               "flood slows its sender, nothing is dropped (0: no bound)."),
+            click.Option(["--seal"], type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+                         expose_value=False, callback=_store, is_eager=True,
+                         help="Under --keys: auto moves what workers that ask send and receive after their "
+                              "welcome to a second connection, each frame sealed with AES-256-GCM under keys "
+                              "sent inside CurveZMQ (PROTOCOL.md 6.15; 2-3x CurveZMQ's speed on large "
+                              "vectors); off: everything over CurveZMQ."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),
         ]
@@ -203,6 +210,18 @@ def announce(daemon: Any) -> None:
             "max_frame_bytes": daemon.sock.getsockopt(zmq.MAXMSGSIZE), "max_message_bytes": largest,
             "max_frames": 1 + MAX_ARRAYS, "pid": os.getpid(),
             "hb_repeat_s": _hb_repeat_s(daemon)}
+    if daemon.security is not None:  # the sealed data path (PROTOCOL.md §6.15), if the supervisor made a secret
+        from ps.net.sealed import attach, secret_path
+
+        try:
+            with open(secret_path(_endpoint), "rb") as f:
+                secret = f.read()
+        except OSError:
+            secret = b""
+        if secret:
+            seal = _endpoint.removesuffix(".sock") + "-seal.sock"
+            attach(daemon.transport, seal, secret)
+            info["seal_endpoint"] = seal.removeprefix("ipc://")
     with os.fdopen(int(fd), "w", encoding="utf-8") as f:
         f.write(json.dumps(info) + "\n")
 
@@ -217,6 +236,18 @@ def _limits(info: dict[str, Any], max_unfinished: int | None, max_frame_rate: fl
                   max_message_bytes=largest, max_frames=int(info["max_frames"]),
                   max_pending_bytes=max_unfinished or max(256 << 20, 8 * largest),
                   hb_repeat_s=float(info.get("hb_repeat_s", 0.0)), max_frame_rate=max_frame_rate)
+
+
+def _data_limits(info: dict[str, Any], limits: Any):
+    """The front's bounds on sealed data connections (NULL): frames and messages as the daemon's,
+    each frame with its 16-byte tag, a message with its prefix frame; no heartbeat repeats (a
+    sealed heartbeat never repeats its bytes)."""
+    from protocol.seal import TAG_BYTES
+
+    frames = int(info["max_frames"]) + 1
+    return dataclasses.replace(limits, mechanism=b"NULL", max_frame_bytes=limits.max_frame_bytes + TAG_BYTES,
+                               max_message_bytes=limits.max_message_bytes + frames * TAG_BYTES + 64,
+                               max_frames=frames, hb_repeat_s=0.0)
 
 
 def _budget(max_connections: int | None, per_source: int):
@@ -261,7 +292,7 @@ class Supervisor:
 
     def __init__(self, bind: str, argv: list[str], state_dir: str | None, max_unfinished: int | None,
                  max_connections: int | None = None, per_source: int = 0,
-                 max_frame_rate: float = DEFAULT_FRAME_RATE) -> None:
+                 max_frame_rate: float = DEFAULT_FRAME_RATE, seal: bool = True) -> None:
         from ps.net.front import Front
 
         self.max_connections, self.per_source = max_connections, per_source
@@ -274,6 +305,8 @@ class Supervisor:
         self.front: Front | None = None
         self.private = tempfile.mkdtemp(prefix="latecomer-front-")  # mode 0700: only this user
         self.backend = os.path.join(self.private, "daemon.sock")
+        self.seal = seal  # offer the sealed data path under CurveZMQ (serve --seal)
+        self.seal_secret = b""  # the tokens' secret the front shares with the daemon (ps/net/sealed.py)
         self.child: subprocess.Popen | None = None
         self.pidfd: int | None = None
         self.ready_r: int | None = None
@@ -296,6 +329,15 @@ class Supervisor:
         out = {}
         for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
             out[name] = None if _stream_fd(stream) is not None else subprocess.PIPE
+        from ps.net.sealed import write_secret
+
+        # a new secret per daemon (its tokens die with it); none: the daemon offers no sealed path
+        self.seal_secret = write_secret(self.private) if self.seal else b""
+        for stale in (self.backend.removesuffix(".sock") + "-seal.sock",):
+            try:
+                os.unlink(stale)
+            except OSError:
+                pass
         try:
             os.unlink(self.backend)
         except FileNotFoundError:
@@ -340,7 +382,11 @@ class Supervisor:
             if not self._listen():
                 return
         self.child_ready = True
-        self.front.set_backend(self.backend, _limits(info, self.max_unfinished, self.max_frame_rate))
+        limits = _limits(info, self.max_unfinished, self.max_frame_rate)
+        data = None
+        if info.get("seal_endpoint") and self.seal_secret:
+            data = (info["seal_endpoint"], _data_limits(info, limits), self.seal_secret)
+        self.front.set_backend(self.backend, limits, data)
         if self.ready_at is not None:
             log.warning("the server process is back (pid %d) %.2f s after the last one died", info["pid"],
                         time.monotonic() - self.ready_at)
@@ -475,4 +521,4 @@ def supervise(bind: str, state_dir: str | None) -> int:
     m = _meta()
     return Supervisor(bind, list(m.get("argv", [])), state_dir, m.get("max_unfinished_bytes"),
                       m.get("max_connections"), m.get("max_connections_per_source") or 0,
-                      m.get("max_frame_rate", DEFAULT_FRAME_RATE)).run()
+                      m.get("max_frame_rate", DEFAULT_FRAME_RATE), m.get("seal", "auto") != "off").run()

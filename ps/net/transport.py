@@ -77,6 +77,7 @@ from ps.net.connections import (
 from ps.net.endpoints import needs_ipv6
 from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
 from ps.net.samehost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
+from ps.net.sealed import OpenFrame, SealedPath
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
@@ -203,10 +204,12 @@ class _Outbound:
     """What the server sends of its own accord: heartbeats (a slice per pass), a message in parts, the
     final byes (a mixin of ServerTransport, which holds the state)."""
 
-    def _parts_out(self, msg: Any) -> list:
-        """The messages that carry ``msg`` in parts, then its header (a new transfer id)."""
+    def _parts_out(self, msg: Any, rid: bytes | None = None) -> list:
+        """The messages that carry ``msg`` in parts, then its header (a new transfer id); to a
+        worker on the sealed path split as plaintext is."""
         self.next_xfer += 1
-        messages = self.chunking.split(msg, self.next_xfer)
+        sealed = self.sealed is not None and self.sealed.is_bound(rid)
+        messages = (self.sealed.chunking if sealed else self.chunking).split(msg, self.next_xfer)
         self.parts_out += len(messages) - 1
         return messages
 
@@ -277,6 +280,7 @@ class ServerTransport(_Outbound):
         self.chunking = chunking(self.security is not None)  # how what it sends in parts is split
         self.wire_dtype = wire_dtype
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
+        self.sealed: SealedPath | None = None  # under CurveZMQ behind the front: the sealed path (sealed.attach)
         self.send_failures = self.invalid_messages = self.bytes_in = 0
         if shard is None:
             self._init_daemon(ctx, bind, shm, limits, max_workers, max_workers_per_key)
@@ -322,13 +326,14 @@ class ServerTransport(_Outbound):
         message: asking costs ~6 us a message (a libzmq call and pyzmq's enum), twice a receive,
         and a flood's every message paid it (the daemon's largest cost under 4,000 heartbeating
         fakes, profiled); the end of what it holds is then one zmq.Again per pass."""
-        if not self.sock.get(_EVENTS) & _POLLIN:
-            return
-        while True:
-            try:
-                yield recv_frames(self.sock, _NOBLOCK)
-            except zmq.Again:
-                return
+        if self.sock.get(_EVENTS) & _POLLIN:
+            while True:
+                try:
+                    yield recv_frames(self.sock, _NOBLOCK)
+                except zmq.Again:
+                    break
+        if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
+            yield from self.sealed.pending()
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -399,6 +404,8 @@ class ServerTransport(_Outbound):
         """The fingerprint of the z85 public key CURVE authenticated for this message ("" without keys)."""
         if self.security is None:
             return ""
+        if type(frame) is OpenFrame:  # opened on the sealed path: the key of the session's connection
+            return frame.props["key"]
         from ps.net.security import fingerprint
 
         user = frame.get("User-Id")
@@ -456,11 +463,13 @@ class ServerTransport(_Outbound):
         if isinstance(msg, Job):
             msg = self._job_arrays(conn, msg)
             if conn.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
-                messages = self._parts_out(msg)  # large arrays: parts, then the job
+                messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
+            seal = self.sealed.offer(conn.rid, conn.key) if self.sealed is not None and conn.seal_capable else ""
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
-                                      shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map())
+                                      shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),
+                                      seal=seal)
         return self.send_message(conn.rid, msg)
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:
@@ -486,6 +495,10 @@ class ServerTransport(_Outbound):
         return self.send_frames(rid, encode(msg))
 
     def send_frames(self, rid: bytes, frames: list) -> bool:
+        sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
+        if sent is not None:  # on the sealed data connection (sent, or its pipe is full)
+            self.send_failures += not sent
+            return sent
         try:
             send_frames(self.sock, [rid, *frames], _NOBLOCK)
             return True
@@ -618,6 +631,8 @@ class ServerTransport(_Outbound):
         # A short linger lets the final Bye messages reach the workers; everything else the
         # server would have sent is re-derivable from the job ledger.
         self.sock.close(linger=1000)
+        if self.sealed is not None:
+            self.sealed.close()
         if self.security is not None and self.own_security:
             self.security.stop()
 
@@ -626,4 +641,5 @@ class ServerTransport(_Outbound):
         return {"wire_dtype": self.wire_dtype, "shm": self.arena.prefix if self.arena else "",
                 "shm_workers": sorted(self.shm_used),
                 "shm_iterate_copies": self.arena.copies_made if self.arena else 0,
-                "parts_in": self.parts_in, "parts_out": self.parts_out}
+                "parts_in": self.parts_in, "parts_out": self.parts_out,
+                **(self.sealed.figures() if self.sealed is not None else {})}

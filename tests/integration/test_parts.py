@@ -89,7 +89,8 @@ def test_under_curve_vectors_from_1_mib_travel_in_small_parts_and_train_exactly(
     assert r.invoke(main, ["keys", "add-worker", "big", "--keys", keys]).exit_code == 0
     server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
                          "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
-                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off")
+                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off",
+                         "--seal", "off")  # the arrays over CurveZMQ itself (the sealed path: test_sealed.py)
     endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
     worker = procs.start("work", "--server", endpoint, "--worker-id", "big", "--shm", "off",
                          "--key", f"{keys}/workers/big.key_secret", "--server-key", f"{keys}/server.key")
@@ -100,6 +101,7 @@ def test_under_curve_vectors_from_1_mib_travel_in_small_parts_and_train_exactly(
     t = summary["transport"]
     assert summary["version"] == steps and t["shm_workers"] == []
     assert t["parts_out"] >= 2 * steps and t["parts_in"] >= 2 * steps, t  # 2 MB: 2 parts of 1 MiB each way
+    assert "sealed_sessions" not in t, t  # --seal off: no sealed path
     x = np.load(os.path.join(state, "final_x.npy"))
     want = np.float32(0)
     for _ in range(steps):

@@ -734,3 +734,124 @@ def test_without_a_frame_rate_a_connection_is_read_at_any_pace(relay):
     c.sendall(hello * 5000)
     assert recv_exactly(d, 5000 * len(hello)) == hello * 5000
     assert relay.front.throttled == 0
+
+
+# ---------------------------------------------------------------- routing by mechanism (PROTOCOL.md §6.15)
+SECRET = bytes(range(32))
+CURVE_LIMITS = Limits(mechanism=b"CURVE", max_frame_bytes=70_000, max_message_bytes=100_000, max_frames=17,
+                      max_pending_bytes=150_000)
+
+
+def test_the_front_routes_by_mechanism_and_only_a_token_reaches_the_data_socket(tmp_path):
+    """Real libzmq on both sides: a CURVE client reaches the daemon's CURVE socket as before; a NULL
+    client whose routing id is a token of this daemon reaches its data socket (with X-Source);
+    a NULL client with a forged token or none is cut and the data socket never hears of it."""
+    zmq = pytest.importorskip("zmq")
+    from protocol.seal import make_token
+
+    ctx = zmq.Context()
+    pub, sec = zmq.curve_keypair()
+    curve = ctx.socket(zmq.ROUTER)
+    curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
+    curve.bind(f"ipc://{tmp_path}/curve.sock")
+    data = ctx.socket(zmq.ROUTER)
+    data.bind(f"ipc://{tmp_path}/data.sock")
+    listener = listen("tcp://127.0.0.1:0")
+    endpoint = endpoint_of(listener, "tcp://127.0.0.1:0")
+    front = Front(listener, CURVE_LIMITS, budget=Budget(max_fds=100))
+    front.set_backend(f"{tmp_path}/curve.sock", CURVE_LIMITS, (f"{tmp_path}/data.sock", LIMITS, SECRET))
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: [front.run_once(0.02) for _ in iter(stop.is_set, True)], daemon=True)
+    th.start()
+    socks = []
+
+    def dealer(routing_id: bytes | None = None, curve_client: bool = False):
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        if routing_id is not None:
+            s.routing_id = routing_id
+        if curve_client:
+            cpub, csec = zmq.curve_keypair()
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = cpub, csec, pub
+        s.connect(endpoint)
+        socks.append(s)
+        return s
+
+    try:
+        dealer(curve_client=True).send(b"over curve")
+        assert curve.poll(5000)
+        assert curve.recv_multipart()[-1] == b"over curve"
+        token = make_token(SECRET)
+        dealer(token).send(b"sealed bytes")
+        assert data.poll(5000)
+        frames = data.recv_multipart(copy=False)
+        assert frames[0].bytes == token and frames[-1].bytes == b"sealed bytes"
+        assert frames[-1].get("X-Source") == "127.0.0.1"
+        forged = token[:-1] + bytes([token[-1] ^ 1])
+        cut = front.cut
+        dealer(forged).send(b"x")
+        dealer().send(b"y")
+        wait_until(lambda: front.cut >= cut + 2)
+        assert not data.poll(0) and not curve.poll(0)
+    finally:
+        stop.set()
+        th.join(5)
+        for s in socks:
+            s.close()
+        front.close()
+        listener.close()
+        ctx.destroy(linger=0)
+
+
+def test_routing_follows_any_split_of_the_handshake_and_drops_the_daemons_greeting(tmp_path):
+    """Raw bytes, one at a time: the front answers the signature, then (NULL) the rest of a NULL
+    greeting; once the READY names a token it connects the data socket, passes on the greeting
+    and the READY (with X-Source), and drops the daemon's own greeting, which the client already
+    has; what the daemon says after it reaches the client untouched."""
+    from protocol.seal import make_token
+
+    curve_path, data_path = str(tmp_path / "c.sock"), str(tmp_path / "d.sock")
+    backs = []
+    for path in (curve_path, data_path):
+        b = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        b.bind(path)
+        b.listen(4)
+        b.settimeout(5)
+        backs.append(b)
+    listener = listen("tcp://127.0.0.1:0")
+    front = Front(listener, CURVE_LIMITS, budget=Budget(max_fds=100))
+    front.set_backend(curve_path, CURVE_LIMITS, (data_path, LIMITS, SECRET))
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: [front.run_once(0.02) for _ in iter(stop.is_set, True)], daemon=True)
+    th.start()
+    try:
+        host, port = endpoint_of(listener, "tcp://127.0.0.1:0").removeprefix("tcp://").rsplit(":", 1)
+        c = socket.create_connection((host, int(port)), timeout=5)
+        assert recv_exactly(c, 11) == front_module.SIGNATURE
+        hello = greeting(b"NULL") + ready(identity=make_token(SECRET))
+        for i in range(64):
+            c.sendall(hello[i:i + 1])
+        assert recv_exactly(c, 53) == front_module.NULL_GREETING[11:]
+        for i in range(64, len(hello)):
+            c.sendall(hello[i:i + 1])
+        d, _ = backs[1].accept()
+        d.settimeout(5)
+        assert recv_exactly(d, len(forwarded(hello))) == forwarded(hello)
+        answer = ready(b"ROUTER")
+        d.sendall(front_module.NULL_GREETING[:30])
+        d.sendall(front_module.NULL_GREETING[30:] + answer)
+        assert recv_exactly(c, len(answer)) == answer
+        c.sendall(frame_header(5) + b"hello")
+        assert recv_exactly(d, 7) == frame_header(5) + b"hello"
+        backs[0].settimeout(0.01)
+        with pytest.raises(TimeoutError):
+            backs[0].accept()  # nothing went to the CURVE socket
+        c.close()
+        d.close()
+    finally:
+        stop.set()
+        th.join(5)
+        front.close()
+        listener.close()
+        for b in backs:
+            b.close()

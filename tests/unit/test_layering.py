@@ -37,7 +37,7 @@ def test_layering_only_the_shells_import_zmq():
              for p in (ROOT / d).rglob("*.py") if "zmq" in imported_modules(p)}
     shells = {"ps/net/transport.py", "ps/drivers/daemon.py", "worker/link.py", "worker/keys.py", "ps/drivers/server.py",
               "ps/net/security.py", "ps/ops/status.py", "ps/net/supervise.py", "worker/sockio.py",
-              "ps/sharded/shard.py",
+              "ps/sharded/shard.py", "ps/net/sealed.py", "worker/sealed.py",  # the sealed data sockets (§6.15)
               "ps/sharded/hub.py", "worker/shards.py",
               "ps/ops/conformance_net.py"}  # the conformance kit's fake server and shards
     assert users == shells, users ^ shells

@@ -1,0 +1,178 @@
+"""The daemon's sealed data path (PROTOCOL.md §6.15): a NULL-mechanism ROUTER beside the CURVE one.
+
+Under CurveZMQ a supervised daemon (its front routes a connection by its greeting's mechanism,
+ps/net/front.py) binds a second, private ROUTER. A worker whose hello asked for it gets a
+session in its ``welcome`` (keys and a token, protocol/seal.py): the front lets a NULL
+connection through to this socket only if its routing id is a token the daemon made (an HMAC
+under the secret the two share), and this side opens a message only under the session of
+that token, from the counter on. What opens is handed to the transport as if it had come
+over the worker's CURVE connection (its routing id first, its frames carrying the key CURVE
+authenticated), so the core, the journal and the replay see exactly what they saw before.
+
+Once a worker's first sealed message came, every message to it goes sealed on its data
+connection; when that connection is gone (``EHOSTUNREACH``), a message goes over CURVE, which
+the worker reads as well, until its next sealed message comes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Any, Iterator
+
+import zmq
+
+from protocol.chunks import chunking
+from protocol.errors import RemoteProtocolError
+from protocol.seal import DOWN, SECRET_BYTES, UP, BufferPool, Opener, OpenFrame, Sealer, SealError, Session, make_token
+from ps.net.connections import RateLimitedLog
+from worker.sockio import recv_frames, send_frames
+
+log = logging.getLogger("latecomer.server")
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+SECRET_FILE = "seal.secret"  # in the supervisor's private directory (mode 0700), mode 0600
+
+
+class RidFrame(bytes):
+    """The CURVE connection's routing id, standing first in an opened message's frames."""
+
+    @property
+    def bytes(self) -> bytes:
+        return bytes(self)
+
+
+class _Session:
+    __slots__ = ("rid", "token", "sealer", "opener", "bound", "rid_frame")
+
+    def __init__(self, rid: bytes, session: Session, key: str, alloc: Any) -> None:
+        self.rid, self.token = rid, session.token
+        self.sealer = Sealer(session.down, DOWN, alloc)
+        self.opener = Opener(session.up, UP, {"key": key}, alloc)
+        self.bound = False  # a sealed message came on the data connection: send there
+        self.rid_frame = RidFrame(rid)
+
+
+def secret_path(endpoint: str) -> str:
+    """The shared secret's file beside a private ``ipc://`` endpoint."""
+    return os.path.join(os.path.dirname(endpoint.removeprefix("ipc://")), SECRET_FILE)
+
+
+def write_secret(directory: str) -> bytes:
+    """A fresh secret for the tokens of one daemon (the supervisor's, at each start)."""
+    secret = os.urandom(SECRET_BYTES)
+    path = os.path.join(directory, SECRET_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secret)
+    finally:
+        os.close(fd)
+    return secret
+
+
+def attach(transport: Any, endpoint: str, secret: bytes) -> None:
+    """Under CurveZMQ, behind the front: bind the daemon transport's sealed data path at the private
+    ``endpoint``; workers whose hello asks get a session in their welcome (ServerTransport.send)."""
+    if transport.security is None or transport.sealed is not None:
+        return
+    sock = transport.sock
+    transport.sealed = path = SealedPath(sock.context, endpoint, secret, sock.getsockopt(zmq.MAXMSGSIZE),
+                                         sock.rcvhwm, transport.clock)
+    transport.conns.on_unbind = path.forget
+
+
+class SealedPath:
+    """The data ROUTER and the sessions (at most one per CURVE connection that said hello)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, secret: bytes, max_frame_bytes: int, hwm: int,
+                 clock: Any) -> None:
+        self.secret, self.clock = secret, clock
+        self.pool = BufferPool()  # warm buffers for what is sealed and opened (reused once unreferenced)
+        self.chunking = chunking(False)  # what goes sealed is split as plaintext is
+        s = ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 64)  # a sealed frame: the plain one and its tag
+        s.sndhwm, s.rcvhwm = hwm, hwm
+        s.bind(endpoint)
+        self.sock = s
+        self.endpoint = endpoint
+        self.by_token: dict[bytes, _Session] = {}
+        self.by_rid: dict[bytes, _Session] = {}
+        self.messages_in = self.messages_out = self.refused = self.fallbacks = 0
+        self.refusals = RateLimitedLog(log)
+
+    def offer(self, rid: bytes, key: str) -> str:
+        """A new session for the CURVE connection ``rid`` (its key's fingerprint ``key``), replacing
+        any it had; returns Welcome.seal."""
+        self.forget(rid)
+        session = Session.new(make_token(self.secret))
+        self.by_rid[rid] = self.by_token[session.token] = _Session(rid, session, key, self.pool)
+        return session.pack().hex()
+
+    def forget(self, rid: bytes) -> None:
+        """The connection's worker is gone or said hello again: its session ends."""
+        s = self.by_rid.pop(rid, None)
+        if s is not None:
+            self.by_token.pop(s.token, None)
+
+    def pending(self) -> Iterator[list]:
+        """The data socket's messages that open, as the CURVE connection's (its routing id, then
+        the plain frames); the others are counted and dropped."""
+        sock = self.sock
+        if not sock.get(_EVENTS) & _POLLIN:
+            return
+        while True:
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                return
+            s = self.by_token.get(frames[0].bytes)
+            if s is None:  # a session that ended (its connection went): nothing to open it with
+                self.refused += 1
+                continue
+            try:
+                opened = s.opener.open(frames[1:])
+            except RemoteProtocolError as e:
+                self.refused += 1
+                self.refusals.warning("sealed", self.clock(), "refused a sealed message: %s", e)
+                continue
+            s.bound = True
+            self.messages_in += 1
+            yield [s.rid_frame, *opened]
+
+    def is_bound(self, rid: bytes) -> bool:
+        s = self.by_rid.get(rid)
+        return s is not None and s.bound
+
+    def send(self, rid: bytes, frames: list) -> bool | None:
+        """Send ``frames`` sealed to the worker of CURVE connection ``rid``: True sent, False its
+        pipe is full, None not bound (the caller sends over CURVE)."""
+        s = self.by_rid.get(rid)
+        if s is None or not s.bound:
+            return None
+        try:
+            send_frames(self.sock, [s.token, *s.sealer.seal(frames)], _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            s.bound = False  # its data connection is gone: CURVE until the next sealed message
+            self.fallbacks += 1
+            return None
+        self.messages_out += 1
+        return True
+
+    def figures(self) -> dict[str, Any]:
+        sealed = sum(s.sealer.sealed_bytes for s in self.by_rid.values())
+        opened = sum(s.opener.opened_bytes for s in self.by_rid.values())
+        return {"sealed_sessions": len(self.by_rid), "sealed_messages_in": self.messages_in,
+                "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
+                "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+__all__ = ["SealedPath", "RidFrame", "OpenFrame", "SealError", "secret_path", "write_secret"]

@@ -1,0 +1,139 @@
+"""The sealed data connection (PROTOCOL.md §6.15) between a real supervised server under --keys and
+real workers: training and replay are exact, jobs and replies travel sealed (in plaintext-sized
+parts when large), and a replayed, tampered or token-less message is refused while training goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import zmq
+from click.testing import CliRunner
+
+from ps.cli.main import main
+from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+
+pytestmark = pytest.mark.slow
+
+LR = 0.5
+
+
+def make_keys(tmp_path, *names) -> str:
+    keys = str(tmp_path / "keys")
+    r = CliRunner()
+    assert r.invoke(main, ["keys", "init", keys]).exit_code == 0
+    for n in names:
+        assert r.invoke(main, ["keys", "add-worker", n, "--keys", keys]).exit_code == 0
+    return keys
+
+
+def expected_x(steps: int) -> np.float32:
+    """The synthetic problem's gradient is 1e-3 everywhere: each applied reply moves every
+    coordinate by -lr * 1e-3, in float32 (the server's arithmetic)."""
+    want = np.float32(0)
+    for _ in range(steps):
+        want = np.float32(want - np.float32(LR) * np.float32(1e-3))
+    return want
+
+
+@pytest.mark.parametrize("d, steps, parts", [(500_000, 10, False), (4_500_000, 4, True)],
+                         ids=["2MB", "18MB-in-parts"])
+def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, steps, parts):
+    from ps.drivers.replay import replay_run
+
+    keys, state = make_keys(tmp_path, "w"), str(tmp_path / "state")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
+                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
+                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w", "--shm", "off",
+                         "--key", f"{keys}/workers/w.key_secret", "--server-key", f"{keys}/server.key")
+    assert wait_exit(server, timeout=180) == 0
+    assert wait_exit(worker, timeout=20) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    t = summary["transport"]
+    assert summary["version"] == steps
+    # every reply that was applied came sealed, and the jobs went sealed: the first job or two
+    # may cross over CurveZMQ while the data connection comes up
+    assert t["sealed_messages_in"] >= steps and t["sealed_messages_out"] >= steps - 2, t
+    assert t["sealed_refused"] == 0, t
+    if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message
+        assert t["parts_in"] >= 5 * steps and t["parts_out"] >= 5 * (steps - 2), t
+    else:  # 2 MB: below the plaintext threshold, one message each way (CurveZMQ would split it)
+        assert t["parts_in"] == 0, t
+    x = np.load(os.path.join(state, "final_x.npy"))
+    assert x.shape == (d,) and np.all(x == expected_x(steps))
+    assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"
+
+
+def test_a_replayed_tampered_or_tokenless_message_is_refused_and_training_goes_on(procs, tmp_path):
+    """A client holding an allowed key (so it gets a session of its own) replays its own sealed
+    heartbeat and sends a tampered one; a NULL client without a token sends a message. The server
+    refuses the first two (counted), the front cuts the third before the daemon hears of it, and
+    a real worker trains throughout."""
+    from protocol.codec import decode, encode
+    from protocol.messages import Heartbeat, Hello, Welcome
+    from protocol.seal import Session, sealer_opener
+    from worker.keys import client_keys
+
+    keys = make_keys(tmp_path, "real", "probe")
+    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "quadratic",
+                         "--algorithm", "asgd", "--set", "lr=0.05", "--events", events, "--max-time", "120",
+                         "--eval-every", "0", "--state", state, "--log-level", "info")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    real = procs.start("work", "--server", endpoint, "--worker-id", "real", "--delay", "0.01",
+                       "--key", f"{keys}/workers/real.key_secret", "--server-key", f"{keys}/server.key")
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 5, timeout=60)
+
+    ctx = zmq.Context()
+    try:
+        curve = ctx.socket(zmq.DEALER)
+        curve.linger = 0
+        curve.curve_publickey, curve.curve_secretkey, curve.curve_serverkey = client_keys(
+            f"{keys}/workers/probe.key_secret", f"{keys}/server.key")
+        curve.connect(endpoint)
+        curve.send_multipart(encode(Hello(worker_id="probe", boot=7, credit=1, seal=True)))
+        welcome = None
+        while welcome is None:  # the welcome (jobs may follow it)
+            assert curve.poll(20_000), "no welcome"
+            msg = decode(curve.recv_multipart(copy=False))
+            welcome = msg if isinstance(msg, Welcome) else None
+        assert welcome.seal, "a hello that asks under CurveZMQ gets a session"
+        session = Session.unpack(bytes.fromhex(welcome.seal))
+        up, _ = sealer_opener(session, server=False)
+        data = ctx.socket(zmq.DEALER)
+        data.linger = 0
+        data.routing_id = session.token
+        data.connect(endpoint)
+        good = [bytes(memoryview(f)) for f in up.seal(encode(Heartbeat(boot=7, credit=1)))]
+        data.send_multipart(good)
+        assert data.poll(20_000), "the server answers on the data connection once a sealed message opened"
+        data.send_multipart(good)  # a replay
+        bad = [bytes(memoryview(f)) for f in up.seal(encode(Heartbeat(boot=7, credit=1)))]
+        bad[1] = bad[1][:-1] + bytes([bad[1][-1] ^ 1])
+        data.send_multipart(bad)  # tampered
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.connect(endpoint)  # NULL, no token
+        stranger.send(b"hello?")
+        n = len(read_events(events))
+        wait_events(events, lambda ev: sum(e["ev"] == "applied" and e["worker_id"] == "real"
+                                           for e in ev[n:]) >= 5, timeout=30)  # the real worker trains on
+        for s in (curve, data, stranger):
+            s.close()
+    finally:
+        ctx.destroy(linger=0)
+    server.terminate()
+    assert wait_exit(server, timeout=30) == 0
+    assert wait_exit(real, timeout=20) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f)["transport"]
+    assert t["sealed_refused"] == 2, t  # the replay and the tampered copy; the stranger never reached the daemon
+    assert t["sealed_messages_in"] > 5, t
+    err = server.stderr.read().decode()
+    assert "refused a sealed message" in err
+    assert "a NULL connection without a token" in err
