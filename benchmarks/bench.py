@@ -7,7 +7,8 @@ x", the server applies x <- x - lr*g and returns x; workers' compute is negligib
 * ``latecomer``: real daemon + worker processes, ``asgd`` on ``synthetic``, TCP path
   (``--shm off``; benchmarks/latecomer_ps.py)
 * ``latecomer-shm``: the same on the same-host shared-memory path (``--shm auto``, the default)
-* ``latecomer-curve``: TCP with CurveZMQ on
+* ``latecomer-curve``: TCP under ``--keys`` (sealed data connection, the default)
+* ``latecomer-curvezmq``: TCP under ``--keys --seal off`` (libzmq's CurveZMQ carries everything)
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16``
 * ``latecomer-c4``: TCP with ``work --credit 4`` (pipelined: the next job waits in the worker)
 * ``torch-rpc``: torch.distributed.rpc (TensorPipe) PS as in the PyTorch tutorial (benchmarks/torch_rpc.py)
@@ -35,7 +36,7 @@ from benchmarks.models import model_options
 from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")
+LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
@@ -43,7 +44,8 @@ QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
 # The default plan (no --workers): the CurveZMQ and bf16 rows are a cost of an option on top of
 # the latecomer row, so two worker counts show it; the rest run 1, 2 and 4 workers.
-REDUCED_WORKERS = {"latecomer-curve": (1, 2), "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
+REDUCED_WORKERS = {"latecomer-curve": (1, 2), "latecomer-curvezmq": (1,), "latecomer-bf16": (1, 4),
+                   "latecomer-c4": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -52,9 +54,9 @@ TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is
 # large iterates; measured on the reference machine (2 cores shared, load average about 3). Only for
 # the estimate printed at the start; a busier machine stretches it (a run at load average 5 took
 # about 2.5 times as long).
-OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
+OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0, "latecomer-curvezmq": 2.0,
               "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "torch-rpc": 3.5, "ray": 1.0}
-PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
+PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5, "latecomer-curvezmq": 3.0,
              "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "torch-rpc": 2.5, "ray": 1.5}
 RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
 SIM_S = 5.0
@@ -158,47 +160,54 @@ def _best(*rows: Row | None) -> Row | None:
 
 
 def cipher_limit(seconds: float = 0.5, n: int = 4_000_000) -> dict[str, float]:
-    """The cipher's limit on this machine: GB of plaintext sealed per CPU second, one core, at
-    ``n`` bytes (benchmarks/cipher.py: libsodium through pyzmq's own build): XSalsa20-Poly1305,
-    the box CurveZMQ seals every frame with, and AES-256-GCM where the CPU has AES-NI."""
-    from benchmarks.cipher import cipher_gbps, constructions
+    """The ciphers' limits on this machine: GB of plaintext sealed per CPU second, one core, at
+    ``n`` bytes (benchmarks/cipher.py): libsodium through pyzmq's own build (XSalsa20-Poly1305,
+    the box CurveZMQ seals every frame with, and AES-256-GCM where the CPU has AES-NI), and
+    AES-256-GCM through OpenSSL (``aes256gcm-openssl``), the sealed data connection's."""
+    from benchmarks.cipher import cipher_gbps, constructions, openssl_gcm_gbps
 
-    return {a.name: cipher_gbps(a, n, seconds) for a in constructions() if a.available}
+    out = {a.name: cipher_gbps(a, n, seconds) for a in constructions() if a.available}
+    out["aes256gcm-openssl"] = openssl_gcm_gbps(n, seconds)
+    return out
 
 
 def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[str]:
-    """The secure rows beside the plaintext ones: latecomer under CurveZMQ (``latecomer-curve``,
-    TCP) over latecomer in plaintext (TCP), its payload bytes/s and what fraction of the cipher's
-    limit that is (XSalsa20-Poly1305, one core), and the updates/s the cipher alone would allow a
-    lockstep worker (4 passes over the payload's arrays per update: sealed and opened each way,
-    one after the other)."""
+    """The secure rows beside the plaintext ones: latecomer under ``--keys`` (``latecomer-curve``:
+    the sealed data connection, the default) and under ``--keys --seal off`` (``latecomer-curvezmq``:
+    libzmq's CurveZMQ carries the arrays) over latecomer in plaintext (TCP); the sealed rows'
+    payload bytes/s and what fraction of each cipher's one-core limit that is; and the updates/s a
+    lockstep worker would reach if sealing cost only AES-256-GCM's 4 passes over the arrays (x
+    sealed and opened, g sealed and opened, one after the other) on top of the plaintext round trip."""
     by = {(r.backend, r.d, r.workers): r for r in rows}
     cells = sorted({(r.d, r.workers) for r in rows if r.backend == "latecomer-curve" and _ok(r)})
     if not cells:
         return []
     xs = (cipher or {}).get("xsalsa20poly1305", math.nan)
+    gcm = (cipher or {}).get("aes256gcm-openssl", math.nan)
     limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in (cipher or {}).items()) or "not measured"
     out = ["", "## The encrypted path", "",
-           f"Cipher limit, one core, 4 MB messages (measured in this run): {limit}. Targets (issue 32): "
-           "CurveZMQ >= 0.7x plaintext at every d with 1 and 2 workers; payload bytes/s >= 50 % of the "
-           "XSalsa20-Poly1305 limit at 1e6-1e7. *1-worker cipher bound* = the updates/s a lockstep worker "
-           "would reach if each update cost only the cipher's 4 passes over its arrays (x sealed and opened, "
-           "g sealed and opened, one after the other) on top of the plaintext round trip.", "",
-           "| d | workers | plaintext upd/s | CurveZMQ upd/s | CurveZMQ / plaintext | payload MB/s | "
-           "% of cipher limit | 1-worker cipher bound upd/s |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"Cipher limits, one core, 4 MB messages (measured in this run): {limit}. *sealed*: `serve --keys` "
+           "(the default `--seal auto`: after the welcome, every message on a second connection, each frame "
+           "sealed with AES-256-GCM through OpenSSL; PROTOCOL.md 6.15); *CurveZMQ*: `--keys --seal off` (libzmq "
+           "seals every frame with XSalsa20-Poly1305). Targets (issue 32): the secure path >= 0.7x plaintext at "
+           "every d with 1 and 2 workers; payload bytes/s >= 50 % of the cipher limit at 1e6-1e7. *cipher bound*: "
+           "the updates/s of a lockstep worker if each update cost only AES-256-GCM's 4 passes over its arrays "
+           "on top of the plaintext round trip.", "",
+           "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | CurveZMQ upd/s | "
+           "CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | % of AES-GCM limit | "
+           "1-worker cipher bound upd/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, w in cells:
-        c, p = by[("latecomer-curve", d, w)], by.get(("latecomer", d, w))
+        c, p, z = by[("latecomer-curve", d, w)], by.get(("latecomer", d, w)), by.get(("latecomer-curvezmq", d, w))
+        plain = p.updates_per_s if p is not None and _ok(p) else math.nan
+        zq = z.updates_per_s if z is not None and _ok(z) else math.nan
         mbps = c.updates_per_s * c.bytes_per_update / 1e6
-        ratio = c.updates_per_s / p.updates_per_s if p is not None and _ok(p) else math.nan
         arrays = 4.0 * d  # bytes of one float32 array
-        bound = math.nan
-        if p is not None and _ok(p) and xs == xs:
-            bound = 1.0 / (1.0 / p.updates_per_s + 4 * arrays / (xs * 1e9))
-        out.append(f"| {d:,} | {w} | {_cell(p.updates_per_s if p else math.nan, ',.1f')} | "
-                   f"{c.updates_per_s:,.1f} | {_f(ratio, '.2f')} | {mbps:,.0f} | "
-                   f"{_f(100 * mbps / (xs * 1e3) if xs == xs else math.nan, '.0f')} | "
-                   f"{_f(bound if w == 1 else math.nan, ',.0f')} |")
+        bound = 1.0 / (1.0 / plain + 4 * arrays / (gcm * 1e9)) if w == 1 else math.nan
+        out.append(f"| {d:,} | {w} | {_cell(plain, ',.1f')} | {c.updates_per_s:,.1f} | "
+                   f"{_f(c.updates_per_s / plain, '.2f')} | {_cell(zq, ',.1f')} | {_f(zq / plain, '.2f')} | "
+                   f"{mbps:,.0f} | {_f(100 * mbps / (xs * 1e3), '.0f')} | {_f(100 * mbps / (gcm * 1e3), '.0f')} | "
+                   f"{_f(bound, ',.0f')} |")
     return out
 
 

@@ -113,6 +113,25 @@ def cipher_gbps(aead: Aead, n: int, seconds: float = 0.5) -> float:
     return n * reps / (time.thread_time() - cpu0) / 1e9
 
 
+def openssl_gcm_gbps(n: int, seconds: float = 0.5) -> float:
+    """AES-256-GCM through OpenSSL (``cryptography``): the cipher of the sealed data connection
+    (protocol/seal.py, PROTOCOL.md §6.15), sealing into a warm buffer as the sealer does; plaintext
+    GB sealed per CPU second (this thread) at message size ``n``."""
+    import numpy as np
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(os.urandom(KEY_BYTES))
+    msg = np.frombuffer((os.urandom(min(n, 1 << 16)) * (n // (1 << 16) + 1))[:n], np.uint8)
+    out = np.empty(n + MAC_BYTES, np.uint8)
+    nonce = bytes(IETF_NONCE_BYTES)
+    aead.encrypt_into(nonce, msg, b"prefix", out)  # warm
+    reps, cpu0 = 0, time.thread_time()
+    while time.thread_time() - cpu0 < seconds:
+        aead.encrypt_into(nonce, msg, b"prefix", out)
+        reps += 1
+    return n * reps / (time.thread_time() - cpu0) / 1e9
+
+
 def zmq_round_trip(n: int, curve: bool, seconds: float = 1.0) -> float:
     """Seconds per round trip of an ``n``-byte message between two DEALERs over loopback TCP
     (one thread echoes), plain or under CurveZMQ; the median of a timed interval's round trips."""
@@ -179,7 +198,8 @@ class CipherRow:
 
 def measure(sizes=SIZES, seconds: float = 0.5) -> list[CipherRow]:
     aeads = [a for a in constructions() if a.available]
-    return [CipherRow(n, {a.name: cipher_gbps(a, n, seconds) for a in aeads},
+    return [CipherRow(n, {**{a.name: cipher_gbps(a, n, seconds) for a in aeads},
+                          "aes256gcm-openssl": openssl_gcm_gbps(n, seconds)},
                       zmq_round_trip(n, False, 2 * seconds), zmq_round_trip(n, True, 2 * seconds)) for n in sizes]
 
 

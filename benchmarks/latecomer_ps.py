@@ -7,7 +7,9 @@ Five variants (bench backend names):
 * ``latecomer-shm``: the same-host path (``--shm auto``, the default): the worker reads iterates
   from the server's shared memory and writes gradients into shared buffers; only headers cross
   the socket
-* ``latecomer-curve``: TCP with CurveZMQ on (``--keys``), ``--shm off``
+* ``latecomer-curve``: TCP under ``--keys`` (the default ``--seal auto``: the messages after the
+  welcome sealed with AES-256-GCM on a second connection, PROTOCOL.md §6.15), ``--shm off``
+* ``latecomer-curvezmq``: the same with ``--seal off`` (everything inside libzmq's CurveZMQ)
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16`` (2-byte frames), ``--shm off``
 * ``latecomer-c4``: TCP with ``work --credit 4``: each worker holds up to 4 jobs, so the next job
   is already queued when one finishes (pipelined, unlike the lockstep rows; ages grow by ~3)
@@ -36,7 +38,7 @@ import numpy as np
 from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped, sleep_until, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-bf16", "latecomer-c4")
+VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16", "latecomer-c4")
 _EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
 _SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
 
@@ -66,7 +68,7 @@ def cli_options(command: str) -> frozenset[str]:
 def missing_flag(variant: str) -> str:
     """Why ``variant`` cannot run with this checkout's CLI ("" when it can)."""
     need = {"latecomer-shm": [("serve", "--shm"), ("work", "--shm")],
-            "latecomer-bf16": [("serve", "--wire-dtype")]}.get(variant, [])
+            "latecomer-bf16": [("serve", "--wire-dtype")], "latecomer-curvezmq": [("serve", "--seal")]}.get(variant, [])
     gone = [f"`latecomer {c} {f}`" for c, f in need if f not in cli_options(c)]
     return f"{' and '.join(gone)} {'do' if len(gone) > 1 else 'does'} not exist yet" if gone else ""
 
@@ -142,7 +144,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
     shm_flag = "--shm" in cli_options("serve") and "--shm" in cli_options("work")
     if variant == "latecomer-c4":
         credit = max(credit, 4)
-    curve = variant == "latecomer-curve"
+    curve = variant in ("latecomer-curve", "latecomer-curvezmq")
     with tempfile.TemporaryDirectory(prefix="latecomer-bench-") as tmp:
         events = os.path.join(tmp, "events.jsonl")
         args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic", "--problem-opt", f"d={d}",
@@ -164,7 +166,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             for name in [*(f"b{i}" for i in range(workers)), "bstatus"]:
                 subprocess.run([sys.executable, "-m", "ps", "keys", "add-worker", name, "--keys", keys], cwd=REPO,
                                check=True, capture_output=True, timeout=60)
-            args += ["--keys", keys]
+            args += ["--keys", keys] + (["--seal", "off"] if variant == "latecomer-curvezmq" else [])
         server = _start(*args, stdout=subprocess.PIPE)
         procs = [server]
         try:
@@ -220,7 +222,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             elif variant == "latecomer-bf16":
                 note += "; bytes: bf16 frames (2 bytes/element)"
             elif curve:
-                note += "; bytes: before CurveZMQ framing"
+                note += "; bytes: before sealing"
             if variant != "latecomer-shm" and shm_used:
                 note += f"; status: {shm_used} workers on shared memory (expected none)"
             return summarize(variant, d, workers, ts, rt, t0, t1, cpu0, cpu1, rss, wire_bytes(d, variant), note=note)

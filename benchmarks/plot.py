@@ -14,15 +14,17 @@ STYLE = {  # backend -> (colour, marker, line style)
     "latecomer-shm": ("tab:green", "s", "-"),
     "latecomer-c4": ("tab:cyan", "^", "-"),
     "latecomer-bf16": ("tab:purple", "v", ":"),
-    "latecomer-curve": ("tab:gray", "D", ":"),
+    "latecomer-curve": ("tab:gray", "D", "-"),
+    "latecomer-curvezmq": ("tab:brown", "d", ":"),
     "torch-rpc": ("tab:orange", "x", "-."),
     "ray": ("tab:red", "+", "-."),
 }
 
 
 def plot(rows: list[dict], out: str, title: str = "", cipher_gbps: dict | None = None) -> None:
-    """``cipher_gbps`` (construction -> GB/s per core): with it, each panel holding CurveZMQ rows
-    shows the updates/s at which their payload would move at XSalsa20-Poly1305's limit."""
+    """``cipher_gbps`` (construction -> GB/s per core): with it, each panel holding secure rows
+    shows the updates/s at which their payload would move at each cipher's one-core limit
+    (XSalsa20-Poly1305: CurveZMQ's; AES-256-GCM through OpenSSL: the sealed data connection's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,12 +38,14 @@ def plot(rows: list[dict], out: str, title: str = "", cipher_gbps: dict | None =
             pts = sorted((r["d"], r["updates_per_s"]) for r in ok if r["backend"] == b and r["workers"] == w)
             if pts:
                 ax.plot(*zip(*pts, strict=True), color=c, marker=m, linestyle=ls, label=b)
-        xs = (cipher_gbps or {}).get("xsalsa20poly1305")
         secure = sorted((r["d"], r["bytes_per_update"]) for r in ok
                         if r["backend"] == "latecomer-curve" and r["workers"] == w)
-        if xs and secure:
-            ax.plot([d for d, _ in secure], [xs * 1e9 / b for _, b in secure], color="tab:gray", linestyle="-",
-                    alpha=0.5, linewidth=3, label="cipher limit, 1 core")
+        for name, colour, label in (("xsalsa20poly1305", "tab:brown", "XSalsa20 limit, 1 core"),
+                                    ("aes256gcm-openssl", "tab:gray", "AES-GCM limit, 1 core")):
+            gbps = (cipher_gbps or {}).get(name)
+            if gbps and secure:
+                ax.plot([d for d, _ in secure], [gbps * 1e9 / b for _, b in secure], color=colour, linestyle="-",
+                        alpha=0.35, linewidth=3, label=label)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("d (float32 parameters)")

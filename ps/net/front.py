@@ -271,7 +271,7 @@ class _Pair:
     __slots__ = ("c", "d", "cfd", "dfd", "parser", "up", "down", "closing_since", "pending", "cmask", "dmask",
                  "short", "up_full", "down_full", "big_down", "src", "born", "last_done", "stage", "hs_buf",
                  "dscan", "win_start", "win_bytes", "hb_last", "hb_at", "dwin_start", "dwin_bytes", "dwin_q0",
-                 "tokens", "tok_at", "paused_until", "route", "hs_pre", "strip")
+                 "tokens", "tok_at", "paused_until", "route", "hs_pre", "strip", "token")
 
     def __init__(self, c: socket.socket, d: socket.socket | None, parser: InboundParser, now: float = 0.0) -> None:
         self.src: _Source | None = None  # the source address's tables while the client is there
@@ -294,6 +294,7 @@ class _Pair:
         # routing by mechanism (ROUTE_*): the client's bytes held until its side is known, and the
         # start of the daemon's greeting still to be checked and dropped (the front answered it)
         self.route, self.hs_pre, self.strip = ROUTE_NONE, None, b""
+        self.token = b""  # a sealed data connection's token, once it checked out
         self.parser = parser
         self.up = b""  # read from the client, not yet written to the daemon
         self.down = b""  # read from the daemon, not yet written to the client
@@ -516,6 +517,13 @@ class _Admission:
             return
         p.src = None
         self.clients -= 1
+        if p.stage == AUTHED:
+            if p.token:
+                self.data_authed -= 1
+            else:
+                self.curve_authed -= 1
+        if p.token and self.data_tokens.get(p.token) is p:
+            del self.data_tokens[p.token]
         self.handshaking.pop(p, None)
         self.mid.discard(p)
         self.stuck.discard(p)
@@ -538,7 +546,26 @@ class _Admission:
         if stage == OPEN:
             src.open[p] = None
         else:
+            self.curve_authed += 1
             self._bump(src, -1)
+
+    def _promote(self, p: _Pair, token: bytes) -> None:
+        """A data connection whose token checked out (PROTOCOL.md §6.15). One connection per
+        token: a newer one replaces the older (the worker reconnected). It is never shed while
+        there are fewer such connections than authenticated CURVE ones (one per worker); past
+        that it stays sheddable, so tokens seen on the wire cannot fill the front."""
+        old = self.data_tokens.get(token)
+        if old is not None and old is not p:
+            self._cut(old, "replaced by a newer connection with its token")
+        p.token = token
+        self.data_tokens[token] = p
+        src = p.src
+        if src is None or p.stage != OPEN or self.data_authed >= self.curve_authed:
+            return
+        del src.open[p]
+        self._bump(src, -1)
+        p.stage = AUTHED
+        self.data_authed += 1
 
     def _progress(self, p: _Pair, n: int) -> None:
         """``n`` bytes of the client's arrived: a message finished (its last frame's body
@@ -738,6 +765,7 @@ class _Handshakes:
             return None
         if not self._attach(p, self.data[0]):
             return None
+        self._promote(p, token)
         pre, p.hs_pre = bytes(p.hs_pre), None
         p.route, p.strip = ROUTE_NONE, NULL_GREETING
         return pre + out
@@ -767,6 +795,8 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.shed = self.refused = 0
         self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
         self.paused: set[_Pair] = set()  # connections not read until their frame budget is back (_throttle)
+        self.curve_authed = self.data_authed = 0  # connections never shed: CURVE-authenticated, sealed data
+        self.data_tokens: dict[bytes, _Pair] = {}  # a sealed data connection's token -> its connection
         self.throttled = 0  # times a connection was paused for its frame rate
         self.listener = listener
         listener.setblocking(False)

@@ -92,6 +92,7 @@ class SealedPath:
         s = ctx.socket(zmq.ROUTER)
         s.linger = 0
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's reconnected data connection takes its token over
         s.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 64)  # a sealed frame: the plain one and its tag
         s.sndhwm, s.rcvhwm = hwm, hwm
         s.bind(endpoint)

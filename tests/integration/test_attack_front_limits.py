@@ -27,11 +27,11 @@ from tests.integration.zmtp_raw import MORE, frame_header, greeting, ready, tcp_
 pytestmark = [pytest.mark.slow, pytest.mark.attack]
 
 
-def worker_connection(pid: int, port: int) -> tuple[int, str]:
-    """The worker process's TCP connection to the server's ``port``: (its local port, its state)."""
-    conns = [c for c in psutil.Process(pid).net_connections(kind="tcp") if c.raddr and c.raddr.port == port]
-    assert len(conns) == 1, conns
-    return conns[0].laddr.port, conns[0].status
+def worker_connections(pid: int, port: int) -> list[tuple[int, str]]:
+    """The worker process's TCP connections to the server's ``port``, (local port, state) each: under
+    --keys two, its CurveZMQ connection and its sealed data connection (PROTOCOL.md §6.15)."""
+    return sorted((c.laddr.port, c.status) for c in psutil.Process(pid).net_connections(kind="tcp")
+                  if c.raddr and c.raddr.port == port)
 
 
 def open_raw(endpoint: str, source: str, first: bytes) -> socket.socket:
@@ -78,13 +78,15 @@ def joined(state: str, worker_id: str) -> bool:
 
 
 def test_under_curve_a_flood_of_unauthenticated_connections_never_displaces_an_authenticated_one(procs, tmp_path):
-    """``serve --keys --max-connections 4``: two allowed workers train (2 connections); 300
-    connections that send a CURVE greeting and never finish the handshake arrive from two
-    addresses. The front makes room for each by shedding a connection still in its handshake,
-    never one whose CURVE handshake the daemon accepted (its READY seen): the two workers keep
-    the very connections they had (same local port, ESTABLISHED), keep training, and a third
-    allowed worker started during the flood joins (the front sheds a flood connection for it).
-    Broken on purpose (authenticated connections made sheddable), the workers' ports change."""
+    """``serve --keys --max-connections 6``: two allowed workers train (4 connections: each its
+    CurveZMQ one and its sealed data one); 300 connections that send a CURVE greeting and never
+    finish the handshake arrive from two addresses. The front makes room for each by shedding a
+    connection still in its handshake, never one whose CURVE handshake the daemon accepted (its
+    READY seen) nor a data connection whose token checked out (at most one per authenticated
+    one): the two workers keep the very connections they had (same local ports, ESTABLISHED),
+    keep training, and a third allowed worker started during the flood joins (the front sheds
+    flood connections for its two). Broken on purpose (authenticated connections made
+    sheddable), the workers' ports change."""
     d = str(tmp_path / "keys")
     runner = CliRunner()
     assert runner.invoke(main, ["keys", "init", d]).exit_code == 0
@@ -94,11 +96,15 @@ def test_under_curve_a_flood_of_unauthenticated_connections_never_displaces_an_a
     def key_args(name: str) -> tuple[str, ...]:
         return ("--key", f"{d}/workers/{name}.key_secret", "--server-key", f"{d}/server.key")
 
-    victim = Victim(procs, tmp_path, extra_serve=("--keys", d, "--max-connections", "4"),
+    victim = Victim(procs, tmp_path, extra_serve=("--keys", d, "--max-connections", "6"),
                     worker_args=lambda i: key_args(f"real{i}"))
     port = tcp_address(victim.endpoint)[1]
-    before = [worker_connection(w.pid, port) for w in victim.workers]
-    assert all(st == psutil.CONN_ESTABLISHED for _, st in before), before
+    deadline = time.monotonic() + 30
+    while not all(len(worker_connections(w.pid, port)) == 2 for w in victim.workers):
+        assert time.monotonic() < deadline, [worker_connections(w.pid, port) for w in victim.workers]
+        time.sleep(0.05)  # polling interval of a bounded wait (the data connection follows the welcome)
+    before = [worker_connections(w.pid, port) for w in victim.workers]
+    assert all(st == psutil.CONN_ESTABLISHED for c in before for _, st in c), before
 
     flood = []
     try:
@@ -114,7 +120,7 @@ def test_under_curve_a_flood_of_unauthenticated_connections_never_displaces_an_a
             assert time.monotonic() < deadline, "the late allowed worker did not join during the flood"
             time.sleep(0.05)  # polling interval of a bounded wait
         victim.workers.append(late)
-        after = [worker_connection(w.pid, port) for w in victim.workers[:2]]
+        after = [worker_connections(w.pid, port) for w in victim.workers[:2]]
         assert after == before, f"an authenticated connection was cut and remade: {before} -> {after}"
         print(f"flood: {shed} of {len(flood)} closed by the server; workers' connections {before} kept")
     finally:

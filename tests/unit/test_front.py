@@ -755,6 +755,7 @@ def test_the_front_routes_by_mechanism_and_only_a_token_reaches_the_data_socket(
     curve.curve_server, curve.curve_secretkey, curve.curve_publickey = True, sec, pub
     curve.bind(f"ipc://{tmp_path}/curve.sock")
     data = ctx.socket(zmq.ROUTER)
+    data.setsockopt(zmq.ROUTER_HANDOVER, 1)  # as the daemon's (ps/net/sealed.py)
     data.bind(f"ipc://{tmp_path}/data.sock")
     listener = listen("tcp://127.0.0.1:0")
     endpoint = endpoint_of(listener, "tcp://127.0.0.1:0")
@@ -793,6 +794,17 @@ def test_the_front_routes_by_mechanism_and_only_a_token_reaches_the_data_socket(
         dealer().send(b"y")
         wait_until(lambda: front.cut >= cut + 2)
         assert not data.poll(0) and not curve.poll(0)
+        # never shed: the CURVE connection the daemon authenticated, and one data connection per
+        # token, at most as many as those; a newer connection with a token replaces the older
+        wait_until(lambda: front.curve_authed == 1 and front.data_authed == 1)
+        dealer(make_token(SECRET)).send(b"a second token")
+        assert data.poll(5000) and data.recv_multipart()[-1] == b"a second token"
+        assert front.data_authed == 1, "past one per authenticated connection a data connection may be shed"
+        cut = front.cut
+        dealer(token).send(b"reconnected")
+        wait_until(lambda: front.cut == cut + 1)  # the older connection of that token
+        assert data.poll(5000) and data.recv_multipart()[-1] == b"reconnected"
+        assert front.data_authed == 1 and front.data_tokens[token].stage == front_module.AUTHED
     finally:
         stop.set()
         th.join(5)
