@@ -273,6 +273,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
     def _timers(self) -> int:
         """Hello (with backoff), heartbeat, liveness and give-up; returns the receive timeout (ms)."""
         now = self.clock()
+        if self.seal_sock is not None and self._seal_lost():  # worker/sealed.py
+            self.welcomed, self.next_hello, self.backoff = False, now, self.cfg.backoff_s
         if not self.welcomed and now >= self.next_hello:
             self._hello()
             self.next_hello = now + self.backoff

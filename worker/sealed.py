@@ -34,6 +34,7 @@ class SealedLink:
         # the session's socket, its two halves, and whether the server has sent on it (then
         # everything but a hello goes there too)
         self.seal_sock: zmq.Socket | None = None
+        self.seal_mon: zmq.Socket | None = None  # its monitor (disconnections)
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
         self.seal_up = False
@@ -73,6 +74,7 @@ class SealedLink:
         s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         s.ipv6 = self.cfg.server.startswith("tcp://[")
+        self.seal_mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # before connect: no event missed
         s.connect(self.cfg.server)
         self.seal_sock, self.seal_rcvtimeo = s, -1
         self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool)
@@ -84,9 +86,26 @@ class SealedLink:
 
     def _close_seal(self, linger: int = 0) -> None:
         if self.seal_sock is not None:
+            self.seal_sock.disable_monitor()
+            self.seal_mon.close(linger=0)
             self.seal_sock.close(linger=linger)
-        self.seal_sock = self.sealer = self.opener = None
+        self.seal_sock = self.sealer = self.opener = self.seal_mon = None
         self.seal_up = False
+
+    def _seal_lost(self) -> bool:
+        """Whether the data connection dropped (its monitor says so; checked on every pass of the
+        loop). What was in flight on it is lost, and a job the server sent there and this worker
+        never received would stay outstanding at the server for good (its heartbeats reconcile
+        only jobs up to ``seen``, PROTOCOL.md 8.6): so the worker says hello again, which settles
+        every job it does not hold (8.10) and brings a new session."""
+        mon = self.seal_mon
+        if mon is None or not mon.get(_EVENTS) & _POLLIN:
+            return False
+        while mon.get(_EVENTS) & _POLLIN:
+            mon.recv_multipart()
+        log.warning("the sealed data connection dropped: saying hello again")
+        self._close_seal()
+        return True
 
     def _on_sealed(self, frames: list) -> None:
         try:

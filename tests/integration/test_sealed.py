@@ -137,3 +137,56 @@ def test_a_replayed_tampered_or_tokenless_message_is_refused_and_training_goes_o
     err = server.stderr.read().decode()
     assert "refused a sealed message" in err
     assert "a NULL connection without a token" in err
+
+
+def test_a_reset_data_connection_reconnects_and_training_goes_on(procs, tmp_path):
+    """The kernel resets the worker's sealed data connection mid-run (``ss -K``): the worker's
+    socket reconnects with its token, the front passes it (it replaces the old one), the daemon
+    hands the token over, and training goes on with the worker never written off."""
+    import shutil
+    import subprocess
+    import time
+
+    import psutil
+
+    if shutil.which("ss") is None:
+        pytest.skip("no ss(8)")
+    keys = make_keys(tmp_path, "w")
+    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
+                         "--problem-opt", "d=100000", "--algorithm", "asgd", "--set", "lr=1e-9", "--events", events,
+                         "--max-time", "120", "--eval-every", "0", "--state", state, "--shm", "off")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    port = int(endpoint.rsplit(":", 1)[1])
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w", "--shm", "off",
+                         "--key", f"{keys}/workers/w.key_secret", "--server-key", f"{keys}/server.key")
+
+    def conns() -> list:
+        return sorted((c for c in psutil.Process(worker.pid).net_connections(kind="tcp")
+                       if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED),
+                      key=lambda c: c.fd)
+
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 200 and len(conns()) == 2, timeout=60)
+    curve, data = conns()  # the data connection is opened after the welcome: the later descriptor
+    r = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}", "sport", "=",
+                        f":{data.laddr.port}"], capture_output=True, timeout=10)
+    deadline = time.monotonic() + 10
+    while data.laddr.port in [c.laddr.port for c in conns()]:
+        if r.returncode != 0 or time.monotonic() > deadline:
+            pytest.skip(f"this kernel does not destroy sockets on request (ss -K: {r.stderr.decode()[:80]})")
+        time.sleep(0.05)  # polling interval of a bounded wait
+    n = len(read_events(events))
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev[n:]) >= 500, timeout=60)
+    after = conns()
+    assert len(after) == 2 and after[0].laddr == curve.laddr and after[1].laddr != data.laddr, (curve, data, after)
+    server.terminate()
+    assert wait_exit(server, timeout=30) == 0
+    assert wait_exit(worker, timeout=20) == 0
+    ev = read_events(events)
+    left = [e for e in ev if e["ev"] == "left" and e.get("worker_id") == "w"]
+    assert not left, left  # never written off (the hello after the drop refreshed the same incarnation)
+    lost = [e for e in ev if e["ev"] == "lost"]
+    assert len(lost) <= 2 and all(e["reason"] == "vanished" for e in lost), lost  # at most what was in flight
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f)["transport"]
+    assert t["sealed_refused"] == 0 and t["sealed_messages_in"] > 700, t
