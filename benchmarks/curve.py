@@ -1,9 +1,10 @@
-"""Throughput of latecomer with CurveZMQ on and off (issue 5; the full benchmark is issue 7).
+"""Throughput of latecomer in plaintext, under ``--keys`` (the sealed data connection, PROTOCOL.md
+§6.15) and under ``--keys --seal off`` (everything inside libzmq's CurveZMQ) (issues 5 and 32).
 
 Runs the real daemon and real worker processes on loopback, plain async SGD on the
 ``synthetic`` problem (negligible compute: what is measured is moving parameters and
 gradients), and reports applied updates per second (median of windows) for each parameter size,
-with and without CurveZMQ, plus the ratio. Figures, never assertions: this machine is shared.
+the three side by side, plus the ratios. Figures, never assertions: this machine is shared.
 
     python -m benchmarks.curve [--quick] [--out benchmarks/RESULTS-curve.md]
 """
@@ -38,21 +39,22 @@ def _applied(events: str) -> list[float]:
     return out
 
 
-def measure(d: int, workers: int, curve: bool, seconds: float, tmp: str) -> float:
+def measure(d: int, workers: int, curve: bool | str, seconds: float, tmp: str) -> float:
     """Median applied updates/s over 0.5 s windows after a warm-up."""
+    """``curve``: False (plaintext), True (``--keys``: sealed) or "curvezmq" (``--keys --seal off``)."""
     events = os.path.join(tmp, f"ev-{d}-{workers}-{curve}.jsonl")
     args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic", "--problem-opt", f"d={d}",
             "--algorithm", "asgd", "--set", "lr=1e-9", "--max-time", str(seconds + 8),
             "--min-workers", str(workers), "--eval-every", "0", "--events", events, "--log-level", "error",
             "--shm", "off"]  # the TCP path: on one host the arrays would go through shared memory, not CurveZMQ
     if curve:
-        keys = os.path.join(tmp, f"keys-{d}-{workers}")
+        keys = os.path.join(tmp, f"keys-{d}-{workers}-{curve}")
         subprocess.run([sys.executable, "-m", "ps", "keys", "init", keys], cwd=REPO, check=True,
                        capture_output=True)
         for i in range(workers):
             subprocess.run([sys.executable, "-m", "ps", "keys", "add-worker", f"b{i}", "--keys", keys], cwd=REPO,
                            check=True, capture_output=True)
-        args += ["--keys", keys]
+        args += ["--keys", keys] + (["--seal", "off"] if curve == "curvezmq" else [])
     server = _start(*args)
     line = server.stdout.readline().decode()
     endpoint = line.split()[-1]
@@ -97,18 +99,20 @@ def main() -> None:
         for d in sizes:
             for workers in (1, 2):
                 plain = measure(d, workers, False, seconds, tmp)
-                curve = measure(d, workers, True, seconds, tmp)
-                rows.append((d, workers, plain, curve))
-                print(f"d={d:>9,} workers={workers}: plain {plain:8.0f}/s  curve {curve:8.0f}/s  "
-                      f"ratio {curve / plain:5.2f}", flush=True)
-    lines = [f"# CurveZMQ on and off ({platform.machine()}, {os.cpu_count()} cores, Python "
-             f"{platform.python_version()}, {time.strftime('%Y-%m-%d')})", "",
+                sealed = measure(d, workers, True, seconds, tmp)
+                czmq = measure(d, workers, "curvezmq", seconds, tmp)
+                rows.append((d, workers, plain, sealed, czmq))
+                print(f"d={d:>9,} workers={workers}: plain {plain:8.0f}/s  sealed {sealed:8.0f}/s "
+                      f"({sealed / plain:4.2f})  curvezmq {czmq:8.0f}/s ({czmq / plain:4.2f})", flush=True)
+    lines = [f"# Plaintext, sealed (`--keys`) and CurveZMQ (`--keys --seal off`) ({platform.machine()}, "
+             f"{os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')})", "",
              "Real daemon and worker processes on loopback, the arrays over TCP (`--shm off`; the "
              "same-host path would carry them through shared memory, outside CurveZMQ); plain async SGD on "
              "the `synthetic` problem (negligible compute); applied "
              "updates/s (median of 0.5 s windows). Shared, noisy machine: read the ratios.", "",
-             "| d (float32) | workers | plain TCP | CurveZMQ | CurveZMQ / plain |", "|---|---|---|---|---|"]
-    lines += [f"| {d:,} | {w} | {p:,.0f} | {c:,.0f} | {c / p:.2f} |" for d, w, p, c in rows]
+             "| d (float32) | workers | plain TCP | sealed | sealed / plain | CurveZMQ | CurveZMQ / plain |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {d:,} | {w} | {p:,.0f} | {c:,.0f} | {c / p:.2f} | {z:,.0f} | {z / p:.2f} |" for d, w, p, c, z in rows]
     with open(a.out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {a.out}")
