@@ -50,6 +50,7 @@ SESSION_BYTES = SEAL_SESSION_BYTES  # Welcome.seal: key up, key down, token (2 x
 UP, DOWN = b"up\x00\x00", b"dn\x00\x00"  # nonce prefixes: worker -> server, server -> worker
 _PREFIX = struct.Struct(">QH")
 MAX_FRAMES = 0xFFFF
+MAX_SIZES = 8  # frame sizes an Opener remembers as genuine (its warm buffers' sizes)
 
 
 class SealError(RemoteProtocolError):
@@ -192,10 +193,14 @@ class OpenFrame(np.ndarray):
 class Opener:
     """One direction's receiving side: opens a sealed message's frames, in order."""
 
-    __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc")
+    __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes")
 
     def __init__(self, key: bytes, direction: bytes, props: dict | None = None, alloc: Alloc = _empty) -> None:
+        # A frame is opened into a buffer before it is known to be genuine: ``alloc`` (warm
+        # buffers, kept) only for sizes a genuine frame of this session had, else a fresh one
+        # (let go): forged frames of new sizes never make the pool keep anything.
         self.alloc = alloc
+        self.sizes: dict[int, None] = {}  # sizes of frames that opened (at most MAX_SIZES, the latest)
         self.aead = AESGCM(key)
         self.direction = direction
         self.next = 0  # the least counter the next message may have
@@ -222,7 +227,7 @@ class Opener:
             size = buf.nbytes - TAG_BYTES
             if size < 0:
                 raise SealError("a sealed frame shorter than its tag")
-            out = self.alloc(size).view(OpenFrame)
+            out = (self.alloc if size in self.sizes else _empty)(size).view(OpenFrame)
             out.props = self.props
             try:
                 dec(d + (c + i).to_bytes(8, "big"), buf, prefix, out)
@@ -232,6 +237,11 @@ class Opener:
             total += size
         self.next = c + n
         self.opened_bytes += total
+        for f in opened:
+            if f.nbytes not in self.sizes:
+                self.sizes[f.nbytes] = None
+                if len(self.sizes) > MAX_SIZES:
+                    del self.sizes[next(iter(self.sizes))]
         return opened
 
 

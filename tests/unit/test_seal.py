@@ -145,6 +145,26 @@ def test_the_buffer_pool_reuses_a_buffer_once_unreferenced_and_is_bounded():
     assert len(pool.lists[4096]) == 2
 
 
+def test_forged_frames_never_make_the_pool_keep_a_buffer():
+    """A frame is opened into its buffer before it is known to be genuine: only sizes that a
+    genuine frame of the session had come from the pool, so forged frames of new sizes leave
+    nothing behind; a genuine one's size is warm from the next message on."""
+    s = Session.new(make_token(SECRET))
+    pool = BufferPool(min_bytes=1024)
+    w_seal, _ = sealer_opener(s, server=False)
+    _, s_open = sealer_opener(s, server=True, alloc=pool)
+    for n in (5000, 6000, 7000):
+        forged = [bytes(memoryview(f)) for f in w_seal.seal([b"h", np.zeros(n, np.uint8)])]
+        forged[2] = forged[2][:-1] + bytes([forged[2][-1] ^ 1])
+        with pytest.raises(SealError):
+            s_open.open(forged)
+    assert pool.allocated == 0 and not pool.lists
+    s_open.open(w_seal.seal([b"h", np.zeros(5000, np.uint8)]))
+    assert pool.allocated == 0  # the first genuine frame of a size: not yet known
+    s_open.open(w_seal.seal([b"h", np.zeros(5000, np.uint8)]))
+    assert pool.allocated == 1 and list(pool.lists) == [5000]
+
+
 def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path):
     """Real sockets: a DEALER whose routing id is a session's token. What opens comes out as the
     CURVE connection's message; an unknown token, a replay and a tampered message are refused and
