@@ -744,7 +744,7 @@ class _Handshakes:
             if len(p.parser.greeting) < GREETING_BYTES:
                 return None
             held, p.hs_pre = bytes(p.hs_pre), None
-            if p.parser.limits is self.limits:  # CURVE
+            if p.parser.limits.mechanism == self.limits.mechanism:  # CURVE
                 if not self._attach(p, self.backend):
                     return None
                 p.route, p.strip, p.dscan = ROUTE_NONE, SIGNATURE, bytearray(SIGNATURE)
