@@ -182,22 +182,32 @@ def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
 
 
 def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float, clock: Callable[[], float],
-               max_array_bytes: int, send: Callable[[bytes, Any], bool]) -> None:
+               max_array_bytes: int, send: Callable[[bytes, Any], bool], sealed: Any = None) -> None:
     """Wait (until ``deadline``) for the acknowledging bye of each connection in ``pending``; what
-    else one sends is answered with ``bye`` again (it missed it: it was reconnecting)."""
+    else one sends is answered with ``bye`` again (it missed it: it was reconnecting). ``sealed``:
+    the sealed data path, where a worker on it sends its bye (what opens counts as its CURVE
+    connection's)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if sealed is not None:
+        poller.register(sealed.sock, zmq.POLLIN)
     while pending and clock() < deadline:
-        if not sock.poll(max(1, int((deadline - clock()) * 1000)), zmq.POLLIN):
+        ready = dict(poller.poll(max(1, int((deadline - clock()) * 1000))))
+        if not ready:
             break
-        frames = sock.recv_multipart(copy=False)
-        rid = frames[0].bytes
-        try:
-            msg = decode(frames[1:], max_array_bytes=max_array_bytes)
-        except RemoteProtocolError:
-            continue
-        if isinstance(msg, Bye):
-            pending.discard(rid)
-        else:
-            send(rid, bye)
+        messages = [sock.recv_multipart(copy=False)] if sock in ready else []
+        if sealed is not None and sealed.sock in ready:
+            messages += list(sealed.pending())
+        for frames in messages:
+            rid = frames[0].bytes
+            try:
+                msg = decode(frames[1:], max_array_bytes=max_array_bytes)
+            except RemoteProtocolError:
+                continue
+            if isinstance(msg, Bye):
+                pending.discard(rid)
+            else:
+                send(rid, bye)
 
 
 class _Outbound:
@@ -240,7 +250,8 @@ class _Outbound:
         for rid in list(pending):
             if not self.send_message(rid, bye):
                 pending.discard(rid)
-        await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message)
+        await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message,
+                   self.sealed)
 
 
 class ServerTransport(_Outbound):
