@@ -27,6 +27,20 @@ if [ ${#need[@]} -gt 0 ]; then
     rm -f "$log"
 fi
 
+# Containers on one podman network find each other by name (the tests start a worker with
+# --server tcp://SERVER-CONTAINER:5555, as deploy/README.md does). Under the CNI backend that takes
+# the dnsname plugin, a recommendation --no-install-recommends leaves out (netavark brings
+# aardvark-dns itself): without it every such worker fails "Name or service not known".
+if [ "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" = cni ] && \
+        ! dpkg-query -W -f='${Status}' golang-github-containernetworking-plugin-dnsname 2>/dev/null | grep -q "install ok installed"; then
+    log=$(mktemp)
+    if ! { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            golang-github-containernetworking-plugin-dnsname; } >"$log" 2>&1; then
+        fail "apt-get install golang-github-containernetworking-plugin-dnsname failed: $(tail -n 1 "$log")"
+    fi
+    rm -f "$log"
+fi
+
 if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(not m.version("podman-compose").startswith("1.6."))' \
         2>/dev/null; then
     log=$(mktemp)
@@ -49,4 +63,10 @@ if [ "$(cat "$conf" 2>/dev/null)" != "$want" ]; then
 fi
 
 podman run --help >/dev/null 2>&1 || fail "podman does not run"
+net="latecomer-dns-check-$$"
+if podman network create "$net" >/dev/null 2>&1; then
+    dns=$(podman network inspect "$net" --format '{{.DNSEnabled}}' 2>/dev/null)
+    podman network rm -f "$net" >/dev/null 2>&1
+    [ "$dns" = true ] || fail "a new podman network has no DNS (containers cannot reach each other by name)"
+fi
 exit 0
