@@ -33,8 +33,6 @@ from protocol.messages import (
     HELLO_BACKOFF_MAX_S,
     HELLO_BACKOFF_S,
     LIVENESS_TIMEOUT_S,
-    RECONNECT_IVL_MAX_S,
-    RECONNECT_IVL_S,
     Bye,
     Heartbeat,
     Hello,
@@ -49,7 +47,7 @@ from worker.runner import ComputeThread, DelaySpec, IterateCache
 from worker.sealed import SealedLink
 from worker.session import ServerSession
 from worker.shards import header_only
-from worker.sockio import recv_frames
+from worker.sockio import dealer_options, recv_frames, recv_within
 
 # Plain ints: no enum per call.
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
@@ -176,20 +174,9 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
         s.linger = 1000
         s.routing_id = f"{self.worker_id}/{self.boot:x}".encode()
         s.setsockopt(zmq.IMMEDIATE, 1)
-        s.setsockopt(zmq.RECONNECT_IVL, round(RECONNECT_IVL_S * 1000))
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, round(RECONNECT_IVL_MAX_S * 1000))
-        # No ZMTP heartbeats (PINGs): the protocol's own heartbeats and the liveness timeout tell a
-        # silent server, and a PING queued behind a full receive pipe on a reset connection is what
-        # makes libzmq 4.3.5 abort (SECURITY.md, "the libzmq abort"), on either end. TCP keepalive
-        # closes a connection whose server vanished without a FIN.
-        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
-        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
-        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-        s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        dealer_options(s, self.cfg.server)  # worker/sockio.py: reconnection, keepalive, no ZMTP PINGs
         if self.curve is not None:
             s.curve_publickey, s.curve_secretkey, s.curve_serverkey = self.curve
-        s.ipv6 = self.cfg.server.startswith("tcp://[")  # an IPv6 literal (ps/net/endpoints.py needs_ipv6)
         s.connect(self.cfg.server)
         self.sock = s
         self.rcvtimeo = -1
@@ -296,15 +283,9 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
 
     def _receive_one(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for one message and handle it."""
-        sock = self.sock
-        if timeout_ms != self.rcvtimeo:
-            sock.set(_RCVTIMEO, timeout_ms)
-            self.rcvtimeo = timeout_ms
-        try:
-            frames = recv_frames(sock)
-        except zmq.Again:  # the timeout
-            return
-        self._on_message(frames)
+        frames, self.rcvtimeo = recv_within(self.sock, timeout_ms, self.rcvtimeo)
+        if frames is not None:
+            self._on_message(frames)
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
@@ -323,33 +304,27 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
             for i, s in enumerate(self.shards.socks):
                 if s in ready:
                     self._from_shard(i)
-        sock = self.sock
-        if sock in ready:
-            for i in range(64):
-                # The poll saw a message; after it, EVENTS is cheaper than a zmq.Again.
-                if i and not sock.get(_EVENTS) & _POLLIN:
-                    break
-                try:
-                    frames = recv_frames(sock, _NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_message(frames)
-                if sock is not self.sock:  # reconnected meanwhile
-                    break
-        seal = self.seal_sock
-        if seal is not None and seal in ready:
-            for i in range(64):
-                if i and not seal.get(_EVENTS) & _POLLIN:
-                    break
-                try:
-                    frames = recv_frames(seal, _NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_sealed(frames)
-                if seal is not self.seal_sock:  # a new session meanwhile
-                    break
+        if self.sock in ready:
+            self._drain(self.sock, self._on_message, lambda: self.sock)  # stops on a reconnection
+        if self.seal_sock is not None and self.seal_sock in ready:
+            self._drain(self.seal_sock, self._on_sealed, lambda: self.seal_sock)  # ... on a new session
         if self.compute is not None and self.compute.wake_r in ready:
             self.compute.drain_wakeups()
+
+    @staticmethod
+    def _drain(sock: zmq.Socket, handle: Callable[[list], None], current: Callable[[], Any]) -> None:
+        """Handle up to 64 of the messages ``sock`` holds (a poll saw one; after it, EVENTS is
+        cheaper than a zmq.Again), until it is no longer ``current()``."""
+        for i in range(64):
+            if i and not sock.get(_EVENTS) & _POLLIN:
+                break
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                break
+            handle(frames)
+            if sock is not current():
+                break
 
     def _on_message(self, frames: list) -> None:
         self.last_contact = self.clock()

@@ -18,9 +18,9 @@ import zmq
 from protocol.chunks import chunking
 from protocol.codec import encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MAX_PARTS, RECONNECT_IVL_MAX_S, RECONNECT_IVL_S, Heartbeat
+from protocol.messages import MAX_PARTS, Heartbeat
 from protocol.seal import BufferPool, Opener, Sealer, Session, sealer_opener
-from worker.sockio import recv_frames, send_frames
+from worker.sockio import dealer_options, recv_frames, recv_within, send_frames
 
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
 log = logging.getLogger("latecomer.worker")
@@ -66,14 +66,7 @@ class SealedLink:
         s.linger = 1000
         s.routing_id = session.token
         s.sndhwm = s.rcvhwm = 4 * MAX_PARTS
-        s.setsockopt(zmq.RECONNECT_IVL, round(RECONNECT_IVL_S * 1000))
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, round(RECONNECT_IVL_MAX_S * 1000))
-        s.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        s.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
-        s.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
-        s.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-        s.setsockopt(zmq.HANDSHAKE_IVL, 5000)
-        s.ipv6 = self.cfg.server.startswith("tcp://[")
+        dealer_options(s, self.cfg.server)
         self.seal_mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # before connect: no event missed
         s.connect(self.cfg.server)
         self.seal_sock, self.seal_rcvtimeo = s, -1
@@ -130,13 +123,7 @@ class SealedLink:
             except zmq.Again:
                 pass
             return
-        seal = self.seal_sock
-        if timeout_ms != self.seal_rcvtimeo:
-            seal.set(_RCVTIMEO, timeout_ms)
-            self.seal_rcvtimeo = timeout_ms
-        try:
-            frames = recv_frames(seal)
-        except zmq.Again:  # the timeout
-            return
-        self._on_sealed(frames)
+        frames, self.seal_rcvtimeo = recv_within(self.seal_sock, timeout_ms, self.seal_rcvtimeo)
+        if frames is not None:
+            self._on_sealed(frames)
 
