@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.integration.util import wait_events, wait_exit, wait_line
+from tests.integration.util import keyed_synthetic_run, make_keys, synthetic_after, wait_events, wait_exit, wait_line
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,7 @@ def test_jobs_and_replies_in_parts_train_exactly(procs, tmp_path):
     assert t["parts_out"] >= 5 * k and t["parts_in"] >= 5 * k, t
     # the synthetic gradient is the constant 1e-3: after k steps every entry is k float32 steps down
     x = np.load(os.path.join(out, "final_x.npy"))
-    want = np.float32(0)
-    for _ in range(k):
-        want = np.float32(want - np.float32(LR) * np.float32(1e-3))
-    assert x.shape == (D,) and np.all(x == want)
+    assert x.shape == (D,) and np.all(x == synthetic_after(k, LR))
 
 
 def test_bf16_replies_in_parts_are_journaled_as_sent_and_replay_exactly(procs, tmp_path):
@@ -64,10 +61,7 @@ def test_bf16_replies_in_parts_are_journaled_as_sent_and_replay_exactly(procs, t
     recorded = np.load(os.path.join(state, "final_x.npy"))
     # the bf16 gradient of 1e-3 is 0.00100040435791015625 (bits 0x3A83), applied 8 times
     g = np.float32(np.frombuffer(np.uint32(0x3A830000).tobytes(), np.float32)[0])
-    want = np.float32(0)
-    for _ in range(8):
-        want = np.float32(want - np.float32(LR) * g)
-    assert np.all(recorded == want)
+    assert np.all(recorded == synthetic_after(8, LR, g))
     replayed = replay_run(state)
     assert replayed.version == 8 and np.array_equal(replayed.final_x, recorded)
 
@@ -77,34 +71,16 @@ def test_under_curve_vectors_from_1_mib_travel_in_small_parts_and_train_exactly(
     (protocol.messages.CURVE_CHUNK_*): a 2 MB vector (d = 500,000) goes as 2 parts each way,
     a job through the daemon's CURVE socket and the reply through the worker's, reassembled,
     journaled whole and replayed exactly."""
-    from click.testing import CliRunner
-
-    from ps.cli.main import main
     from ps.drivers.replay import replay_run
 
     d, steps = 500_000, 10
-    keys, state = str(tmp_path / "keys"), str(tmp_path / "state")
-    r = CliRunner()
-    assert r.invoke(main, ["keys", "init", keys]).exit_code == 0
-    assert r.invoke(main, ["keys", "add-worker", "big", "--keys", keys]).exit_code == 0
-    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
-                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
-                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off",
-                         "--seal", "off")  # the arrays over CurveZMQ itself (the sealed path: test_sealed.py)
-    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
-    worker = procs.start("work", "--server", endpoint, "--worker-id", "big", "--shm", "off",
-                         "--key", f"{keys}/workers/big.key_secret", "--server-key", f"{keys}/server.key")
-    assert wait_exit(server, timeout=120) == 0
-    assert wait_exit(worker, timeout=20) == 0
-    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
+    keys, state = make_keys(tmp_path, "w"), str(tmp_path / "state")
+    # --seal off: the arrays over CurveZMQ itself (the sealed path: test_sealed.py)
+    summary = keyed_synthetic_run(procs, keys, state, d, steps, LR, "--seal", "off", timeout=120)
     t = summary["transport"]
     assert summary["version"] == steps and t["shm_workers"] == []
     assert t["parts_out"] >= 2 * steps and t["parts_in"] >= 2 * steps, t  # 2 MB: 2 parts of 1 MiB each way
     assert "sealed_sessions" not in t, t  # --seal off: no sealed path
     x = np.load(os.path.join(state, "final_x.npy"))
-    want = np.float32(0)
-    for _ in range(steps):
-        want = np.float32(want - np.float32(LR) * np.float32(1e-3))
-    assert x.shape == (d,) and np.all(x == want)
+    assert x.shape == (d,) and np.all(x == synthetic_after(steps, LR))
     assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"

@@ -10,32 +10,20 @@ import os
 import numpy as np
 import pytest
 import zmq
-from click.testing import CliRunner
 
-from ps.cli.main import main
-from tests.integration.util import read_events, wait_events, wait_exit, wait_line
+from tests.integration.util import (
+    keyed_synthetic_run,
+    make_keys,
+    read_events,
+    synthetic_after,
+    wait_events,
+    wait_exit,
+    wait_line,
+)
 
 pytestmark = pytest.mark.slow
 
 LR = 0.5
-
-
-def make_keys(tmp_path, *names) -> str:
-    keys = str(tmp_path / "keys")
-    r = CliRunner()
-    assert r.invoke(main, ["keys", "init", keys]).exit_code == 0
-    for n in names:
-        assert r.invoke(main, ["keys", "add-worker", n, "--keys", keys]).exit_code == 0
-    return keys
-
-
-def expected_x(steps: int) -> np.float32:
-    """The synthetic problem's gradient is 1e-3 everywhere: each applied reply moves every
-    coordinate by -lr * 1e-3, in float32 (the server's arithmetic)."""
-    want = np.float32(0)
-    for _ in range(steps):
-        want = np.float32(want - np.float32(LR) * np.float32(1e-3))
-    return want
 
 
 @pytest.mark.parametrize("d, steps, parts", [(500_000, 10, False), (4_500_000, 4, True)],
@@ -44,16 +32,7 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     from ps.drivers.replay import replay_run
 
     keys, state = make_keys(tmp_path, "w"), str(tmp_path / "state")
-    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
-                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
-                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off")
-    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
-    worker = procs.start("work", "--server", endpoint, "--worker-id", "w", "--shm", "off",
-                         "--key", f"{keys}/workers/w.key_secret", "--server-key", f"{keys}/server.key")
-    assert wait_exit(server, timeout=180) == 0
-    assert wait_exit(worker, timeout=20) == 0
-    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
+    summary = keyed_synthetic_run(procs, keys, state, d, steps, LR)
     t = summary["transport"]
     assert summary["version"] == steps
     # every reply that was applied came sealed, and the jobs went sealed: the first job or two
@@ -65,7 +44,7 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     else:  # 2 MB: below the plaintext threshold, one message each way (CurveZMQ would split it)
         assert t["parts_in"] == 0, t
     x = np.load(os.path.join(state, "final_x.npy"))
-    assert x.shape == (d,) and np.all(x == expected_x(steps))
+    assert x.shape == (d,) and np.all(x == synthetic_after(steps, LR))
     assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"
 
 

@@ -117,3 +117,44 @@ from ps.cli.main import main
 sys.argv[0] = "latecomer"
 main()
 """
+
+
+def make_keys(tmp_path, *names) -> str:
+    """``latecomer keys init`` in ``tmp_path/keys`` and one allowed worker key per name."""
+    from click.testing import CliRunner
+
+    from ps.cli.main import main
+
+    keys = str(tmp_path / "keys")
+    r = CliRunner()
+    assert r.invoke(main, ["keys", "init", keys]).exit_code == 0
+    for n in names:
+        assert r.invoke(main, ["keys", "add-worker", n, "--keys", keys]).exit_code == 0
+    return keys
+
+
+def synthetic_after(steps: int, lr: float, g: float = 1e-3):
+    """Every coordinate of the synthetic problem's iterate after ``steps`` applied replies of the
+    constant gradient ``g`` from 0, in float32 (the server's arithmetic)."""
+    import numpy as np
+
+    want = np.float32(0)
+    for _ in range(steps):
+        want = np.float32(want - np.float32(lr) * np.float32(g))
+    return want
+
+
+def keyed_synthetic_run(procs, keys: str, state: str, d: int, steps: int, lr: float, *serve_args: str,
+                        timeout: float = 180) -> dict[str, Any]:
+    """``serve --keys`` on asgd and ``synthetic`` (d, TCP arrays) with one worker ``w`` until
+    ``steps`` updates; both exit 0. Returns the run's summary.json."""
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
+                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={lr}", "--max-steps",
+                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off", *serve_args)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w", "--shm", "off",
+                         "--key", f"{keys}/workers/w.key_secret", "--server-key", f"{keys}/server.key")
+    assert wait_exit(server, timeout=timeout) == 0
+    assert wait_exit(worker, timeout=20) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        return json.load(f)
