@@ -169,3 +169,46 @@ def test_a_reset_data_connection_reconnects_and_training_goes_on(procs, tmp_path
     with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
         t = json.load(f)["transport"]
     assert t["sealed_refused"] == 0 and t["sealed_messages_in"] > 700, t
+
+
+def test_a_restarted_daemon_gives_new_sessions_and_nothing_accepted_is_lost(procs, tmp_path):
+    """``kill -9`` of the daemon alone under ``--keys``: the supervisor starts a new one with a new
+    token secret (the old sessions die with the old daemon, SECURITY.md). Each worker says hello
+    again over CurveZMQ, gets a new session and trains on sealed. Nothing accepted is lost: the
+    accounting identity and an exact replay of the journal hold across both incarnations."""
+    import signal
+
+    from ps.drivers.replay import replay_run
+    from tests.integration.util import daemon_pid
+
+    keys = make_keys(tmp_path, "a", "b")
+    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "quadratic",
+                         "--algorithm", "asgd", "--set", "lr=0.05", "--events", events, "--max-time", "180",
+                         "--eval-every", "0", "--state", state, "--log-level", "info")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    workers = [procs.start("work", "--server", endpoint, "--worker-id", w, "--delay", "0.005",
+                           "--key", f"{keys}/workers/{w}.key_secret", "--server-key", f"{keys}/server.key")
+               for w in ("a", "b")]
+    wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 30, timeout=60)
+    old = daemon_pid(server)
+    os.kill(old, signal.SIGKILL)
+    n = len(read_events(events))
+    # both workers have replies applied by the new daemon (its events follow the old one's)
+    wait_events(events, lambda ev: min(sum(e["ev"] == "applied" and e["worker_id"] == w for e in ev[n:])
+                                       for w in ("a", "b")) >= 30, timeout=90)
+    assert daemon_pid(server) != old
+    server.send_signal(signal.SIGTERM)
+    assert wait_exit(server, timeout=60) == 0
+    for w in workers:
+        assert wait_exit(w, timeout=30) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    t = summary["transport"]  # the new daemon's figures
+    # 60 replies applied by the new daemon: all but the first one or two per worker came sealed
+    assert t["sealed_messages_in"] >= 56 and t["sealed_refused"] == 0, t
+    assert summary["accounted"], summary["counters"]
+    assert np.array_equal(replay_run(state).final_x, np.load(os.path.join(state, "final_x.npy"))), \
+        "the journal replays exactly across both daemons"
+    err = server.stderr.read().decode()
+    assert "the server process died of SIGKILL: restarting it" in err, err[-2000:]
