@@ -61,12 +61,20 @@ class Problem:
         num_samples: N for finite-sum problems (FULL_GRAD shards index [0, N)); None otherwise.
         lmo_mask: optional, one bool per layout block: True where an LMO/Muon step applies
             (TorchProblem sets it: matrices, not embeddings, not the output layer).
+        fresh_gradients: True when ``grad``, ``grad_pair`` and ``full_grad`` never write into an
+            array they returned before (each call returns new arrays, or buffers reused only
+            once nobody references them, as TorchProblem's pool does). False (the default, and
+            what a problem without the attribute counts as): the worker copies each gradient as
+            it comes back, since it still holds the last one (a large frame is sent without a
+            copy and read by ZeroMQ later; replies are kept for a resend to a restarted server).
+            Set it only if it holds: a gradient written over in flight goes out silently wrong.
     """
 
     spec: str = ""
     options: dict[str, Any] = {}
     layout: Layout = ()
     num_samples: int | None = None
+    fresh_gradients: bool = False
 
     @property
     def dim(self) -> int:
@@ -82,8 +90,12 @@ class Problem:
 
     def grad_pair(self, x_new: np.ndarray, x_old: np.ndarray, seed: int,
                   batch_size: int) -> tuple[GradResult, GradResult]:
-        """Gradients at two points on the *same* sample (STORM/MVR corrections)."""
-        return self.grad(x_new, seed, batch_size), self.grad(x_old, seed, batch_size)
+        """Gradients at two points on the *same* sample (STORM/MVR corrections). Without
+        ``fresh_gradients`` the first is copied before the second call can write over it."""
+        new = self.grad(x_new, seed, batch_size)
+        if not self.fresh_gradients:
+            new = GradResult(np.array(new.grad, copy=True), new.loss)
+        return new, self.grad(x_old, seed, batch_size)
 
     def full_grad(self, x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int, float]:
         """Sum of component gradients over [lo, hi), the count, and the summed loss."""

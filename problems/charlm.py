@@ -77,6 +77,8 @@ class CharLM(Problem):
         ValueError: an option out of range, or a text too short for the context.
     """
 
+    fresh_gradients = True  # every call returns new arrays
+
     def __init__(self, package: str = "json", layers: int = 2, d_model: int = 32, heads: int = 2, context: int = 32,
                  val_frac: float = 0.1, eval_windows: int = 64, device: str = "cpu"):
         if layers < 1:

@@ -25,6 +25,8 @@ class LogisticRegression(Problem):
     noisy but separable enough for accuracy to mean something.
     """
 
+    fresh_gradients = True  # every call returns new arrays
+
     def __init__(self, n: int = 10000, p: int = 20, reg: float = 1e-3, data_seed: int = 0):
         if n < 1:
             raise ValueError(f"logreg: n must be >= 1, got {n}")

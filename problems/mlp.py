@@ -58,6 +58,8 @@ class MLPClassifier(Problem):
         ValueError: inconsistent arrays or an out-of-range option.
     """
 
+    fresh_gradients = True  # every call returns new arrays
+
     def __init__(self, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray, *,
                  hidden: int = 32, num_classes: int = 10, cubic: bool = False, homogeneous: bool = False,
                  slow_class: int = 9, kappa: float = 10.0, device: str = "cpu"):

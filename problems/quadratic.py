@@ -45,6 +45,8 @@ class NesterovQuadratic(Problem):
     (it passes no layout); without the flag a vector block would take the momentum fallback.
     """
 
+    fresh_gradients = True  # every call returns new arrays
+
     def __init__(self, d: int = 64, L: float = 1.0, sigma: float = 0.01, noise: str = "scalar",
                  x0: str = "nesterov"):
         if d < 1:

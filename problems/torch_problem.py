@@ -244,6 +244,8 @@ class TorchProblem(Problem):
             parameters or with non-float ones, an unusable dataset, device or option.
     """
 
+    fresh_gradients = True  # its buffers come back only once nobody holds them (ArrayPool)
+
     def __init__(self, model: nn.Module | Callable[[], nn.Module], loss_fn: Callable | None = None,
                  train: Any = None, test: Any = None, *, batch_size: int = 32,
                  metrics: Mapping[str, Callable[[torch.Tensor, torch.Tensor], float]] | None = None,

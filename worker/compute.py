@@ -2,11 +2,17 @@
 
 ``run_job`` maps a job and the iterates it names to a :class:`protocol.Reply`. It performs
 no I/O and reads no clock, so the simulator computes exactly the bits a real worker sends.
+
+The gradients it returns are the caller's: a problem may write the next gradient into the array
+it returned last time (``Problem.fresh_gradients`` is False unless the problem says otherwise),
+while the worker still holds the last reply (a large frame is sent without a copy, libzmq reads
+it later; replies are kept for a resend to a restarted server) and the simulator's core may keep
+it. So unless the problem declares fresh gradients, each one is copied as it comes back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,9 +69,11 @@ def run_job(job: Job, points: Sequence[np.ndarray], problem: Problem) -> Reply:
     return Reply(job_id=job.job_id, created_at=job.created_at, grads=grads, loss=loss, count=count)
 
 
-def compute_grads(job: Job, points: Sequence[np.ndarray], problem: Problem) -> tuple[tuple, float | None, int]:
+def compute_grads(job: Job, points: Sequence[np.ndarray], problem: Problem,
+                  alloc: Callable[[tuple[int, ...], Any], np.ndarray] = np.empty) -> tuple[tuple, float | None, int]:
     """:func:`run_job`'s ``(grads, loss, count)`` without the Reply (the worker builds its reply
-    once, with the compute time). Same arguments, same checks, same exceptions."""
+    once, with the compute time). Same arguments, same checks, same exceptions. ``alloc(shape,
+    dtype)``: where a gradient the problem may write again is copied (the worker's pool)."""
     if len(points) != len(job.iterate_ids):
         raise ValueError(f"job {job.job_id}: {len(points)} points for {len(job.iterate_ids)} iterate ids")
     kind = job.kind
@@ -83,16 +91,29 @@ def compute_grads(job: Job, points: Sequence[np.ndarray], problem: Problem) -> t
         grads, loss, method = (g,), (loss_sum / count if count else 0.0), "full_grad"
     else:  # pragma: no cover - JobKind is closed
         raise ValueError(f"unknown job kind {job.kind}")
+    raw = grads
     grads = tuple([g if _flat_f32(g) else np.ascontiguousarray(g, dtype=np.float32) for g in grads])
     p = points[0]
     dim = p.shape[0] if p.ndim == 1 else p.size
     for g in grads:
         if g.shape != (dim,):
             check_gradient(g, dim, getattr(problem, "layout", ()), method)
+    if not getattr(problem, "fresh_gradients", False):
+        grads = tuple([_owned(g, r, alloc) for g, r in zip(grads, raw, strict=True)])
     return grads, None if loss is None else float(loss), int(count)
 
 
 _F32 = np.dtype(np.float32)
+
+
+def _owned(g: np.ndarray, returned: Any, alloc: Callable[[tuple[int, ...], Any], np.ndarray]) -> np.ndarray:
+    """``g`` (the float32 form of what the problem returned) as an array the problem cannot write
+    again: itself when the conversion to float32 made it (a new array owning its memory), else a copy."""
+    if g is not returned and g.flags.owndata:
+        return g
+    out = alloc(g.shape, _F32)
+    np.copyto(out, g)
+    return out
 
 
 def _flat_f32(g: Any) -> bool:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from algorithms._pool import ArrayPool
 from problems.base import Problem
 from protocol.messages import MAX_LIST_LEN, Job, JobKind, Reply
 from worker.compute import BadGradient, compute_grads
@@ -157,6 +158,9 @@ class ComputeThread:
         self._load = load
         # finish(job, grads) -> (grads, in_shm): e.g. write the gradients into shared memory (same-host path)
         self.finish = finish
+        # where the gradients of a problem that may write them again are copied (worker/compute.py):
+        # a buffer comes back once no reply, frame or shared-memory resend holds it
+        self.grad_pool = ArrayPool()
         self.pending = 0  # jobs submitted to the thread whose results are not in the outbox yet
         self.recent_s: deque[float] = deque(maxlen=INLINE_AFTER)
         self.inline_jobs = 0
@@ -248,7 +252,7 @@ class ComputeThread:
                  holds: tuple[int, ...] = ()) -> tuple[Reply | None, str | None]:
         t0 = time.perf_counter()
         try:
-            grads, loss, count = compute_grads(job, points, self.problem)
+            grads, loss, count = compute_grads(job, points, self.problem, self.grad_pool.empty)
             in_shm = False
             if self.finish is not None:
                 grads, in_shm = self.finish(job, grads)

@@ -149,8 +149,14 @@ def test_compute_grads_makes_every_gradient_a_contiguous_float32_vector(make):
     assert np.array_equal(g, np.arange(4)) and (loss, count) == (0.5, 1)
 
 
-def test_compute_grads_keeps_a_float32_vector_as_it_is():
+def test_compute_grads_keeps_a_float32_vector_as_it_is_where_the_problem_says_it_is_fresh():
+    """``fresh_gradients``: the problem never writes a returned array again, so no copy; without
+    it the worker owns a copy (worker/compute.py)."""
     mine = np.arange(4, dtype=np.float32)
     job = Job(job_id=1, kind=JobKind.GRAD, created_at=0, iterate_ids=(0,), seed=1)
-    (g,), _, _ = compute_grads(job, (np.zeros(4, np.float32),), _Returns(lambda: mine))
+    fresh = _Returns(lambda: mine)
+    fresh.fresh_gradients = True
+    (g,), _, _ = compute_grads(job, (np.zeros(4, np.float32),), fresh)
     assert g is mine  # no copy
+    (g,), _, _ = compute_grads(job, (np.zeros(4, np.float32),), _Returns(lambda: mine))
+    assert g is not mine and np.array_equal(g, mine) and g.flags.owndata
