@@ -19,8 +19,8 @@ def _compute(kind_name: str, change) -> None:
 
     real = runner.compute_grads
 
-    def broken(job, points, problem):
-        grads, loss, count = real(job, points, problem)
+    def broken(job, points, problem, *args):
+        grads, loss, count = real(job, points, problem, *args)
         if job.kind == JobKind[kind_name]:
             return change(grads, loss, count)
         return grads, loss, count

@@ -35,14 +35,15 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     summary = keyed_synthetic_run(procs, keys, state, d, steps, LR)
     t = summary["transport"]
     assert summary["version"] == steps
-    # every reply that was applied came sealed, and the jobs went sealed: the first job or two
-    # may cross over CurveZMQ while the data connection comes up
+    # the replies (with the heartbeats) came sealed and the jobs went sealed: the first one or two
+    # of each may cross over CurveZMQ while the data connection comes up
     assert t["sealed_messages_in"] >= steps and t["sealed_messages_out"] >= steps - 2, t
     assert t["sealed_refused"] == 0, t
     if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message
         assert t["parts_in"] >= 5 * steps and t["parts_out"] >= 5 * (steps - 2), t
-    else:  # 2 MB: below the plaintext threshold, one message each way (CurveZMQ would split it)
-        assert t["parts_in"] == 0, t
+    else:  # 2 MB: below the plaintext threshold, one message each way sealed; CurveZMQ splits it in 2
+        # parts, which only the first reply or two carry if they cross before the data connection is up
+        assert t["parts_in"] <= 4, t
     x = np.load(os.path.join(state, "final_x.npy"))
     assert x.shape == (d,) and np.all(x == synthetic_after(steps, LR))
     assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"

@@ -109,8 +109,8 @@ import sys
 import numpy as np
 import worker.runner as runner
 real = runner.compute_grads
-def wrapped(job, points, problem):
-    grads, loss, count = real(job, points, problem)
+def wrapped(job, points, problem, *args):
+    grads, loss, count = real(job, points, problem, *args)
     return tuple(({expr}) for g in grads), loss, count
 runner.compute_grads = wrapped
 from ps.cli.main import main
