@@ -26,6 +26,22 @@ pytestmark = pytest.mark.slow
 LR = 0.5
 
 
+def keyed_quadratic(procs, tmp_path, names: tuple[str, ...], start: tuple[str, ...], delay: str) -> tuple:
+    """``serve --keys`` (allowed keys ``names``) on asgd and ``quadratic`` with an events file and a
+    state directory, and a worker (``--delay``) for each of ``start``: (keys, events, state, the
+    server, its endpoint, the workers)."""
+    keys = make_keys(tmp_path, *names)
+    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "quadratic",
+                         "--algorithm", "asgd", "--set", "lr=0.05", "--events", events, "--max-time", "180",
+                         "--eval-every", "0", "--state", state, "--log-level", "info")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    workers = tuple(procs.start("work", "--server", endpoint, "--worker-id", w, "--delay", delay,
+                                "--key", f"{keys}/workers/{w}.key_secret", "--server-key", f"{keys}/server.key")
+                    for w in start)
+    return keys, events, state, server, endpoint, workers
+
+
 @pytest.mark.parametrize("d, steps, parts", [(500_000, 10, False), (4_500_000, 4, True)],
                          ids=["2MB", "18MB-in-parts"])
 def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, steps, parts):
@@ -59,14 +75,8 @@ def test_a_replayed_tampered_or_tokenless_message_is_refused_and_training_goes_o
     from protocol.seal import Session, sealer_opener
     from worker.keys import client_keys
 
-    keys = make_keys(tmp_path, "real", "probe")
-    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
-    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "quadratic",
-                         "--algorithm", "asgd", "--set", "lr=0.05", "--events", events, "--max-time", "120",
-                         "--eval-every", "0", "--state", state, "--log-level", "info")
-    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
-    real = procs.start("work", "--server", endpoint, "--worker-id", "real", "--delay", "0.01",
-                       "--key", f"{keys}/workers/real.key_secret", "--server-key", f"{keys}/server.key")
+    keys, events, state, server, endpoint, (real,) = keyed_quadratic(procs, tmp_path, ("real", "probe"), ("real",),
+                                                                     delay="0.01")
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 5, timeout=60)
 
     ctx = zmq.Context()
@@ -182,15 +192,7 @@ def test_a_restarted_daemon_gives_new_sessions_and_nothing_accepted_is_lost(proc
     from ps.drivers.replay import replay_run
     from tests.integration.util import daemon_pid
 
-    keys = make_keys(tmp_path, "a", "b")
-    events, state = str(tmp_path / "events.jsonl"), str(tmp_path / "state")
-    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "quadratic",
-                         "--algorithm", "asgd", "--set", "lr=0.05", "--events", events, "--max-time", "180",
-                         "--eval-every", "0", "--state", state, "--log-level", "info")
-    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
-    workers = [procs.start("work", "--server", endpoint, "--worker-id", w, "--delay", "0.005",
-                           "--key", f"{keys}/workers/{w}.key_secret", "--server-key", f"{keys}/server.key")
-               for w in ("a", "b")]
+    _, events, state, server, _, workers = keyed_quadratic(procs, tmp_path, ("a", "b"), ("a", "b"), delay="0.005")
     wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= 30, timeout=60)
     old = daemon_pid(server)
     os.kill(old, signal.SIGKILL)
