@@ -1,4 +1,5 @@
-"""The algorithm contract as a reusable check: run it against your own algorithm.
+"""The algorithm contract as a reusable check: run it against your own algorithm (and, at the
+end of this module, :func:`check_problem`: the problem contract, for your own problem).
 
 Every registered algorithm passes it (``tests/sim/test_contract.py``); a user's algorithm
 (``--algorithm mypkg.mod:MyAlgorithm``) should too before it meets real workers::
@@ -46,8 +47,8 @@ import numpy as np
 from algorithms.base import Algorithm, bind_layout
 from algorithms.wrappers import Wrapper
 
-__all__ = ["check_algorithm", "check_convergence", "check_state_dict_round_trip", "check_checkpoint_round_trip",
-           "make_simulator", "N_WORKERS", "HORIZON", "CRITERIA"]
+__all__ = ["check_algorithm", "check_problem", "check_convergence", "check_state_dict_round_trip",
+           "check_checkpoint_round_trip", "make_simulator", "N_WORKERS", "HORIZON", "CRITERIA"]
 
 AlgorithmOrFactory = Union[Algorithm, Callable[[], Algorithm]]
 
@@ -304,3 +305,92 @@ def check_algorithm(algorithm: AlgorithmOrFactory, *, seed: int = 0, problem: st
     check_state_dict_round_trip(algorithm, seed=seed, problem=problem, problem_options=problem_options)
     check_checkpoint_round_trip(algorithm, seed=seed, problem=problem, problem_options=problem_options)
     return trace
+
+
+# --------------------------------------------------------------------------- a user's problem
+
+def check_problem(problem: Any, options: Mapping[str, Any] | None = None, *, seed: int = 0,
+                  batch_size: int = 8) -> None:
+    """The problem contract (problems/base.py) as a check, for a user's own problem before it
+    meets real workers::
+
+        from latecomer.testing import check_problem
+
+        def test_my_problem_meets_the_contract():
+            check_problem("mypkg.mod:make", {"d": 100})
+
+    It checks, at ``init_params(seed)`` and a point next to it:
+
+    1. ``init_params`` is a finite float32 vector of the layout's size, the same on two calls.
+    2. ``grad`` gives, through the worker's own computation, a finite float32 vector of that size
+       (a wrong shape fails with the worker's one-line message naming the layout) and the same
+       bits on a second call with the same arguments: the determinism on CPU that exact replay and
+       the simulator need.
+    3. ``grad_pair`` gives two such vectors, each the same on a second call.
+    4. Where the problem declares ``fresh_gradients = True``, no call writes into an array an
+       earlier call returned (the worker then sends it without a copy and keeps it for a resend).
+    5. ``evaluate`` returns a finite ``loss``.
+
+    Args:
+        problem: a Problem instance, or a spec (``"quadratic"``, ``"mypkg.mod:make"``) loaded with
+            ``options`` as a worker loads it.
+        options: the spec's options.
+        seed: the job seed of the first call (the others are derived from it).
+        batch_size: the batch size of the calls.
+
+    Raises:
+        AssertionError: with a message naming the problem and what broke.
+    """
+    from problems.loader import load_problem
+    from protocol.messages import Job, JobKind
+    from worker.compute import BadGradient, compute_grads
+
+    p = load_problem(problem, options) if isinstance(problem, str) else problem
+    name = getattr(p, "spec", "") or type(p).__name__
+    x0 = p.init_params(seed)
+    assert isinstance(x0, np.ndarray) and x0.dtype == np.float32 and x0.shape == (p.dim,), \
+        f"{name}: init_params gave {type(x0).__name__} {getattr(x0, 'dtype', '')} {getattr(x0, 'shape', '')}, " \
+        f"expected a float32 vector of {p.dim} values (the layout's size)"
+    assert np.isfinite(x0).all(), f"{name}: init_params gave non-finite values"
+    assert np.array_equal(x0, p.init_params(seed)), f"{name}: init_params({seed}) differs between two calls"
+    x0.setflags(write=False)  # what a worker passes: a read-only iterate
+    x1 = (x0 + np.float32(0.01)).astype(np.float32)
+    x1.setflags(write=False)
+
+    def job(kind: JobKind, s: int) -> Job:
+        ids = (1, 0) if kind == JobKind.GRAD_PAIR else (0,)
+        return Job(job_id=s, kind=kind, created_at=0, iterate_ids=ids, seed=s, batch_size=batch_size)
+
+    def grads(kind: JobKind, s: int, points: tuple) -> tuple:
+        try:
+            out, _, _ = compute_grads(job(kind, s), points, p)
+        except BadGradient as e:
+            raise AssertionError(f"{name}: {e}") from None
+        for g in out:
+            assert np.isfinite(g).all(), f"{name}: {kind.name.lower()} at seed {s} gave non-finite values"
+        return out
+
+    fresh = bool(getattr(p, "fresh_gradients", False))
+    kept: list[tuple[np.ndarray, np.ndarray]] = []  # (the array returned, its values then)
+
+    def keep(out: tuple) -> tuple:
+        kept.extend((g, g.copy()) for g in out)
+        return out
+
+    a = keep(grads(JobKind.GRAD, seed, (x0,)))
+    b = keep(grads(JobKind.GRAD, seed, (x0,)))
+    assert np.array_equal(a[0], b[0]), \
+        f"{name}: grad(x, seed={seed}) gave other bits on a second call: grad must be a pure function of " \
+        f"(x, seed, batch_size) on CPU, or replay and the simulator cannot reproduce a run"
+    keep(grads(JobKind.GRAD, seed + 1, (x0,)))
+    pair = keep(grads(JobKind.GRAD_PAIR, seed + 2, (x1, x0)))
+    again = keep(grads(JobKind.GRAD_PAIR, seed + 2, (x1, x0)))
+    assert all(np.array_equal(u, v) for u, v in zip(pair, again, strict=True)), \
+        f"{name}: grad_pair(x_new, x_old, seed={seed + 2}) gave other bits on a second call"
+    if fresh:
+        for i, (arr, then) in enumerate(kept):
+            assert np.array_equal(arr, then), \
+                f"{name}: declares fresh_gradients = True but a later call wrote into the array call {i + 1} " \
+                f"returned (return a new array per call, or leave fresh_gradients False: the worker then copies)"
+    loss = p.evaluate(x0).get("loss")
+    assert isinstance(loss, (int, float)) and math.isfinite(loss), f"{name}: evaluate gave loss {loss!r}"
