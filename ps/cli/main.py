@@ -2,7 +2,8 @@
 
 A new command goes into the module of its group (ps/cli/serve.py: serve, stop; work.py: work, run;
 simulate.py: simulate, replay; status.py: status, report; dashboard.py; keys.py; launch.py: launch,
-chaos; algorithm_list.py; shard.py; conformance.py) or a module of its own, and is added to :data:`main` below. What
+chaos; algorithm_list.py; shard.py; conformance.py; problem_check.py) or a module of its own, and
+is added to :data:`main` below. What
 several commands share (option groups, callbacks, ``--config``) is in ps/cli/options.py; output
 paths are checked by ps/cli/paths.py.
 
@@ -22,6 +23,7 @@ from ps.cli.conformance import conformance
 from ps.cli.dashboard import dashboard
 from ps.cli.keys import keys
 from ps.cli.launch import chaos, launch
+from ps.cli.problem_check import check_problem
 from ps.cli.serve import serve, stop
 from ps.cli.shard import shard
 from ps.cli.simulate import replay, simulate
@@ -67,7 +69,7 @@ def main() -> None:
 
 # `latecomer --help` lists them sorted by name (_LazyGroup.list_commands), whatever the order here
 for _command in (serve, stop, shard, work, run, simulate, replay, status, report, dashboard, list_algorithms, keys,
-                 launch, chaos, conformance, advise):
+                 launch, chaos, conformance, advise, check_problem):
     main.add_command(_command)
 
 

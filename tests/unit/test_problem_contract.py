@@ -68,3 +68,43 @@ def test_the_own_model_example_meets_the_contract(monkeypatch):
 
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "own_model"))
     check_problem("mymodel:make", {"hidden": 16})
+
+
+UNSEEDED = '''
+import numpy as np
+import latecomer
+
+
+class Noisy(latecomer.Problem):
+    layout = (("w", (3,)),)
+
+    def init_params(self, seed):
+        return np.zeros(3, np.float32)
+
+    def grad(self, x, seed, batch_size):
+        return latecomer.GradResult(np.random.default_rng().standard_normal(3).astype(np.float32), 0.0)
+
+    def evaluate(self, x):
+        return {"loss": 0.0}
+
+
+def make(device="cpu"):
+    return Noisy()
+'''
+
+
+def test_the_check_problem_command_says_ok_or_what_broke_in_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ps.cli.main import main
+
+    r = CliRunner().invoke(main, ["check-problem", "quadratic", "--problem-opt", "d=8"])
+    assert r.exit_code == 0 and "quadratic: meets the problem contract" in r.output, r.output
+    (tmp_path / "noisymod.py").write_text(UNSEEDED)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = CliRunner().invoke(main, ["check-problem", "noisymod:make"])
+    assert r.exit_code == 1 and "pure function of (x, seed, batch_size)" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output, r.output
+    r = CliRunner().invoke(main, ["check-problem", "nosuchmod:make"])
+    assert r.exit_code == 1 and "cannot import module 'nosuchmod'" in r.output, r.output
