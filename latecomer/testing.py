@@ -342,55 +342,59 @@ def check_problem(problem: Any, options: Mapping[str, Any] | None = None, *, see
         AssertionError: with a message naming the problem and what broke.
     """
     from problems.loader import load_problem
-    from protocol.messages import Job, JobKind
-    from worker.compute import BadGradient, compute_grads
 
     p = load_problem(problem, options) if isinstance(problem, str) else problem
     name = getattr(p, "spec", "") or type(p).__name__
+    x0, x1 = _initial_points(p, name, seed)
+    kept: list[tuple[np.ndarray, np.ndarray]] = []  # (an array a call returned, its values then)
+
+    def grads(pair: bool, s: int) -> tuple:
+        out = _problem_grads(p, name, pair, s, (x1, x0) if pair else (x0,), batch_size)
+        kept.extend((g, g.copy()) for g in out)
+        return out
+
+    a, b = grads(False, seed), grads(False, seed)
+    assert np.array_equal(a[0], b[0]), \
+        f"{name}: grad(x, seed={seed}) gave other bits on a second call: grad must be a pure function of " \
+        f"(x, seed, batch_size) on CPU, or replay and the simulator cannot reproduce a run"
+    grads(False, seed + 1)
+    pair, again = grads(True, seed + 2), grads(True, seed + 2)
+    assert all(np.array_equal(u, v) for u, v in zip(pair, again, strict=True)), \
+        f"{name}: grad_pair(x_new, x_old, seed={seed + 2}) gave other bits on a second call"
+    if getattr(p, "fresh_gradients", False):
+        for i, (arr, then) in enumerate(kept):
+            assert np.array_equal(arr, then), \
+                f"{name}: declares fresh_gradients = True but a later call wrote into gradient {i + 1} of the " \
+                f"check (return a new array per call, or leave fresh_gradients False: the worker then copies)"
+    loss = p.evaluate(x0).get("loss")
+    assert isinstance(loss, (int, float)) and math.isfinite(loss), f"{name}: evaluate gave loss {loss!r}"
+
+
+def _initial_points(p: Any, name: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``init_params(seed)`` checked, and a point next to it; both read-only, as a worker passes them."""
     x0 = p.init_params(seed)
     assert isinstance(x0, np.ndarray) and x0.dtype == np.float32 and x0.shape == (p.dim,), \
         f"{name}: init_params gave {type(x0).__name__} {getattr(x0, 'dtype', '')} {getattr(x0, 'shape', '')}, " \
         f"expected a float32 vector of {p.dim} values (the layout's size)"
     assert np.isfinite(x0).all(), f"{name}: init_params gave non-finite values"
     assert np.array_equal(x0, p.init_params(seed)), f"{name}: init_params({seed}) differs between two calls"
-    x0.setflags(write=False)  # what a worker passes: a read-only iterate
     x1 = (x0 + np.float32(0.01)).astype(np.float32)
-    x1.setflags(write=False)
+    for x in (x0, x1):
+        x.setflags(write=False)
+    return x0, x1
 
-    def job(kind: JobKind, s: int) -> Job:
-        ids = (1, 0) if kind == JobKind.GRAD_PAIR else (0,)
-        return Job(job_id=s, kind=kind, created_at=0, iterate_ids=ids, seed=s, batch_size=batch_size)
 
-    def grads(kind: JobKind, s: int, points: tuple) -> tuple:
-        try:
-            out, _, _ = compute_grads(job(kind, s), points, p)
-        except BadGradient as e:
-            raise AssertionError(f"{name}: {e}") from None
-        for g in out:
-            assert np.isfinite(g).all(), f"{name}: {kind.name.lower()} at seed {s} gave non-finite values"
-        return out
+def _problem_grads(p: Any, name: str, pair: bool, s: int, points: tuple, batch_size: int) -> tuple:
+    """A GRAD (or GRAD_PAIR) job's gradients through the worker's own computation, checked finite."""
+    from protocol.messages import Job, JobKind
+    from worker.compute import BadGradient, compute_grads
 
-    fresh = bool(getattr(p, "fresh_gradients", False))
-    kept: list[tuple[np.ndarray, np.ndarray]] = []  # (the array returned, its values then)
-
-    def keep(out: tuple) -> tuple:
-        kept.extend((g, g.copy()) for g in out)
-        return out
-
-    a = keep(grads(JobKind.GRAD, seed, (x0,)))
-    b = keep(grads(JobKind.GRAD, seed, (x0,)))
-    assert np.array_equal(a[0], b[0]), \
-        f"{name}: grad(x, seed={seed}) gave other bits on a second call: grad must be a pure function of " \
-        f"(x, seed, batch_size) on CPU, or replay and the simulator cannot reproduce a run"
-    keep(grads(JobKind.GRAD, seed + 1, (x0,)))
-    pair = keep(grads(JobKind.GRAD_PAIR, seed + 2, (x1, x0)))
-    again = keep(grads(JobKind.GRAD_PAIR, seed + 2, (x1, x0)))
-    assert all(np.array_equal(u, v) for u, v in zip(pair, again, strict=True)), \
-        f"{name}: grad_pair(x_new, x_old, seed={seed + 2}) gave other bits on a second call"
-    if fresh:
-        for i, (arr, then) in enumerate(kept):
-            assert np.array_equal(arr, then), \
-                f"{name}: declares fresh_gradients = True but a later call wrote into the array call {i + 1} " \
-                f"returned (return a new array per call, or leave fresh_gradients False: the worker then copies)"
-    loss = p.evaluate(x0).get("loss")
-    assert isinstance(loss, (int, float)) and math.isfinite(loss), f"{name}: evaluate gave loss {loss!r}"
+    kind = JobKind.GRAD_PAIR if pair else JobKind.GRAD
+    job = Job(job_id=s, kind=kind, created_at=0, iterate_ids=(1, 0) if pair else (0,), seed=s, batch_size=batch_size)
+    try:
+        out, _, _ = compute_grads(job, points, p)
+    except BadGradient as e:
+        raise AssertionError(f"{name}: {e}") from None
+    for g in out:
+        assert np.isfinite(g).all(), f"{name}: {kind.name.lower()} at seed {s} gave non-finite values"
+    return out
