@@ -1,0 +1,296 @@
+"""Where a small message's time goes between a worker and the server: four server paths, one window.
+
+The raw-pyzmq workload (benchmarks/raw_zmq.py: a msgpack header and one float32 frame each way,
+lockstep, the same libzmq DEALER workers in every row) against four servers:
+
+* ``raw``: raw pyzmq's ROUTER on TCP (the bench's baseline);
+* ``zmtp``: a single-threaded server that speaks ZMTP 3.1 (NULL mechanism, rfc.zeromq.org/spec/23)
+  on the accepted TCP sockets itself, with no libzmq: epoll, ``recv_into`` a per-connection buffer,
+  ``sendmsg`` of the frame headers and the array's own memory;
+* ``front+raw``: the front (ps/net/front.py) relaying to raw pyzmq's ROUTER on a Unix socket, which
+  is latecomer's path today (front, then a libzmq ROUTER in the daemon);
+* ``front+zmtp``: the front relaying to the ZMTP server on a Unix socket.
+
+The server's work is the raw row's in all four (x <- x - lr*g, a new array, sent back), so the
+rows differ only in the path: which processes and threads a message wakes and what copies it.
+``python -m benchmarks.transport_paths`` writes benchmarks/RESULTS-transport.md; the findings are
+in benchmarks/PROFILE.md ("Small messages over TCP"). The ZMTP server here is a measuring
+instrument, not the daemon's transport: it takes DEALER peers only, bounds nothing and trusts
+every peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import select
+import socket
+import struct
+import sys
+import tempfile
+import time
+
+GREETING = bytes.fromhex("ff00000000000000017f") + b"\x03\x01" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+VARIANTS = ("raw", "zmtp", "front+raw", "front+zmtp")
+
+
+def command(name: bytes, props: dict[bytes, bytes]) -> bytes:
+    """A ZMTP command frame (name, then properties: 1-byte name length, 4-byte value length)."""
+    body = bytes([len(name)]) + name
+    for k, v in props.items():
+        body += bytes([len(k)]) + k + struct.pack(">I", len(v)) + v
+    return frame_header(len(body), COMMAND) + body
+
+
+def frame_header(size: int, flags: int = 0) -> bytes:
+    return bytes([flags, size]) if size < 256 else bytes([flags | LONG]) + struct.pack(">Q", size)
+
+
+READY = command(b"READY", {b"Socket-Type": b"ROUTER"})
+
+
+class _Conn:
+    __slots__ = ("s", "buf", "have", "used", "greeted", "frames", "out", "writing")
+
+    def __init__(self, s: socket.socket) -> None:
+        self.s, self.buf, self.have, self.used, self.greeted = s, bytearray(1 << 16), 0, 0, False
+        self.frames: list = []
+        self.out: collections.deque = collections.deque()  # memoryviews still to send
+        self.writing = False  # registered for EPOLLOUT (what it sends waits for room)
+
+
+def compact(c: _Conn) -> None:
+    """Drop the bytes :func:`parse` used (after their messages were handled: large frames are views)."""
+    if c.used:
+        rest = c.have - c.used
+        c.buf[:rest] = bytes(c.buf[c.used:c.have])
+        c.have, c.used = rest, 0
+
+
+def parse(c: _Conn) -> list[list]:
+    """The whole messages in ``c``'s buffer: frames below 4 KiB as bytes, larger ones as views of
+    the buffer, valid until :func:`compact`; the rest stays for the next read."""
+    msgs, pos, buf = [], 0, c.buf
+    if not c.greeted:
+        if c.have < 64:
+            return msgs
+        if buf[0] != 0xFF or buf[9] != 0x7F or buf[10] < 3:
+            raise ValueError("not a ZMTP 3 greeting")
+        pos, c.greeted = 64, True
+    while c.have - pos >= 2:
+        flags = buf[pos]
+        if flags & LONG:
+            if c.have - pos < 9:
+                break
+            size, hl = struct.unpack_from(">Q", buf, pos + 1)[0], 9
+        else:
+            size, hl = buf[pos + 1], 2
+        if c.have - pos < hl + size:
+            if hl + size > len(buf):  # a larger frame than the buffer holds: a larger buffer
+                nb = bytearray(max(hl + size, 2 * len(buf)))
+                nb[:c.have - pos] = buf[pos:c.have]
+                c.buf, c.have, c.used = nb, c.have - pos, 0
+                return msgs
+            break
+        body = bytes(buf[pos + hl:pos + hl + size]) if size < 4096 else memoryview(buf)[pos + hl:pos + hl + size]
+        pos += hl + size
+        if flags & COMMAND:  # READY, PING: nothing to answer in this workload
+            continue
+        c.frames.append(body)
+        if not flags & MORE:
+            msgs.append(c.frames)
+            c.frames = []
+    c.used = pos
+    return msgs
+
+
+def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
+    """The ZMTP server's loop on ``listener`` (TCP or Unix): the raw row's update per message.
+    ``stop``: a threading.Event that ends it (looked at every 0.1 s; None: it runs until killed)."""
+    import msgpack
+    import numpy as np
+
+    from benchmarks.common import LR
+
+    ep = select.epoll()
+    ep.register(listener.fileno(), select.EPOLLIN)
+    conns: dict[int, _Conn] = {}
+    x, version = np.zeros(d, np.float32), 0
+
+    def flush(c: _Conn) -> None:
+        while c.out:
+            try:
+                sent = c.s.sendmsg(list(c.out)[:64])
+            except BlockingIOError:
+                break
+            while sent and sent >= len(c.out[0]):
+                sent -= len(c.out.popleft())
+            if sent:
+                c.out[0] = c.out[0][sent:]
+        if c.writing != bool(c.out):
+            c.writing = bool(c.out)
+            ep.modify(c.s.fileno(), select.EPOLLIN | (select.EPOLLOUT if c.writing else 0))
+
+    while stop is None or not stop.is_set():
+        for fd, ev in ep.poll(-1 if stop is None else 0.1):
+            if fd == listener.fileno():
+                s, _ = listener.accept()
+                s.setblocking(False)
+                if s.family != socket.AF_UNIX:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c = conns[s.fileno()] = _Conn(s)
+                c.out.append(memoryview(GREETING + READY))
+                ep.register(s.fileno(), select.EPOLLIN)
+                flush(c)
+                continue
+            c = conns[fd]
+            if ev & select.EPOLLOUT:
+                flush(c)
+            if not ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                continue
+            try:
+                n = c.s.recv_into(memoryview(c.buf)[c.have:])
+            except BlockingIOError:
+                continue
+            except OSError:
+                n = 0
+            if n == 0:
+                ep.unregister(fd)
+                c.s.close()
+                del conns[fd]
+                continue
+            c.have += n
+            for head, g in parse(c):
+                msgpack.unpackb(head)
+                x = x - np.float32(LR) * np.frombuffer(g, dtype="<f4")
+                version += 1
+                h = msgpack.packb({"v": version, "dtype": "<f4", "shape": [d]})
+                c.out.extend((memoryview(frame_header(len(h), MORE) + h + frame_header(x.nbytes)),
+                              memoryview(x).cast("B")))
+            compact(c)
+            if c.out:
+                flush(c)
+    for c in conns.values():
+        c.s.close()
+    ep.close()
+
+
+def zmtp_server(d: int, q_srv) -> None:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    q_srv.put(("up", os.getpid(), "tcp://127.0.0.1:%d" % ls.getsockname()[1]))
+    serve_zmtp(ls, d)
+
+
+def _raw_backend(path: str, d: int) -> None:
+    import msgpack
+    import numpy as np
+    import zmq
+
+    from benchmarks.common import LR
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.linger = 0
+    s.sndhwm = s.rcvhwm = 0
+    s.bind("ipc://" + path)
+    x, version = np.zeros(d, np.float32), 0
+    while True:
+        ident, head, frame = s.recv_multipart(copy=False)
+        msgpack.unpackb(head.bytes)
+        x = x - np.float32(LR) * np.frombuffer(frame.buffer, dtype="<f4")
+        version += 1
+        s.send_multipart([ident, msgpack.packb({"v": version, "dtype": "<f4", "shape": [d]}), x], copy=False)
+
+
+def front_server(backend: str, d: int, q_srv) -> None:
+    """The front in this process, the backend server in a forked child that dies with it."""
+    from ps.net.front import Front, Limits, endpoint_of, listen
+
+    path = os.path.join(tempfile.mkdtemp(prefix="latecomer-paths-"), "s")
+    pid = os.fork()
+    if pid == 0:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: reaped with the front
+        if backend == "raw":
+            _raw_backend(path, d)
+        else:
+            ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            ls.bind(path)
+            ls.listen(64)
+            serve_zmtp(ls, d)
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pub = listen("tcp://127.0.0.1:0")
+    limits = Limits(mechanism=b"NULL", max_frame_bytes=d * 8 + 8192, max_message_bytes=d * 16 + 65536,
+                    max_frames=16, max_pending_bytes=1 << 30)
+    front = Front(pub, limits)
+    front.set_backend(path)
+    q_srv.put(("up", os.getpid(), endpoint_of(pub, "tcp://127.0.0.1:0")))
+    while True:
+        front.run_once(1.0)
+
+
+def run(variant: str, d: int, workers: int, seconds: float, warmup: float):
+    from benchmarks import raw_zmq
+    from benchmarks.common import run_mp_cell
+
+    if variant == "raw":
+        return raw_zmq.run(d, workers, seconds, warmup)
+    if variant == "zmtp":
+        server, args = zmtp_server, (d,)
+    else:
+        server, args = front_server, (variant.split("+")[1], d)
+    return run_mp_cell(variant, server, args, raw_zmq.worker, (d,), d, workers, seconds, warmup, server_grace=0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1000,100000")
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=2, help="each cell this many times, variants alternating")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                   "RESULTS-transport.md"))
+    a = ap.parse_args(argv)
+    from benchmarks.common import machine
+
+    rows = []
+    for d in map(int, a.sizes.split(",")):
+        for w in map(int, a.workers.split(",")):
+            got: dict[str, list] = {v: [] for v in VARIANTS}
+            for _ in range(a.rounds):
+                for v in VARIANTS:
+                    r = run(v, d, w, a.seconds, 0.5)
+                    got[v].append(r)
+                    print(f"{v:11s} d={d:<8d} workers={w} {r.updates_per_s:9.1f} upd/s "
+                          f"{r.cpu_s_per_update * 1e3:6.3f} ms CPU/upd {r.skipped}", flush=True)
+            rows.append((d, w, got))
+    lines = ["# Four server paths for one small-message workload", "",
+             f"{time.strftime('%Y-%m-%d')}. Machine: {machine()}", "",
+             "`python -m benchmarks.transport_paths` (module docstring: what each path is). Updates/s per round "
+             "(variants alternating within a round), and the ratio of each round's figure to raw pyzmq's in the "
+             "same round. Server CPU: the server's process tree (the front and its backend together), ms per update.",
+             "", "| d | workers | path | updates/s | / raw | server CPU ms/upd |", "|---|---|---|---|---|---|"]
+    for d, w, got in rows:
+        for v in VARIANTS:
+            ups = [r.updates_per_s for r in got[v]]
+            ratio = [r.updates_per_s / b.updates_per_s for r, b in zip(got[v], got["raw"])]
+            cpu = [r.cpu_s_per_update * 1e3 for r in got[v]]
+            lines.append(f"| {d:,} | {w} | {v} | {' / '.join(f'{u:,.0f}' for u in ups)} | "
+                         f"{' / '.join(f'{x:.2f}' for x in ratio)} | {' / '.join(f'{x:.3f}' for x in cpu)} |")
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
