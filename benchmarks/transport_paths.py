@@ -5,8 +5,9 @@ lockstep, the same libzmq DEALER workers in every row) against four servers:
 
 * ``raw``: raw pyzmq's ROUTER on TCP (the bench's baseline);
 * ``zmtp``: a single-threaded server that speaks ZMTP 3.1 (NULL mechanism, rfc.zeromq.org/spec/23)
-  on the accepted TCP sockets itself, with no libzmq: epoll, ``recv_into`` a per-connection buffer,
-  ``sendmsg`` of the frame headers and the array's own memory;
+  on the accepted TCP sockets itself, with no libzmq: epoll, protocol/zmtp.py's sans-I/O codec
+  (``recv_into`` its buffer; a large frame straight into a buffer of its own), ``sendmsg`` of the
+  frame headers and the array's own memory;
 * ``front+raw``: the front (ps/net/front.py) relaying to raw pyzmq's ROUTER on a Unix socket, which
   is latecomer's path today (front, then a libzmq ROUTER in the daemon);
 * ``front+zmtp``: the front relaying to the ZMTP server on a Unix socket.
@@ -15,8 +16,8 @@ The server's work is the raw row's in all four (x <- x - lr*g, a new array, sent
 rows differ only in the path: which processes and threads a message wakes and what copies it.
 ``python -m benchmarks.transport_paths`` writes benchmarks/RESULTS-transport.md; the findings are
 in benchmarks/PROFILE.md ("Small messages over TCP"). The ZMTP server here is a measuring
-instrument, not the daemon's transport: it takes DEALER peers only, bounds nothing and trusts
-every peer.
+instrument, not the daemon's transport: it takes DEALER peers only and bounds what one peer
+sends (the codec's limits), not how many connect or how fast.
 """
 
 from __future__ import annotations
@@ -26,84 +27,20 @@ import collections
 import os
 import select
 import socket
-import struct
 import sys
 import tempfile
 import time
 
-GREETING = bytes.fromhex("ff00000000000000017f") + b"\x03\x01" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
-MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 VARIANTS = ("raw", "zmtp", "front+raw", "front+zmtp")
 
 
-def command(name: bytes, props: dict[bytes, bytes]) -> bytes:
-    """A ZMTP command frame (name, then properties: 1-byte name length, 4-byte value length)."""
-    body = bytes([len(name)]) + name
-    for k, v in props.items():
-        body += bytes([len(k)]) + k + struct.pack(">I", len(v)) + v
-    return frame_header(len(body), COMMAND) + body
-
-
-def frame_header(size: int, flags: int = 0) -> bytes:
-    return bytes([flags, size]) if size < 256 else bytes([flags | LONG]) + struct.pack(">Q", size)
-
-
-READY = command(b"READY", {b"Socket-Type": b"ROUTER"})
-
-
 class _Conn:
-    __slots__ = ("s", "buf", "have", "used", "greeted", "frames", "out", "writing")
+    __slots__ = ("s", "z", "out", "writing")
 
-    def __init__(self, s: socket.socket) -> None:
-        self.s, self.buf, self.have, self.used, self.greeted = s, bytearray(1 << 16), 0, 0, False
-        self.frames: list = []
-        self.out: collections.deque = collections.deque()  # memoryviews still to send
+    def __init__(self, s: socket.socket, z) -> None:
+        self.s, self.z = s, z  # the socket, its protocol.zmtp.Connection
+        self.out: collections.deque = collections.deque()  # buffers still to send
         self.writing = False  # registered for EPOLLOUT (what it sends waits for room)
-
-
-def compact(c: _Conn) -> None:
-    """Drop the bytes :func:`parse` used (after their messages were handled: large frames are views)."""
-    if c.used:
-        rest = c.have - c.used
-        c.buf[:rest] = bytes(c.buf[c.used:c.have])
-        c.have, c.used = rest, 0
-
-
-def parse(c: _Conn) -> list[list]:
-    """The whole messages in ``c``'s buffer: frames below 4 KiB as bytes, larger ones as views of
-    the buffer, valid until :func:`compact`; the rest stays for the next read."""
-    msgs, pos, buf = [], 0, c.buf
-    if not c.greeted:
-        if c.have < 64:
-            return msgs
-        if buf[0] != 0xFF or buf[9] != 0x7F or buf[10] < 3:
-            raise ValueError("not a ZMTP 3 greeting")
-        pos, c.greeted = 64, True
-    while c.have - pos >= 2:
-        flags = buf[pos]
-        if flags & LONG:
-            if c.have - pos < 9:
-                break
-            size, hl = struct.unpack_from(">Q", buf, pos + 1)[0], 9
-        else:
-            size, hl = buf[pos + 1], 2
-        if c.have - pos < hl + size:
-            if hl + size > len(buf):  # a larger frame than the buffer holds: a larger buffer
-                nb = bytearray(max(hl + size, 2 * len(buf)))
-                nb[:c.have - pos] = buf[pos:c.have]
-                c.buf, c.have, c.used = nb, c.have - pos, 0
-                return msgs
-            break
-        body = bytes(buf[pos + hl:pos + hl + size]) if size < 4096 else memoryview(buf)[pos + hl:pos + hl + size]
-        pos += hl + size
-        if flags & COMMAND:  # READY, PING: nothing to answer in this workload
-            continue
-        c.frames.append(body)
-        if not flags & MORE:
-            msgs.append(c.frames)
-            c.frames = []
-    c.used = pos
-    return msgs
 
 
 def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
@@ -113,7 +50,10 @@ def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
     import numpy as np
 
     from benchmarks.common import LR
+    from protocol.zmtp import Connection, ZmtpError, ZmtpLimits, frames_out, greeting, pong, ready
 
+    limits = ZmtpLimits(max_frame_bytes=8 * d + 4096, max_message_bytes=8 * d + 8192)
+    hello = greeting(as_server=True) + ready(b"ROUTER")
     ep = select.epoll()
     ep.register(listener.fileno(), select.EPOLLIN)
     conns: dict[int, _Conn] = {}
@@ -140,8 +80,8 @@ def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
                 s.setblocking(False)
                 if s.family != socket.AF_UNIX:
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                c = conns[s.fileno()] = _Conn(s)
-                c.out.append(memoryview(GREETING + READY))
+                c = conns[s.fileno()] = _Conn(s, Connection(limits, alloc=lambda n: np.empty(n, np.uint8)))
+                c.out.append(memoryview(hello))
                 ep.register(s.fileno(), select.EPOLLIN)
                 flush(c)
                 continue
@@ -151,25 +91,26 @@ def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
             if not ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                 continue
             try:
-                n = c.s.recv_into(memoryview(c.buf)[c.have:])
+                n = c.s.recv_into(c.z.buffer())
+                msgs = c.z.advance(n) if n else None
             except BlockingIOError:
                 continue
-            except OSError:
-                n = 0
-            if n == 0:
+            except (OSError, ZmtpError):
+                msgs = None
+            if msgs is None:
                 ep.unregister(fd)
                 c.s.close()
                 del conns[fd]
                 continue
-            c.have += n
-            for head, g in parse(c):
+            for p in c.z.pings:
+                c.out.append(memoryview(pong(p)))
+            c.z.pings.clear()
+            for head, g in msgs:
                 msgpack.unpackb(head)
                 x = x - np.float32(LR) * np.frombuffer(g, dtype="<f4")
                 version += 1
-                h = msgpack.packb({"v": version, "dtype": "<f4", "shape": [d]})
-                c.out.extend((memoryview(frame_header(len(h), MORE) + h + frame_header(x.nbytes)),
-                              memoryview(x).cast("B")))
-            compact(c)
+                c.out.extend(memoryview(b) for b in frames_out(
+                    [msgpack.packb({"v": version, "dtype": "<f4", "shape": [d]}), x]))
             if c.out:
                 flush(c)
     for c in conns.values():
@@ -282,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     for d, w, got in rows:
         for v in VARIANTS:
             ups = [r.updates_per_s for r in got[v]]
-            ratio = [r.updates_per_s / b.updates_per_s for r, b in zip(got[v], got["raw"])]
+            ratio = [r.updates_per_s / b.updates_per_s for r, b in zip(got[v], got["raw"], strict=True)]
             cpu = [r.cpu_s_per_update * 1e3 for r in got[v]]
             lines.append(f"| {d:,} | {w} | {v} | {' / '.join(f'{u:,.0f}' for u in ups)} | "
                          f"{' / '.join(f'{x:.2f}' for x in ratio)} | {' / '.join(f'{x:.3f}' for x in cpu)} |")

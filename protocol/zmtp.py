@@ -1,0 +1,277 @@
+"""ZMTP 3.1 under the NULL mechanism, sans I/O: bytes in, whole messages out; frames out as buffers.
+
+The framing of rfc.zeromq.org/spec/23 (a 64-byte greeting, then frames: a flags byte, a 1- or
+8-byte size, the body; commands are frames flagged COMMAND) and the NULL mechanism's handshake
+(spec/37: each side sends READY with its properties, ``Socket-Type`` and an optional
+``Identity``). Like h11, :class:`Connection` never touches a socket: the caller reads into
+:meth:`Connection.buffer`, says how much came with :meth:`Connection.advance`, and takes what it
+yields; it sends what :func:`greeting`, :func:`ready`, :func:`pong` and :func:`frames_out` return.
+A server may send its greeting and READY at once; a client sends READY only once the server's
+greeting has come (:attr:`Connection.greeted`), as libzmq's clients do: a libzmq ROUTER resets
+some connections whose READY came before it had sent its own greeting (tests/unit/test_zmtp.py).
+
+This is the codec a server needs to read and write its peers' sockets itself, without libzmq and
+its I/O thread (benchmarks/PROFILE.md, "Four server paths": 1.0-1.4x of raw pyzmq's ROUTER on the
+same workload). The bounds are the front's (ps/net/front.py, :class:`~ps.net.front.Limits`),
+checked when a frame's header arrives, before its body is held: a frame above
+``max_frame_bytes``, an unfinished message above ``max_message_bytes`` or ``max_frames``, a
+command above ``max_command_bytes``, reserved flag bits, a command flagged MORE, a greeting that
+is not ZMTP 3 NULL, or a first frame that is not READY raise :class:`ZmtpError` (one line); the
+caller then closes the connection. A connection holds its read buffer (``MIN_READ`` plus the
+largest command) and its unfinished message (at most ``max_message_bytes``), nothing more.
+
+Frames below ``COPY_BELOW`` bytes come out as ``bytes``; a larger one is read into a buffer of its
+own (``alloc``), which :meth:`Connection.buffer` offers for the rest of its body, so a gradient is
+copied once, by the kernel, and whoever takes the message owns it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+RESERVED = 0xF8
+SIGNATURE = bytes.fromhex("ff00000000000000017f")
+GREETING_BYTES = 64
+COPY_BELOW = 4096  # frames below this are copied out (bytes); larger ones are views of the buffer
+MIN_READ = 64 * 1024  # the room the read buffer has beyond the largest command
+_Q = struct.Struct(">Q")
+_I = struct.Struct(">I")
+
+
+class ZmtpError(Exception):
+    """The peer broke the protocol or a bound; the text says how (one line)."""
+
+
+@dataclass(frozen=True)
+class ZmtpLimits:
+    """What one peer may send (see the module docstring).
+
+    Args:
+        max_frame_bytes: the largest frame.
+        max_message_bytes: the most an unfinished message's frames may declare together.
+        max_frames: the most frames in one message.
+        max_command_bytes: the largest command (READY with its properties, PING).
+    """
+
+    max_frame_bytes: int
+    max_message_bytes: int
+    max_frames: int = 16
+    max_command_bytes: int = 64 * 1024
+
+
+def greeting(as_server: bool = False) -> bytes:
+    """This side's greeting: ZMTP 3.1, NULL."""
+    return SIGNATURE + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes([as_server]) + bytes(31)
+
+
+def frame_header(size: int, flags: int = 0) -> bytes:
+    """A frame's flags and size (the short form below 256 bytes)."""
+    return bytes((flags, size)) if size < 256 else bytes((flags | LONG,)) + _Q.pack(size)
+
+
+def command(name: bytes, body: bytes = b"") -> bytes:
+    """A whole command frame: header, the name's length and the name, then ``body``."""
+    data = bytes((len(name),)) + name + body
+    return frame_header(len(data), COMMAND) + data
+
+
+def ready(socket_type: bytes, **properties: bytes) -> bytes:
+    """NULL's READY with ``Socket-Type`` and further properties (``Identity=b"..."``)."""
+    body = b""
+    for k, v in (("Socket-Type", socket_type), *properties.items()):
+        kb = k.encode("ascii")
+        body += bytes((len(kb),)) + kb + _I.pack(len(v)) + v
+    return command(b"READY", body)
+
+
+def pong(context: bytes) -> bytes:
+    """The answer to a PING whose context was ``context`` (spec/37: at most 16 bytes echoed)."""
+    return command(b"PONG", context[:16])
+
+
+def frames_out(frames: list) -> list:
+    """One message as buffers for ``sendmsg``: each frame's header, then the frame itself (not
+    copied: bytes, memoryviews, numpy arrays)."""
+    out: list = []
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        m = f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B")
+        out.append(frame_header(len(m), MORE if i < last else 0))
+        out.append(m)
+    return out
+
+
+def parse_properties(data: bytes) -> dict[str, bytes]:
+    """A READY command's properties (names as ASCII text, first occurrence wins). Raises ZmtpError."""
+    props: dict[str, bytes] = {}
+    i, n = 0, len(data)
+    while i < n:
+        k = data[i]
+        if k == 0 or i + 1 + k + 4 > n:
+            raise ZmtpError("a READY property runs past the command")
+        name = bytes(data[i + 1:i + 1 + k])
+        i += 1 + k
+        (v,) = _I.unpack_from(data, i)
+        i += 4
+        if i + v > n:
+            raise ZmtpError("a READY property's value runs past the command")
+        try:
+            props.setdefault(name.decode("ascii"), bytes(data[i:i + v]))
+        except UnicodeDecodeError:
+            raise ZmtpError("a READY property's name is not ASCII") from None
+        i += v
+    return props
+
+
+class Connection:
+    """One peer's inbound byte stream (see the module docstring).
+
+    ``peer``: the properties of its READY once it came (None before). ``pings``: contexts of
+    PINGs received and not yet answered (the caller sends :func:`pong` for each and clears it).
+    ``unfinished``: bytes the current message has declared so far (for a bound over all
+    connections). ``alloc(n)``: a writable buffer of ``n`` bytes for a large frame (default
+    ``bytearray``), which then belongs to whoever takes the message."""
+
+    __slots__ = ("limits", "alloc", "buf", "have", "used", "greeted", "peer", "pings", "parts", "unfinished",
+                 "big", "big_at", "big_flags")
+
+    def __init__(self, limits: ZmtpLimits, alloc=bytearray) -> None:
+        self.limits, self.alloc = limits, alloc
+        self.buf = bytearray(MIN_READ + limits.max_command_bytes + 16)  # headers, small frames, commands
+        self.have = 0  # bytes in buf
+        self.used = 0  # of which parsed
+        self.greeted = False
+        self.peer: dict[str, bytes] | None = None
+        self.pings: list[bytes] = []
+        self.parts: list = []  # the unfinished message's frames
+        self.unfinished = 0
+        self.big = None  # a large frame's own buffer while its body arrives
+        self.big_at = 0  # its bytes filled
+        self.big_flags = 0
+
+    def buffer(self) -> memoryview:
+        """Where the next read goes: the rest of a large frame's own buffer, or the read buffer."""
+        if self.big is not None:
+            return memoryview(self.big).cast("B")[self.big_at:]
+        if self.used:
+            rest = self.have - self.used
+            self.buf[:rest] = self.buf[self.used:self.have]
+            self.have, self.used = rest, 0
+        return memoryview(self.buf)[self.have:]
+
+    def advance(self, n: int) -> list[list]:
+        """``n`` bytes were read into :meth:`buffer`: the messages now whole, each a list of frames
+        (``bytes`` below COPY_BELOW, else the buffer ``alloc`` made). Raises ZmtpError."""
+        if self.big is None:
+            self.have += n
+            return self._parse()
+        self.big_at += n
+        msgs: list[list] = []
+        if self.big_at == memoryview(self.big).nbytes:
+            self._whole(self.big, self.big_flags, msgs)
+            self.big = None
+        return msgs
+
+    def _whole(self, frame, flags: int, msgs: list) -> None:
+        self.parts.append(frame)
+        if not flags & MORE:
+            msgs.append(self.parts)
+            self.parts, self.unfinished = [], 0
+
+    def _parse(self) -> list[list]:
+        msgs: list[list] = []
+        buf, at, lim = self.buf, self.used, self.limits
+        if not self.greeted:
+            if self.have < GREETING_BYTES:
+                self._check_greeting(bytes(buf[:self.have]))
+                return msgs
+            self._check_greeting(bytes(buf[:GREETING_BYTES]))
+            at, self.greeted = GREETING_BYTES, True
+        while self.have - at >= 2:
+            flags = buf[at]
+            if flags & LONG:
+                if self.have - at < 9:
+                    break
+                size, hl = _Q.unpack_from(buf, at + 1)[0], 9
+            else:
+                size, hl = buf[at + 1], 2
+            self._check_frame(flags, size, lim)
+            if not flags & COMMAND and size >= COPY_BELOW:  # its own buffer; the rest is read into it
+                if self.peer is None:
+                    raise ZmtpError("a message before the peer's READY")
+                body_at = at + hl
+                k = min(size, self.have - body_at)
+                big = self.alloc(size)
+                memoryview(big).cast("B")[:k] = buf[body_at:body_at + k]
+                at = body_at + k
+                if k == size:
+                    self._whole(big, flags, msgs)
+                    continue
+                self.big, self.big_at, self.big_flags = big, k, flags
+                break
+            if self.have - at < hl + size:
+                break
+            body_at = at + hl
+            at = body_at + size
+            if flags & COMMAND:
+                self._command(bytes(buf[body_at:at]))
+                continue
+            if self.peer is None:
+                raise ZmtpError("a message before the peer's READY")
+            self._whole(bytes(buf[body_at:at]), flags, msgs)
+        self.used = at
+        return msgs
+
+    def _check_greeting(self, g: bytes) -> None:
+        if g[:1] and g[0] != 0xFF:
+            raise ZmtpError("not a ZMTP 3 greeting (ZMTP 1.0 or not ZeroMQ)")
+        if len(g) > 9 and not g[9] & 0x01:
+            raise ZmtpError("not a ZMTP 3 greeting (ZMTP 1.0)")
+        if len(g) > 10 and g[10] < 3:
+            raise ZmtpError(f"ZMTP {g[10]}.x peers are not served (ZMTP 3 or later)")
+        if len(g) >= 32 and g[12:32].rstrip(b"\x00") != b"NULL":
+            shown = g[12:32].rstrip(b"\x00").decode("ascii", "replace")
+            raise ZmtpError(f"security mechanism {shown!r}: this connection speaks NULL")
+
+    def _check_frame(self, flags: int, size: int, lim: ZmtpLimits) -> None:
+        """A frame's header, before its body is held (a small frame's header is looked at again
+        after each read until its body is whole: the figures are recomputed, not added to)."""
+        if flags & RESERVED:
+            raise ZmtpError(f"frame flags {flags:#04x} have reserved bits set")
+        if flags & COMMAND:
+            if flags & MORE:
+                raise ZmtpError("a command frame with MORE set")
+            if size > lim.max_command_bytes:
+                raise ZmtpError(f"a {size}-byte command frame (at most {lim.max_command_bytes})")
+            return
+        if size > lim.max_frame_bytes:
+            raise ZmtpError(f"a {size}-byte frame (at most {lim.max_frame_bytes})")
+        if len(self.parts) + 1 > lim.max_frames:
+            raise ZmtpError(f"a message of more than {lim.max_frames} frames")
+        unfinished = sum(memoryview(p).nbytes for p in self.parts) + size  # its whole frames and this one
+        if unfinished > lim.max_message_bytes:
+            raise ZmtpError(f"a message of more than {lim.max_message_bytes} bytes")
+        self.unfinished = unfinished
+
+    def _command(self, data: bytes) -> None:
+        if not data or 1 + data[0] > len(data):
+            raise ZmtpError("a command without a name")
+        name, body = data[1:1 + data[0]], data[1 + data[0]:]
+        if self.peer is None:
+            if name != b"READY":
+                raise ZmtpError(f"the first command is {name[:20]!r}, not READY")
+            self.peer = parse_properties(body)
+        elif name == b"PING":  # TTL (2 bytes), then a context of at most 16 bytes
+            if len(body) < 2:
+                raise ZmtpError("a PING without its TTL")
+            if len(self.pings) < 16:  # a peer that never reads our PONGs holds at most 16
+                self.pings.append(bytes(body[2:18]))
+        elif name == b"ERROR":
+            raise ZmtpError(f"the peer sent ERROR: {bytes(body[1:1 + body[:1][0]] if body else b'')[:80]!r}")
+        # READY again, PONG, SUBSCRIBE and unknown commands: nothing to do (spec/23 ignores them)
+
+
+__all__ = ["Connection", "ZmtpError", "ZmtpLimits", "command", "frame_header", "frames_out", "greeting",
+           "parse_properties", "pong", "ready"]
