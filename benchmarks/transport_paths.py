@@ -1,7 +1,7 @@
-"""Where a small message's time goes between a worker and the server: four server paths, one window.
+"""Where a small message's time goes between a worker and the server: five server paths, one window.
 
 The raw-pyzmq workload (benchmarks/raw_zmq.py: a msgpack header and one float32 frame each way,
-lockstep, the same libzmq DEALER workers in every row) against four servers:
+lockstep, the same libzmq DEALER workers in every row) against five servers:
 
 * ``raw``: raw pyzmq's ROUTER on TCP (the bench's baseline);
 * ``zmtp``: a single-threaded server that speaks ZMTP 3.1 (NULL mechanism, rfc.zeromq.org/spec/23)
@@ -10,9 +10,12 @@ lockstep, the same libzmq DEALER workers in every row) against four servers:
   frame headers and the array's own memory;
 * ``front+raw``: the front (ps/net/front.py) relaying to raw pyzmq's ROUTER on a Unix socket, which
   is latecomer's path today (front, then a libzmq ROUTER in the daemon);
-* ``front+zmtp``: the front relaying to the ZMTP server on a Unix socket.
+* ``front+zmtp``: the front relaying to the ZMTP server on a Unix socket;
+* ``handover``: a front process that only accepts, runs the NULL handshake and passes the
+  connection's descriptor to the ZMTP server in another process (``SCM_RIGHTS``): the design
+  benchmarks/PROFILE.md arrives at, without the front's bounds (the ZMTP server's codec has them).
 
-The server's work is the raw row's in all four (x <- x - lr*g, a new array, sent back), so the
+The server's work is the raw row's in all five (x <- x - lr*g, a new array, sent back), so the
 rows differ only in the path: which processes and threads a message wakes and what copies it.
 ``python -m benchmarks.transport_paths`` writes benchmarks/RESULTS-transport.md; the findings are
 in benchmarks/PROFILE.md ("Small messages over TCP"). The ZMTP server here is a measuring
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("raw", "zmtp", "front+raw", "front+zmtp")
+VARIANTS = ("raw", "zmtp", "front+raw", "front+zmtp", "handover")
 
 
 class _Conn:
@@ -43,9 +46,11 @@ class _Conn:
         self.writing = False  # registered for EPOLLOUT (what it sends waits for room)
 
 
-def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
+def serve_zmtp(listener: socket.socket, d: int, stop=None, handover: bool = False) -> None:
     """The ZMTP server's loop on ``listener`` (TCP or Unix): the raw row's update per message.
-    ``stop``: a threading.Event that ends it (looked at every 0.1 s; None: it runs until killed)."""
+    ``stop``: a threading.Event that ends it (looked at every 0.1 s; None: it runs until killed).
+    ``handover``: ``listener`` is instead a Unix datagram socket on which :func:`hand_over` passes
+    connections whose handshake is done (their descriptor, and the bytes read from them so far)."""
     import msgpack
     import numpy as np
 
@@ -76,28 +81,43 @@ def serve_zmtp(listener: socket.socket, d: int, stop=None) -> None:
     while stop is None or not stop.is_set():
         for fd, ev in ep.poll(-1 if stop is None else 0.1):
             if fd == listener.fileno():
-                s, _ = listener.accept()
+                if handover:  # the front's greeting and READY went out; the client's came in ``seen``
+                    seen, fds, _, _ = socket.recv_fds(listener, 1 << 17, 1)
+                    if not fds:
+                        continue
+                    s = socket.socket(fileno=fds[0])
+                else:
+                    s, _ = listener.accept()
+                    seen = b""
                 s.setblocking(False)
                 if s.family != socket.AF_UNIX:
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 c = conns[s.fileno()] = _Conn(s, Connection(limits, alloc=lambda n: np.empty(n, np.uint8)))
-                c.out.append(memoryview(hello))
                 ep.register(s.fileno(), select.EPOLLIN)
-                flush(c)
-                continue
-            c = conns[fd]
-            if ev & select.EPOLLOUT:
-                flush(c)
-            if not ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
-                continue
-            try:
-                n = c.s.recv_into(c.z.buffer())
-                msgs = c.z.advance(n) if n else None
-            except BlockingIOError:
-                continue
-            except (OSError, ZmtpError):
-                msgs = None
+                if not seen:
+                    c.out.append(memoryview(hello))
+                    flush(c)
+                    continue
+                c.z.buffer()[:len(seen)] = seen  # (at most 4 KiB: the front reads no more at once)
+                try:
+                    msgs = c.z.advance(len(seen))
+                except ZmtpError:
+                    msgs = None
+            else:
+                c = conns[fd]
+                if ev & select.EPOLLOUT:
+                    flush(c)
+                if not ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                    continue
+                try:
+                    n = c.s.recv_into(c.z.buffer())
+                    msgs = c.z.advance(n) if n else None
+                except BlockingIOError:
+                    continue
+                except (OSError, ZmtpError):
+                    msgs = None
             if msgs is None:
+                fd = c.s.fileno()
                 ep.unregister(fd)
                 c.s.close()
                 del conns[fd]
@@ -179,6 +199,62 @@ def front_server(backend: str, d: int, q_srv) -> None:
         front.run_once(1.0)
 
 
+def hand_over(d: int, q_srv) -> None:
+    """A front that hands connections over: it accepts, sends the server's greeting and READY,
+    reads the client's (protocol/zmtp.py), then passes the descriptor and the bytes it read to
+    the ZMTP server in a forked child (``SCM_RIGHTS`` on a Unix datagram socket) and closes its
+    own copy. Nothing of a message passes through it: the prototype of the hand-over
+    (benchmarks/PROFILE.md), without the front's other duties."""
+    from protocol.zmtp import Connection, ZmtpError, ZmtpLimits, greeting, ready
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    pid = os.fork()
+    if pid == 0:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: reaped with the front
+        mine.close()
+        serve_zmtp(theirs, d, handover=True)
+        os._exit(0)
+    theirs.close()
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    q_srv.put(("up", os.getpid(), "tcp://127.0.0.1:%d" % ls.getsockname()[1]))
+    hello = greeting(as_server=True) + ready(b"ROUTER")
+    ep = select.epoll()
+    ep.register(ls.fileno(), select.EPOLLIN)
+    waiting: dict[int, tuple[socket.socket, Connection, bytearray]] = {}
+    while True:
+        for fd, _ in ep.poll():
+            if fd == ls.fileno():
+                c, _ = ls.accept()
+                c.sendall(hello)
+                c.setblocking(False)
+                waiting[c.fileno()] = (c, Connection(ZmtpLimits(8 * d + 4096, 8 * d + 8192)), bytearray())
+                ep.register(c.fileno(), select.EPOLLIN)
+                continue
+            c, z, seen = waiting[fd]
+            try:
+                room = z.buffer()
+                n = c.recv_into(room, 4096)
+                if n:
+                    seen += room[:n]
+                    z.advance(n)
+            except BlockingIOError:
+                continue
+            except (OSError, ZmtpError):
+                n = 0
+            if n and z.peer is None:
+                continue
+            ep.unregister(fd)
+            del waiting[fd]
+            if n:
+                socket.send_fds(mine, [bytes(seen)], [c.fileno()])
+            c.close()
+
+
 def run(variant: str, d: int, workers: int, seconds: float, warmup: float):
     from benchmarks import raw_zmq
     from benchmarks.common import run_mp_cell
@@ -187,6 +263,8 @@ def run(variant: str, d: int, workers: int, seconds: float, warmup: float):
         return raw_zmq.run(d, workers, seconds, warmup)
     if variant == "zmtp":
         server, args = zmtp_server, (d,)
+    elif variant == "handover":
+        server, args = hand_over, (d,)
     else:
         server, args = front_server, (variant.split("+")[1], d)
     return run_mp_cell(variant, server, args, raw_zmq.worker, (d,), d, workers, seconds, warmup, server_grace=0.2)
@@ -214,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{v:11s} d={d:<8d} workers={w} {r.updates_per_s:9.1f} upd/s "
                           f"{r.cpu_s_per_update * 1e3:6.3f} ms CPU/upd {r.skipped}", flush=True)
             rows.append((d, w, got))
-    lines = ["# Four server paths for one small-message workload", "",
+    lines = ["# Five server paths for one small-message workload", "",
              f"{time.strftime('%Y-%m-%d')}. Machine: {machine()}", "",
              "`python -m benchmarks.transport_paths` (module docstring: what each path is). Updates/s per round "
              "(variants alternating within a round), and the ratio of each round's figure to raw pyzmq's in the "

@@ -11,7 +11,7 @@ greeting has come (:attr:`Connection.greeted`), as libzmq's clients do: a libzmq
 some connections whose READY came before it had sent its own greeting (tests/unit/test_zmtp.py).
 
 This is the codec a server needs to read and write its peers' sockets itself, without libzmq and
-its I/O thread (benchmarks/PROFILE.md, "Four server paths": 1.0-1.4x of raw pyzmq's ROUTER on the
+its I/O thread (benchmarks/PROFILE.md, "Five server paths": 0.86-1.87x of raw pyzmq's ROUTER on the
 same workload). The bounds are the front's (ps/net/front.py, :class:`~ps.net.front.Limits`),
 checked when a frame's header arrives, before its body is held: a frame above
 ``max_frame_bytes``, an unfinished message above ``max_message_bytes`` or ``max_frames``, a

@@ -44,3 +44,13 @@ def test_a_libzmq_dealer_gets_the_updated_iterate_back(d):
         server.join(10)
         ls.close()
     assert not server.is_alive()
+
+
+def test_the_handover_path_serves_workers_through_descriptors_passed_after_the_handshake():
+    """The hand-over prototype end to end (spawned front, forked ZMTP server, two libzmq workers):
+    every update in the cell went through a connection the front passed on after READY."""
+    from benchmarks.transport_paths import run
+
+    r = run("handover", 1000, 2, 0.5, 0.2)
+    assert not r.skipped, r.skipped
+    assert r.updates > 20 and r.updates_per_s > 0
