@@ -132,14 +132,16 @@ class Connection:
     PINGs received and not yet answered (the caller sends :func:`pong` for each and clears it).
     ``unfinished``: bytes the current message has declared so far (for a bound over all
     connections). ``alloc(n)``: a writable buffer of ``n`` bytes for a large frame (default
-    ``bytearray``), which then belongs to whoever takes the message."""
+    ``bytearray``), which then belongs to whoever takes the message; ``small(view)``: a frame below
+    ``COPY_BELOW`` made from a view of the read buffer (default ``bytes``: a copy)."""
 
-    __slots__ = ("limits", "alloc", "buf", "have", "used", "greeted", "peer", "pings", "parts", "unfinished",
-                 "big", "big_at", "big_flags")
+    __slots__ = ("limits", "alloc", "small", "cap", "buf", "have", "used", "greeted", "peer", "pings", "parts",
+                 "unfinished", "big", "big_at", "big_flags", "seen")
 
-    def __init__(self, limits: ZmtpLimits, alloc=bytearray) -> None:
-        self.limits, self.alloc = limits, alloc
-        self.buf = bytearray(MIN_READ + limits.max_command_bytes + 16)  # headers, small frames, commands
+    def __init__(self, limits: ZmtpLimits, alloc=bytearray, small=bytes, first_read: int = 0) -> None:
+        self.limits, self.alloc, self.small = limits, alloc, small
+        self.cap = MIN_READ + limits.max_command_bytes + 16  # the read buffer's most: headers, small frames, commands
+        self.buf = bytearray(max(COPY_BELOW + 16, min(first_read or self.cap, self.cap)))  # grows as reads fill it
         self.have = 0  # bytes in buf
         self.used = 0  # of which parsed
         self.greeted = False
@@ -150,6 +152,7 @@ class Connection:
         self.big = None  # a large frame's own buffer while its body arrives
         self.big_at = 0  # its bytes filled
         self.big_flags = 0
+        self.seen = 0  # frames read whole so far, commands included (a bound on a peer's frame rate)
 
     def buffer(self) -> memoryview:
         """Where the next read goes: the rest of a large frame's own buffer, or the read buffer."""
@@ -159,6 +162,9 @@ class Connection:
             rest = self.have - self.used
             self.buf[:rest] = self.buf[self.used:self.have]
             self.have, self.used = rest, 0
+        size = len(self.buf)
+        if size - self.have < COPY_BELOW and size < self.cap:  # reads fill it: room for more (a command)
+            self.buf.extend(bytes(min(self.cap, 2 * size) - size))
         return memoryview(self.buf)[self.have:]
 
     def advance(self, n: int) -> list[list]:
@@ -174,7 +180,13 @@ class Connection:
             self.big = None
         return msgs
 
+    @property
+    def mid(self) -> bool:
+        """Whether a message (or a frame, or a command) has begun and is not whole yet."""
+        return bool(self.parts) or self.big is not None or self.have > self.used
+
     def _whole(self, frame, flags: int, msgs: list) -> None:
+        self.seen += 1
         self.parts.append(frame)
         if not flags & MORE:
             msgs.append(self.parts)
@@ -220,7 +232,7 @@ class Connection:
                 continue
             if self.peer is None:
                 raise ZmtpError("a message before the peer's READY")
-            self._whole(bytes(buf[body_at:at]), flags, msgs)
+            self._whole(self.small(memoryview(buf)[body_at:at]), flags, msgs)
         self.used = at
         return msgs
 
@@ -256,6 +268,7 @@ class Connection:
         self.unfinished = unfinished
 
     def _command(self, data: bytes) -> None:
+        self.seen += 1
         if not data or 1 + data[0] > len(data):
             raise ZmtpError("a command without a name")
         name, body = data[1:1 + data[0]], data[1 + data[0]:]

@@ -198,13 +198,16 @@ class Daemon:
             poller.register(self.hub.sock, zmq.POLLIN)
         if self.transport.sealed is not None:  # the sealed data path (ps/net/sealed.py)
             poller.register(self.transport.sealed.sock, zmq.POLLIN)
+        handed = self.transport.handed  # connections the front handed over (ps/net/handover.py)
+        if handed is not None:
+            poller.register(handed, zmq.POLLIN)
         self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:
                 ready = poller.poll(self._timeout_ms(self.clock()))
                 if self.hub is not None:
                     self.hub.receive(self.clock())
-                if ready or self.backlog:
+                if ready or self.backlog or handed is not None and handed.inbox:
                     self._receive_batch()
                 self._timers(self.clock())
                 self._check_stop()
@@ -215,6 +218,9 @@ class Daemon:
     def _timeout_ms(self, now: float) -> int:
         """How long the loop may wait for a message: until the first of its deadlines, at most 100 ms."""
         backlog_due = self.schedule.due(now)
+        handed = self.transport.handed
+        if handed is not None:
+            backlog_due = min(backlog_due, now if handed.inbox else now + handed.timeout(now))
         deadline = min(now if self.transport.hb_queue else self.next_hb, backlog_due, self._core_deadline(),
                        self.next_progress + 0.2, self.conns.next_deadline(),
                        now + self.persist.sync_due_in() if self.persist is not None else math.inf)
@@ -242,6 +248,8 @@ class Daemon:
         if now >= self._core_deadline():
             self._execute(self.inputs.tick(now) or [])
         self.conns.expire(now)
+        if self.transport.handed is not None:
+            self.transport.handed.service(now)
         for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
             self.transport.send_frames(rid, self.status_frames(token))
         if self.persist is not None:

@@ -64,6 +64,8 @@ from typing import Callable
 
 from protocol.codec import looks_like_heartbeat
 from protocol.seal import token_ok
+from protocol.zmtp import ready as zmtp_ready
+from ps.net.handover import CLOSED, MAX_HAND_MESSAGE, pack_hand
 
 log = logging.getLogger("latecomer.front")
 
@@ -90,7 +92,11 @@ MAX_READY_BYTES = 8 * 1024  # under NULL the client's first command (READY) is h
 # what the client got and dropped (``_Pair.strip``).
 SIGNATURE = bytes.fromhex("ff00000000000000017f03")
 NULL_GREETING = SIGNATURE + b"\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
-ROUTE_NONE, ROUTE_GREETING, ROUTE_READY = 0, 1, 2
+ROUTE_NONE, ROUTE_GREETING, ROUTE_READY, ROUTE_HAND = 0, 1, 2, 3
+# Under NULL with the hand-over (ps/net/handover.py) the front is the server in the handshake: its
+# greeting and READY (what the daemon's ROUTER would send), then the descriptor goes to the daemon.
+HAND_GREETING = NULL_GREETING + zmtp_ready(b"ROUTER")
+HAND_READ = 16 * 1024  # a client's reads in its handshake: what goes with its descriptor stays small
 CHECK_EVERY_S = 0.5  # how often the handshake and progress deadlines are looked at
 SOURCE_PROPERTY = b"X-Source"  # the READY property the front sets to the client's address (NULL only)
 
@@ -398,7 +404,8 @@ class _Admission:
                 raise
             source = _source_of(c, addr)
             per = self.budget.per_source
-            if per and source in self.sources and self.sources[source].total >= per:
+            held = (self.sources[source].total if source in self.sources else 0) + self.handed_by_source.get(source, 0)
+            if per and held >= per:
                 self.refused += 1
                 c.close()
                 self._log_cut(f"{source} holds {per} connections (serve --max-connections-per-source)")
@@ -443,13 +450,17 @@ class _Admission:
         """Pair an accepted client with a new connection to the daemon. False: stop accepting
         for now (no descriptor for the daemon's side). With the sealed data path the daemon's
         side waits for the client's mechanism (:meth:`_route`)."""
-        if self.data is not None:
+        if self.data is not None or self.hand is not None:
             c.setblocking(False)
             if c.family in (socket.AF_INET, socket.AF_INET6):
                 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 _keepalive(c)
-            p = _Pair(c, None, InboundParser(self.limits, self.data[1]), self.clock())
-            p.route, p.hs_pre, p.down = ROUTE_GREETING, bytearray(), SIGNATURE
+            if self.data is not None:
+                p = _Pair(c, None, InboundParser(self.limits, self.data[1]), self.clock())
+                p.route, p.hs_pre, p.down = ROUTE_GREETING, bytearray(), SIGNATURE
+            else:  # the front does the handshake, then hands the connection over (_hand_over)
+                p = _Pair(c, None, InboundParser(self.limits), self.clock())
+                p.route, p.hs_pre, p.hs_buf, p.down = ROUTE_HAND, bytearray(), bytearray(), HAND_GREETING
             self.pairs[p.cfd] = p
             self.ep.register(p.cfd, select.EPOLLIN)
             self.accepted += 1
@@ -739,6 +750,8 @@ class _Handshakes:
         daemon (an HMAC under the secret the two share, protocol/seal.py): only then does it go
         to the daemon's data socket, so a peer without a token never reaches the daemon. Returns
         the bytes to pass on now (None: nothing yet, or cut)."""
+        if p.route == ROUTE_HAND:
+            return self._hand_over(p, data)
         if p.route == ROUTE_GREETING:
             p.hs_pre += data
             if len(p.parser.greeting) < GREETING_BYTES:
@@ -798,6 +811,10 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.curve_authed = self.data_authed = 0  # connections never shed: CURVE-authenticated, sealed data
         self.data_tokens: dict[bytes, _Pair] = {}  # a sealed data connection's token -> its connection
         self.throttled = 0  # times a connection was paused for its frame rate
+        self.hand: socket.socket | None = None  # the daemon's hand-over socket (ps/net/handover.py), if it takes them
+        self.handed: dict[int, str] = {}  # connections handed over and still open -> their source
+        self.handed_by_source: dict[str, int] = {}
+        self.next_cid = 0
         self.listener = listener
         listener.setblocking(False)
         self.limits = limits
@@ -809,7 +826,7 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.watched: dict[int, Callable[[], None]] = {}  # other fds (signals, the child) -> callback
         self.accepting = False
         self.pending = 0  # bytes declared by all connections' unfinished messages
-        self.accepted = self.cut = 0
+        self.accepted = self.cut = self.handed_over = 0
         self.last_cut_log = -1e9
         self.cuts_unlogged = 0
         self.accept_paused_until = 0.0
@@ -829,20 +846,94 @@ class Front(_Admission, _Splicing, _Handshakes):
             self.ep.unregister(fd)
 
     def set_backend(self, path: str | None, limits: Limits | None = None,
-                    data: tuple[str, Limits, bytes] | None = None) -> None:
+                    data: tuple[str, Limits, bytes] | None = None, hand: str | None = None) -> None:
         """The daemon is up at ``path`` (accept clients) or down (None: every connection is
         closed, new ones wait in the listen backlog). ``data``: its sealed data path under
         CurveZMQ (private endpoint, the NULL connections' limits, the tokens' secret): clients
-        are then routed by their greeting's mechanism (:meth:`_route`)."""
+        are then routed by their greeting's mechanism (:meth:`_route`). ``hand``: under NULL,
+        the daemon's hand-over socket: each client is handed over once its handshake is done
+        (:meth:`_hand_over`)."""
         if limits is not None:
             self.limits = limits
         self.data = data if path is not None else None
+        self._set_hand(hand if path is not None and data is None else None)
         if path is None:
             for p in set(self.pairs.values()):
                 self._close_pair(p)
             self.draining.clear()
         self.backend = path
         self._set_accepting(path is not None)
+
+    def _set_hand(self, hand: str | None) -> None:
+        if self.hand is not None:
+            self.unwatch(self.hand.fileno())
+            self.hand.close()
+            self.hand = None
+        self.handed.clear()
+        self.handed_by_source.clear()
+        if hand is None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.connect(hand)
+        except OSError as e:
+            s.close()
+            log.warning("the server process takes no connections handed over (%s): relaying them", e)
+            return
+        s.setblocking(False)
+        self.hand = s
+        self.watch(s.fileno(), self._hand_notices)
+
+    def _hand_notices(self) -> None:
+        """The daemon closed connections it was handed: out of the count per source."""
+        for _ in range(64):
+            try:
+                data = self.hand.recv(MAX_HAND_MESSAGE)
+            except OSError as e:
+                if e.errno in _SOFT_ERRORS:
+                    return
+                data = b""
+            if not data:  # the daemon went: its connections with it
+                self._set_hand(None)
+                return
+            if data[:1] != CLOSED:
+                continue
+            for i in range(1, len(data) - 7, 8):
+                source = self.handed.pop(int.from_bytes(data[i:i + 8], "big"), None)
+                if source is not None:
+                    left = self.handed_by_source[source] - 1
+                    if left:
+                        self.handed_by_source[source] = left
+                    else:
+                        del self.handed_by_source[source]
+
+    def _hand_over(self, p: _Pair, data: memoryview) -> None:
+        """NULL with the hand-over: the client's bytes are held until its READY is whole (the
+        front's checks, ``X-Source`` given apart), then its descriptor goes to the daemon with what
+        was read and what of the front's greeting it has not taken, and the front lets it go."""
+        greeting = max(0, min(len(data), GREETING_BYTES - len(p.hs_pre)))  # of data: the greeting's bytes
+        p.hs_pre += data
+        if self._hold_handshake(p, data, greeting) is None or p.c is None or p.hs_buf is not None:
+            if p.c is not None:
+                self._mask(p)
+            return None
+        self.next_cid += 1
+        cid, source = self.next_cid, p.src.name
+        try:
+            socket.send_fds(self.hand, [pack_hand(cid, source, bytes(p.down), bytes(p.hs_pre))], [p.cfd])
+        except OSError as e:
+            self._cut(p, f"the server process did not take the connection ({e.strerror or e})")
+            return None
+        self.handed[cid] = source
+        self.handed_by_source[source] = self.handed_by_source.get(source, 0) + 1
+        self.handed_over += 1
+        self._release(p)
+        self._untrack(p)
+        self.pairs.pop(p.cfd, None)
+        self.ep.unregister(p.cfd)
+        p.c.close()  # the daemon's copy keeps the connection open
+        p.c, p.up, p.down = None, b"", b""
+        return None
 
     def _set_accepting(self, on: bool) -> None:
         if on and not self.accepting:
@@ -938,6 +1029,8 @@ class Front(_Admission, _Splicing, _Handshakes):
             return
         # after a spliced body, read little more than the next headers: a large body is spliced
         want = SPLICE_MIN if p.short and self.pipe is not None else CHUNK
+        if p.route == ROUTE_HAND:
+            want = HAND_READ
         try:
             n = p.c.recv_into(self.view, want)
         except OSError as e:

@@ -75,6 +75,7 @@ from ps.net.connections import (
     RateLimitedLog,
 )
 from ps.net.endpoints import needs_ipv6
+from ps.net.handover import HANDED_PREFIX, HandedPath, HandLimits
 from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
 from ps.net.samehost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
 from ps.net.sealed import OpenFrame, SealedPath
@@ -182,15 +183,18 @@ def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
 
 
 def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float, clock: Callable[[], float],
-               max_array_bytes: int, send: Callable[[bytes, Any], bool], sealed: Any = None) -> None:
+               max_array_bytes: int, send: Callable[[bytes, Any], bool], sealed: Any = None,
+               handed: Any = None) -> None:
     """Wait (until ``deadline``) for the acknowledging bye of each connection in ``pending``; what
     else one sends is answered with ``bye`` again (it missed it: it was reconnecting). ``sealed``:
     the sealed data path, where a worker on it sends its bye (what opens counts as its CURVE
-    connection's)."""
+    connection's); ``handed``: the connections the daemon reads itself (ps/net/handover.py)."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     if sealed is not None:
         poller.register(sealed.sock, zmq.POLLIN)
+    if handed is not None:
+        poller.register(handed, zmq.POLLIN)
     while pending and clock() < deadline:
         ready = dict(poller.poll(max(1, int((deadline - clock()) * 1000))))
         if not ready:
@@ -198,6 +202,8 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
         messages = [sock.recv_multipart(copy=False)] if sock in ready else []
         if sealed is not None and sealed.sock in ready:
             messages += list(sealed.pending())
+        if handed is not None and handed in ready:
+            messages += list(handed.pending())
         for frames in messages:
             rid = frames[0].bytes
             try:
@@ -251,7 +257,7 @@ class _Outbound:
             if not self.send_message(rid, bye):
                 pending.discard(rid)
         await_byes(self.sock, pending, bye, deadline, self.clock, self.max_array_bytes, self.send_message,
-                   self.sealed)
+                   self.sealed, self.handed)
 
 
 class ServerTransport(_Outbound):
@@ -292,6 +298,7 @@ class ServerTransport(_Outbound):
         self.wire_dtype = wire_dtype
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
         self.sealed: SealedPath | None = None  # under CurveZMQ behind the front: the sealed path (sealed.attach)
+        self.handed: HandedPath | None = None  # behind the front, plaintext: connections it hands over
         self.send_failures = self.invalid_messages = self.bytes_in = 0
         if shard is None:
             self._init_daemon(ctx, bind, shm, limits, max_workers, max_workers_per_key)
@@ -345,6 +352,16 @@ class ServerTransport(_Outbound):
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
             yield from self.sealed.pending()
+        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
+            yield from self.handed.pending()
+
+    def accept_hand_overs(self, path: str, limits: HandLimits) -> None:
+        """Behind the front under NULL: take the connections it hands over at ``path``
+        (ps/net/handover.py); a live worker's connection is never shed for room."""
+        def live(rid: bytes) -> bool:
+            conn = self.conns.by_rid.get(rid)
+            return conn is not None and conn.wid is not None and conn.wid in self.core.workers
+        self.handed = HandedPath(path, limits, self.clock, lambda n: POOL.empty((n,), np.uint8), live)
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -366,7 +383,7 @@ class ServerTransport(_Outbound):
             return msg
         self.bytes_in += sum(len(f) for f in frames)
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
-            source, auth = self._status_source(frames[1])
+            source, auth = self._status_source(frames[1], rid)
             if self.conns.status_ask(conn, msg.token, now, source, auth):
                 self.send_frames(rid, status(msg.token))
             return None
@@ -397,14 +414,17 @@ class ServerTransport(_Outbound):
             self.answer_error(conn, Error(code, "".join(c if c.isprintable() else "?" for c in str(e))[:200]))
             return Count("invalid")
 
-    def _status_source(self, frame: Any) -> tuple[str, bool]:
+    def _status_source(self, frame: Any, rid: bytes = b"") -> tuple[str, bool]:
         """Who asks a ``status?`` (Connections.status_ask), and whether with a key of the allow-list:
         under CurveZMQ its key; behind the front (``behind_front``) the client address the front
-        puts in the connection's metadata (``X-Source``); without a front, the peer's own address;
-        "" (the connection alone) where none is known."""
+        puts in the connection's metadata (``X-Source``), or gave with a connection it handed over;
+        without a front, the peer's own address; "" (the connection alone) where none is known."""
         key = self._key(frame)
         if key:
             return "key:" + key, key in getattr(self.security, "allowed", ())
+        handed = self.handed.by_rid.get(rid) if self.handed is not None else None
+        if handed is not None:
+            return ("ip:" + handed.source if handed.source else ""), False
         try:
             addr = frame.get("X-Source" if self.behind_front else "Peer-Address")
         except (zmq.ZMQError, AttributeError, TypeError, ValueError):  # no such property, or a bytes frame
@@ -506,6 +526,10 @@ class ServerTransport(_Outbound):
         return self.send_frames(rid, encode(msg))
 
     def send_frames(self, rid: bytes, frames: list) -> bool:
+        if self.handed is not None and rid[:1] == HANDED_PREFIX:  # a connection the daemon reads itself
+            sent = self.handed.send(rid, frames)
+            self.send_failures += not sent
+            return bool(sent)
         sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
         if sent is not None:  # on the sealed data connection (sent, or its pipe is full)
             self.send_failures += not sent
@@ -644,6 +668,8 @@ class ServerTransport(_Outbound):
         self.sock.close(linger=1000)
         if self.sealed is not None:
             self.sealed.close()
+        if self.handed is not None:
+            self.handed.close()
         if self.security is not None and self.own_security:
             self.security.stop()
 
@@ -653,4 +679,5 @@ class ServerTransport(_Outbound):
                 "shm_workers": sorted(self.shm_used),
                 "shm_iterate_copies": self.arena.copies_made if self.arena else 0,
                 "parts_in": self.parts_in, "parts_out": self.parts_out,
-                **(self.sealed.figures() if self.sealed is not None else {})}
+                **(self.sealed.figures() if self.sealed is not None else {}),
+                **(self.handed.figures() if self.handed is not None else {})}
