@@ -51,6 +51,7 @@ through its own buffer instead.
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import logging
@@ -812,6 +813,8 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.data_tokens: dict[bytes, _Pair] = {}  # a sealed data connection's token -> its connection
         self.throttled = 0  # times a connection was paused for its frame rate
         self.hand: socket.socket | None = None  # the daemon's hand-over socket (ps/net/handover.py), if it takes them
+        self.hand_mask = select.EPOLLIN
+        self.hand_wait: collections.deque[_Pair] = collections.deque()  # handshakes done, for the daemon to take
         self.handed: dict[int, str] = {}  # connections handed over and still open -> their source
         self.handed_by_source: dict[str, int] = {}
         self.next_cid = 0
@@ -869,6 +872,8 @@ class Front(_Admission, _Splicing, _Handshakes):
             self.unwatch(self.hand.fileno())
             self.hand.close()
             self.hand = None
+            self._flush_hands()  # those waiting are cut
+        self.hand_mask = select.EPOLLIN
         self.handed.clear()
         self.handed_by_source.clear()
         if hand is None:
@@ -885,7 +890,10 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.watch(s.fileno(), self._hand_notices)
 
     def _hand_notices(self) -> None:
-        """The daemon closed connections it was handed: out of the count per source."""
+        """The hand-over socket is readable (the daemon closed connections it was handed: out of the
+        count per source) or writable (connections wait to be handed over)."""
+        if self.hand_wait:
+            self._flush_hands()
         for _ in range(64):
             try:
                 data = self.hand.recv(MAX_HAND_MESSAGE)
@@ -917,13 +925,42 @@ class Front(_Admission, _Splicing, _Handshakes):
             if p.c is not None:
                 self._mask(p)
             return None
-        self.next_cid += 1
-        cid, source = self.next_cid, p.src.name
-        try:
-            socket.send_fds(self.hand, [pack_hand(cid, source, bytes(p.down), bytes(p.hs_pre))], [p.cfd])
-        except OSError as e:
-            self._cut(p, f"the server process did not take the connection ({e.strerror or e})")
-            return None
+        p.up_full = True  # read no more of it: what comes next is the daemon's to read
+        self._mask(p)
+        self.hand_wait.append(p)
+        self._flush_hands()
+        return None
+
+    def _flush_hands(self) -> None:
+        """Hand over the connections waiting (the daemon's queue of hand-overs is short: the
+        system's ``max_dgram_qlen``, 10 by default): what it does not take now waits for the
+        hand-over socket to be writable again (EPOLLOUT)."""
+        while self.hand_wait:
+            p = self.hand_wait[0]
+            if p.c is None or self.hand is None:  # gone meanwhile, or the daemon is
+                self.hand_wait.popleft()
+                if p.c is not None:
+                    self._cut(p, "the server process went before it took the connection")
+                continue
+            self.next_cid += 1
+            cid, source = self.next_cid, p.src.name
+            try:
+                socket.send_fds(self.hand, [pack_hand(cid, source, bytes(p.down), bytes(p.hs_pre))], [p.cfd])
+            except BlockingIOError:
+                break
+            except OSError as e:
+                self.hand_wait.popleft()
+                self._cut(p, f"the server process did not take the connection ({e.strerror or e})")
+                continue
+            self.hand_wait.popleft()
+            self._handed(p, cid, source)
+        want = select.EPOLLIN | (select.EPOLLOUT if self.hand_wait else 0)
+        if self.hand is not None and want != self.hand_mask:
+            self.ep.modify(self.hand.fileno(), want)
+            self.hand_mask = want
+
+    def _handed(self, p: _Pair, cid: int, source: str) -> None:
+        """The daemon holds the connection now: the front keeps its source's count, nothing else."""
         self.handed[cid] = source
         self.handed_by_source[source] = self.handed_by_source.get(source, 0) + 1
         self.handed_over += 1
@@ -933,7 +970,6 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.ep.unregister(p.cfd)
         p.c.close()  # the daemon's copy keeps the connection open
         p.c, p.up, p.down = None, b"", b""
-        return None
 
     def _set_accepting(self, on: bool) -> None:
         if on and not self.accepting:

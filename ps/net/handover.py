@@ -9,9 +9,11 @@ straight to the daemon's process, which parses them with protocol/zmtp.py, and t
 straight back. No relay, no libzmq I/O thread: at small messages the front's relay and libzmq's
 wake-ups were most of a reply's cost (benchmarks/PROFILE.md, "Five server paths").
 
-Each connection has a routing id of its own (``HANDED_PREFIX`` and a counter, never one of
-libzmq's, which start with a zero byte), so the transport, the core, the journal and the replay
-see messages exactly as they did through the ROUTER socket. What the front enforced on a relayed
+Each connection's routing id is what libzmq's ROUTER would have given it: the ``Identity`` of its
+READY (the reference worker's ``worker_id/boot``), and a new connection with the same identity
+takes it over, the old one closed (``ROUTER_HANDOVER``); without one, a zero byte and a counter
+(an identity may not start with a zero byte). So the transport, the core, the journal and the
+replay see messages exactly as they did through the ROUTER socket. What the front enforced on a relayed
 connection the daemon enforces here on a handed one, with the same figures and the same words:
 
 * the frame, message, frame-count and command bounds (the codec, checked at each header);
@@ -47,7 +49,7 @@ from protocol.zmtp import Connection, ZmtpError, ZmtpLimits, frames_out, pong
 
 log = logging.getLogger("latecomer.server")
 
-HANDED_PREFIX = b"\x01"  # a handed connection's routing id: this byte and an 8-byte counter
+GENERATED = b"\x00"  # the routing id of a handed connection without an identity: this byte and its id
 HAND_SOCKET = "hand.sock"  # beside the daemon's private socket
 _HEAD = struct.Struct(">QHI")  # connection id, the source's length, the unsent greeting's length
 MAX_HAND_MESSAGE = 64 * 1024  # the most the front sends with one descriptor
@@ -110,9 +112,10 @@ class _Hand:
                  "unfinished", "win_start", "win_bytes", "dwin_start", "dwin_bytes", "dwin_q0", "tokens",
                  "tok_at", "paused_until")
 
-    def __init__(self, sock: socket.socket, cid: int, source: str, codec: Connection, now: float) -> None:
+    def __init__(self, sock: socket.socket, cid: int, rid: bytes, source: str, codec: Connection,
+                 now: float) -> None:
         self.sock, self.fd, self.cid = sock, sock.fileno(), cid
-        self.rid = Frame(HANDED_PREFIX + cid.to_bytes(8, "big"))
+        self.rid = Frame(rid)
         self.source, self.codec = source, codec
         self.out: collections.deque[list] = collections.deque()  # messages (buffers) the peer has not taken
         self.out_bytes = 0
@@ -159,7 +162,7 @@ class HandedPath:
         self.closed_ids: list[int] = []  # to tell the front
         self.pending_bytes = 0  # what all unfinished messages have declared
         self.next_check = 0.0
-        self.handed = self.cut = self.shed = self.pongs = self.messages_in = self.messages_out = 0
+        self.handed = self.cut = self.shed = self.taken_over = self.pongs = self.messages_in = self.messages_out = 0
         self.last_cut_log, self.cuts_unlogged = -1e9, 0
 
     def fileno(self) -> int:
@@ -297,28 +300,41 @@ class HandedPath:
         sock = socket.socket(fileno=fd)
         sock.setblocking(False)
         if len(self.by_fd) >= self.limits.max_connections and not self._shed():
-            self._log_cut(f"the server's {self.limits.max_connections} connections are taken")
-            self.cut += 1
-            self.closed_ids.append(cid)
-            _reset(sock)
-            sock.close()
-            self._tell_front()
+            self._refuse(sock, cid, f"the server's {self.limits.max_connections} connections are taken")
             return
         codec = Connection(self.limits.zmtp, self.alloc, Frame, FIRST_READ)
-        h = _Hand(sock, cid, source, codec, self.clock())
+        try:
+            msgs = feed(codec, read)  # the greeting and READY at least (the front saw them whole)
+            if codec.peer is None:
+                raise ZmtpError("handed over before its READY")
+        except ZmtpError as e:
+            self._refuse(sock, cid, str(e))
+            return
+        rid = codec.peer.get("Identity", b"")
+        if not 0 < len(rid) <= 255 or rid[0] == 0:
+            rid = GENERATED + cid.to_bytes(8, "big")  # none (or one libzmq would refuse): its own
+        old = self.by_rid.get(rid)
+        if old is not None:  # the same identity reconnected: it takes the routing id over
+            self.taken_over += 1
+            self._close(old)
+        h = _Hand(sock, cid, rid, source, codec, self.clock())
         self.by_fd[h.fd] = h
         self.by_rid[h.rid] = h
         self.ep.register(h.fd, _IN)
         self.handed += 1
         if unsent:
             self._send_raw(h, [unsent])
-        if read and h.fd in self.by_fd:
-            try:
-                msgs = feed(codec, read)
-            except ZmtpError as e:
-                self._cut(h, str(e))
-                return
+        if h.fd in self.by_fd:
             self._account(h, len(read), msgs, 0)
+
+    def _refuse(self, sock: socket.socket, cid: int, why: str) -> None:
+        """A connection not taken: reset, and the front told."""
+        self._log_cut(why)
+        self.cut += 1
+        self.closed_ids.append(cid)
+        _reset(sock)
+        sock.close()
+        self._tell_front()
 
     def _shed(self) -> bool:
         """Make room: cut the handed connection silent longest that is not a live worker's."""
@@ -343,10 +359,10 @@ class HandedPath:
     # ---------------------------------------------------------------- writing
     def send(self, rid: bytes, frames: list) -> bool | None:
         """One message to the handed connection ``rid``: True sent (or queued), False its queue is
-        full or it is gone, None: not a handed connection."""
+        full or it went meanwhile, None: no handed connection has that routing id."""
         h = self.by_rid.get(rid)
         if h is None:
-            return False if rid[:1] == HANDED_PREFIX else None
+            return None
         if len(h.out) >= self.limits.max_out_messages:
             return False
         self.messages_out += 1
@@ -504,7 +520,7 @@ class HandedPath:
 
     def figures(self) -> dict[str, Any]:
         return {"handed_connections": len(self.by_fd), "handed_in_all": self.handed, "handed_cut": self.cut,
-                "handed_shed": self.shed, "handed_messages_in": self.messages_in,
+                "handed_shed": self.shed, "handed_taken_over": self.taken_over, "handed_messages_in": self.messages_in,
                 "handed_messages_out": self.messages_out}
 
 
@@ -549,4 +565,4 @@ def _unsent(s: socket.socket) -> int:
         return 0
 
 
-__all__ = ["HandedPath", "HandLimits", "Frame", "HANDED_PREFIX", "HAND_SOCKET", "pack_hand", "unpack_hand"]
+__all__ = ["HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand"]

@@ -75,7 +75,7 @@ from ps.net.connections import (
     RateLimitedLog,
 )
 from ps.net.endpoints import needs_ipv6
-from ps.net.handover import HANDED_PREFIX, HandedPath, HandLimits
+from ps.net.handover import HandedPath, HandLimits
 from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
 from ps.net.samehost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
 from ps.net.sealed import OpenFrame, SealedPath
@@ -526,10 +526,10 @@ class ServerTransport(_Outbound):
         return self.send_frames(rid, encode(msg))
 
     def send_frames(self, rid: bytes, frames: list) -> bool:
-        if self.handed is not None and rid[:1] == HANDED_PREFIX:  # a connection the daemon reads itself
-            sent = self.handed.send(rid, frames)
+        sent = self.handed.send(rid, frames) if self.handed is not None else None
+        if sent is not None:  # a connection the daemon reads itself (ps/net/handover.py)
             self.send_failures += not sent
-            return bool(sent)
+            return sent
         sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
         if sent is not None:  # on the sealed data connection (sent, or its pipe is full)
             self.send_failures += not sent
