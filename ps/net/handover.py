@@ -1,4 +1,4 @@
-"""Connections the front hands over: the daemon reads and writes them itself (PROTOCOL.md §2.2).
+"""Connections the front hands over: the daemon reads and writes them itself (PROTOCOL.md §1, "The front").
 
 Under NULL security the front (ps/net/front.py) does a plaintext client's ZMTP handshake itself:
 it sends the server's greeting and READY, reads the client's greeting and READY with its bounds,
@@ -62,6 +62,7 @@ CUT_LOG_INTERVAL_S = 1.0
 _SOFT = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 _IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
 _SIOCOUTQ = 0x5411
+_BAD = (ZmtpError, ValueError, IndexError, struct.error)  # what the codec may raise on a peer's bytes
 IOV_MAX = 512  # buffers per sendmsg
 
 
@@ -215,7 +216,7 @@ class HandedPath:
         seen = codec.seen
         try:
             msgs = codec.advance(n)
-        except ZmtpError as e:
+        except _BAD as e:
             self._cut(h, str(e))
             return
         self._account(h, n, msgs, codec.seen - seen)
@@ -307,7 +308,7 @@ class HandedPath:
             msgs = feed(codec, read)  # the greeting and READY at least (the front saw them whole)
             if codec.peer is None:
                 raise ZmtpError("handed over before its READY")
-        except ZmtpError as e:
+        except _BAD as e:
             self._refuse(sock, cid, str(e))
             return
         rid = codec.peer.get("Identity", b"")

@@ -102,7 +102,7 @@ class ServeCommand(click.Command):
                          expose_value=False, callback=_store, is_eager=True,
                          help="Without --keys: auto has the front pass each connection, once its ZMTP "
                               "handshake is done, to the server process, which then reads and writes it "
-                              "itself with the front's bounds (PROTOCOL.md 2.2; no relay: 2-3x the updates "
+                              "itself with the front's bounds (PROTOCOL.md 1, the front; no relay: 2-3x the updates "
                               "per second at small vectors); off: the front relays every byte."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),

@@ -159,7 +159,8 @@ def test_the_identity_is_the_routing_id_and_a_reconnect_with_it_takes_it_over(da
     assert old.recv(10) == b""  # the old connection is closed
     assert daemon.path.send(b"w7/5eed", [b"to-new"])
     assert new.recv(10) == wire([b"to-new"])
-    daemon.hand(read=greeting() + ready(b"DEALER", Identity=b"\x00bad") + wire([b"3"]))  # libzmq refuses such an identity
+    bad = greeting() + ready(b"DEALER", Identity=b"\x00bad") + wire([b"3"])  # an identity libzmq refuses
+    daemon.hand(read=bad)
     assert daemon.got[-1][0].bytes != b"\x00bad" and len(daemon.path.by_fd) == 2
 
 
