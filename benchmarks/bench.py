@@ -6,6 +6,7 @@ x", the server applies x <- x - lr*g and returns x; workers' compute is negligib
 * ``raw-zmq``: raw pyzmq ROUTER/DEALER, msgpack header + zero-copy frame (benchmarks/raw_zmq.py)
 * ``latecomer``: real daemon + worker processes, ``asgd`` on ``synthetic``, TCP path
   (``--shm off``; benchmarks/latecomer_ps.py)
+* ``latecomer-relay``: the same with ``serve --hand-over off`` (the front relays every byte)
 * ``latecomer-shm``: the same on the same-host shared-memory path (``--shm auto``, the default)
 * ``latecomer-curve``: TCP under ``--keys`` (sealed data connection, the default)
 * ``latecomer-curvezmq``: TCP under ``--keys --seal off`` (libzmq's CurveZMQ carries everything)
@@ -36,16 +37,17 @@ from benchmarks.models import model_options
 from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LATECOMER = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16", "latecomer-c4")
+LATECOMER = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq",
+             "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
-# The default plan (no --workers): the CurveZMQ and bf16 rows are a cost of an option on top of
-# the latecomer row, so two worker counts show it; the rest run 1, 2 and 4 workers.
-REDUCED_WORKERS = {"latecomer-curve": (1, 2), "latecomer-curvezmq": (1,), "latecomer-bf16": (1, 4),
-                   "latecomer-c4": (1, 2)}
+# The default plan (no --workers): the relay, CurveZMQ and bf16 rows are a cost of an option on
+# top of the latecomer row, so one or two worker counts show it; the rest run 1, 2 and 4 workers.
+REDUCED_WORKERS = {"latecomer-relay": (1, 2), "latecomer-curve": (1, 2), "latecomer-curvezmq": (1,),
+                   "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -54,9 +56,11 @@ TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is
 # large iterates; measured on the reference machine (2 cores shared, load average about 3). Only for
 # the estimate printed at the start; a busier machine stretches it (a run at load average 5 took
 # about 2.5 times as long).
-OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0, "latecomer-curvezmq": 2.0,
+OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-relay": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
+              "latecomer-curvezmq": 2.0,
               "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "torch-rpc": 3.5, "ray": 1.0}
-PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5, "latecomer-curvezmq": 3.0,
+PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-relay": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
+             "latecomer-curvezmq": 3.0,
              "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "torch-rpc": 2.5, "ray": 1.5}
 RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
 SIM_S = 5.0

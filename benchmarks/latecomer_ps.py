@@ -38,7 +38,8 @@ import numpy as np
 from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped, sleep_until, summarize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ("latecomer", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16", "latecomer-c4")
+VARIANTS = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16",
+            "latecomer-c4")
 _EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
 _SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
 
@@ -68,7 +69,8 @@ def cli_options(command: str) -> frozenset[str]:
 def missing_flag(variant: str) -> str:
     """Why ``variant`` cannot run with this checkout's CLI ("" when it can)."""
     need = {"latecomer-shm": [("serve", "--shm"), ("work", "--shm")],
-            "latecomer-bf16": [("serve", "--wire-dtype")], "latecomer-curvezmq": [("serve", "--seal")]}.get(variant, [])
+            "latecomer-bf16": [("serve", "--wire-dtype")], "latecomer-curvezmq": [("serve", "--seal")],
+            "latecomer-relay": [("serve", "--hand-over")]}.get(variant, [])
     gone = [f"`latecomer {c} {f}`" for c, f in need if f not in cli_options(c)]
     return f"{' and '.join(gone)} {'do' if len(gone) > 1 else 'does'} not exist yet" if gone else ""
 
@@ -159,6 +161,8 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             wargs += ["--shm", "off"]
         if variant == "latecomer-bf16":
             args += ["--wire-dtype", "bf16"]
+        if variant == "latecomer-relay":
+            args += ["--hand-over", "off"]  # the front relays every byte (as before the hand-over)
         keys = os.path.join(tmp, "keys") if curve else None
         if keys:
             subprocess.run([sys.executable, "-m", "ps", "keys", "init", keys], cwd=REPO, check=True,

@@ -11,6 +11,7 @@ import sys
 STYLE = {  # backend -> (colour, marker, line style)
     "raw-zmq": ("black", "o", "--"),
     "latecomer": ("tab:blue", "o", "-"),
+    "latecomer-relay": ("tab:blue", "o", ":"),
     "latecomer-shm": ("tab:green", "s", "-"),
     "latecomer-c4": ("tab:cyan", "^", "-"),
     "latecomer-bf16": ("tab:purple", "v", ":"),

@@ -370,11 +370,12 @@ class HandedPath:
         return self._send_raw(h, frames_out(frames))
 
     def _send_raw(self, h: _Hand, bufs: list) -> bool:
+        """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size."""
+        total = sum(map(len, bufs))
         if h.out:
             h.out.append(bufs)
-            h.out_bytes += sum(memoryview(b).nbytes for b in bufs)
+            h.out_bytes += total
             return True
-        total = sum(memoryview(b).nbytes for b in bufs)
         try:
             n = h.sock.sendmsg(bufs) if len(bufs) <= IOV_MAX else 0
         except OSError as e:
@@ -393,7 +394,7 @@ class HandedPath:
         sent = 0
         while h.out:
             bufs = [b for m in list(h.out)[:64] for b in m][:IOV_MAX]
-            total = sum(memoryview(b).nbytes for b in bufs)
+            total = sum(map(len, bufs))
             try:
                 n = h.sock.sendmsg(bufs)
             except OSError as e:
@@ -406,7 +407,7 @@ class HandedPath:
             h.out_bytes -= n
             while n and h.out:
                 m = h.out[0]
-                size = sum(memoryview(b).nbytes for b in m)
+                size = sum(map(len, m))
                 if n >= size:
                     h.out.popleft()
                     n -= size
@@ -542,11 +543,10 @@ def _rest(bufs: list, n: int) -> list:
     """What of ``bufs`` is left after ``n`` bytes were sent (views, no copies)."""
     out = []
     for b in bufs:
-        m = memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b
-        if n >= m.nbytes:
-            n -= m.nbytes
+        if n >= len(b):
+            n -= len(b)
             continue
-        out.append(m[n:] if n else m)
+        out.append(memoryview(b)[n:] if n else b)
         n = 0
     return out
 
