@@ -29,7 +29,7 @@ from ps.core.commands import Disconnect, Send
 from ps.core.server_core import ServerCore
 from ps.drivers.coordinator import ShardedRun
 from ps.drivers.evaluator import RunEvaluations
-from ps.drivers.outputs import STATUS_ERROR_CHARS, RunOutputs
+from ps.drivers.outputs import EVENTS_FLUSH_S, STATUS_ERROR_CHARS, RunOutputs
 from ps.drivers.schedule import ReceiveSchedule
 from ps.journal.inputs import CoreInputs
 from ps.journal.persistence import Persistence
@@ -223,6 +223,7 @@ class Daemon:
             backlog_due = min(backlog_due, now if handed.inbox else now + handed.timeout(now))
         deadline = min(now if self.transport.hb_queue else self.next_hb, backlog_due, self._core_deadline(),
                        self.next_progress + 0.2, self.conns.next_deadline(),
+                       now + EVENTS_FLUSH_S if self.outputs.events_dirty else math.inf,
                        now + self.persist.sync_due_in() if self.persist is not None else math.inf)
         return max(0, min(100, math.ceil((deadline - now) * 1000)))
 
