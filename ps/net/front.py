@@ -785,87 +785,9 @@ class _Handshakes:
         return pre + out
 
 
-class Front(_Admission, _Splicing, _Handshakes):
-    """The relay's event loop (epoll, level-triggered, one thread).
-
-    Args:
-        listener: the bound, listening public socket (TCP or Unix).
-        limits: what a client may send (see :class:`Limits`).
-        clock: monotonic clock.
-    """
-
-    def __init__(self, listener: socket.socket, limits: Limits | None = None,
-                 clock: Callable[[], float] = time.monotonic, splice: bool = True,
-                 budget: Budget | None = None) -> None:
-        self.budget = budget if budget is not None else Budget.from_rlimit()
-        self.sources: dict[str, _Source] = {}
-        self.by_n: dict[int, dict[str, None]] = {}  # sheddable count -> the sources with it
-        self.top_n = 0  # an upper bound on the largest sheddable count
-        self.clients = 0  # client sockets open
-        self.handshaking: dict[_Pair, None] = {}  # every connection in its handshake, oldest first
-        self.mid: set[_Pair] = set()  # connections with an unfinished message (progress windows)
-        self.stuck: set[_Pair] = set()  # connections whose client leaves the daemon's bytes waiting
-        self.next_check = 0.0
-        self.shed = self.refused = 0
-        self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
-        self.paused: set[_Pair] = set()  # connections not read until their frame budget is back (_throttle)
-        self.curve_authed = self.data_authed = 0  # connections never shed: CURVE-authenticated, sealed data
-        self.data_tokens: dict[bytes, _Pair] = {}  # a sealed data connection's token -> its connection
-        self.throttled = 0  # times a connection was paused for its frame rate
-        self.hand: socket.socket | None = None  # the daemon's hand-over socket (ps/net/handover.py), if it takes them
-        self.hand_mask = select.EPOLLIN
-        self.hand_wait: collections.deque[_Pair] = collections.deque()  # handshakes done, for the daemon to take
-        self.handed: dict[int, str] = {}  # connections handed over and still open -> their source
-        self.handed_by_source: dict[str, int] = {}
-        self.next_cid = 0
-        self.listener = listener
-        listener.setblocking(False)
-        self.limits = limits
-        self.clock = clock
-        self.ep = select.epoll()
-        self.backend: str | None = None  # the daemon's Unix socket path while it is up
-        self.data: tuple[str, Limits, bytes] | None = None  # its sealed data path (set_backend)
-        self.pairs: dict[int, _Pair] = {}  # fd (either side) -> its pair
-        self.watched: dict[int, Callable[[], None]] = {}  # other fds (signals, the child) -> callback
-        self.accepting = False
-        self.pending = 0  # bytes declared by all connections' unfinished messages
-        self.accepted = self.cut = self.handed_over = 0
-        self.last_cut_log = -1e9
-        self.cuts_unlogged = 0
-        self.accept_paused_until = 0.0
-        self.draining: set[_Pair] = set()
-        self.view = memoryview(bytearray(CHUNK))  # every read lands here; only an unsent rest is copied
-        self.pipe: tuple[int, int] | None = _open_pipe() if splice else None  # shared, empty between calls
-        self.spliced = 0  # bytes moved by splice (both directions)
-
-    # ---------------------------------------------------------------- set-up
-    def watch(self, fd: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when ``fd`` is readable (the supervisor's own fds)."""
-        self.watched[fd] = callback
-        self.ep.register(fd, select.EPOLLIN)
-
-    def unwatch(self, fd: int) -> None:
-        if self.watched.pop(fd, None) is not None:
-            self.ep.unregister(fd)
-
-    def set_backend(self, path: str | None, limits: Limits | None = None,
-                    data: tuple[str, Limits, bytes] | None = None, hand: str | None = None) -> None:
-        """The daemon is up at ``path`` (accept clients) or down (None: every connection is
-        closed, new ones wait in the listen backlog). ``data``: its sealed data path under
-        CurveZMQ (private endpoint, the NULL connections' limits, the tokens' secret): clients
-        are then routed by their greeting's mechanism (:meth:`_route`). ``hand``: under NULL,
-        the daemon's hand-over socket: each client is handed over once its handshake is done
-        (:meth:`_hand_over`)."""
-        if limits is not None:
-            self.limits = limits
-        self.data = data if path is not None else None
-        self._set_hand(hand if path is not None and data is None else None)
-        if path is None:
-            for p in set(self.pairs.values()):
-                self._close_pair(p)
-            self.draining.clear()
-        self.backend = path
-        self._set_accepting(path is not None)
+class _HandOvers:
+    """Handing plaintext connections to the daemon once their handshake is done (ps/net/handover.py),
+    and the frame rate and heartbeat repeats of a relayed one (a mixin of :class:`Front`)."""
 
     def _set_hand(self, hand: str | None) -> None:
         if self.hand is not None:
@@ -970,6 +892,129 @@ class Front(_Admission, _Splicing, _Handshakes):
         self.ep.unregister(p.cfd)
         p.c.close()  # the daemon's copy keeps the connection open
         p.c, p.up, p.down = None, b"", b""
+
+    def _throttle(self, p: _Pair, frames: int) -> None:
+        """``frames`` frame headers came in the client's last read: take them from its budget
+        (a bucket of ``max_frame_rate`` a second, holding at most one second's worth); once it
+        is spent the client is not read until the budget is back. What was read is passed on:
+        nothing is dropped, the sender's own socket fills and its sends wait, so one connection's
+        flood (heartbeats sent as fast as a peer can) costs its sender, not the daemon's loop
+        that every worker's replies share. A worker's own pace is far below the bound (a reply
+        and a heartbeat per job: a few thousand frames a second at the smallest sizes)."""
+        rate = self.limits.max_frame_rate
+        now = self.clock()
+        p.tokens = min(rate, p.tokens + (now - p.tok_at) * rate) - frames
+        p.tok_at = now
+        if p.tokens < 0:
+            p.paused_until = now - p.tokens / rate
+            self.paused.add(p)
+            self.throttled += 1
+
+    def _repeat(self, p: _Pair, data: memoryview, boundary: bool) -> bool:
+        """Whether ``data`` (a whole read, past the NULL handshake) is a heartbeat that repeats,
+        byte for byte, the connection's previous message, passed on less than
+        ``limits.hb_repeat_s`` ago: it is dropped here, one hop before the daemon would drop it
+        unread (ps/net/connections.py, ``repeat_heartbeat``), which saves the daemon receiving it
+        and the front sending it. Only a read that is exactly one short one-frame message
+        counts; anything else passed on forgets the heartbeat. The window is half the daemon's:
+        whatever a worker's pace, one of its heartbeats is passed on at least every half window
+        plus its period, so the daemon still hands one to the core at least every
+        ``1.5 * hb_refresh_s`` plus that period (2 s at the defaults, against a liveness of 3 s)."""
+        n = len(data)
+        if boundary and 2 < n <= 257 and data[0] == 0 and data[1] == n - 2:
+            body = bytes(data[2:])
+            if looks_like_heartbeat(body):
+                now = self.clock()
+                if body == p.hb_last and now - p.hb_at < p.parser.limits.hb_repeat_s:
+                    self.hb_dropped += 1
+                    return True
+                p.hb_last, p.hb_at = body, now
+                return False
+        p.hb_last = None
+        return False
+
+
+class Front(_Admission, _Splicing, _Handshakes, _HandOvers):
+    """The relay's event loop (epoll, level-triggered, one thread).
+
+    Args:
+        listener: the bound, listening public socket (TCP or Unix).
+        limits: what a client may send (see :class:`Limits`).
+        clock: monotonic clock.
+    """
+
+    def __init__(self, listener: socket.socket, limits: Limits | None = None,
+                 clock: Callable[[], float] = time.monotonic, splice: bool = True,
+                 budget: Budget | None = None) -> None:
+        self.budget = budget if budget is not None else Budget.from_rlimit()
+        self.sources: dict[str, _Source] = {}
+        self.by_n: dict[int, dict[str, None]] = {}  # sheddable count -> the sources with it
+        self.top_n = 0  # an upper bound on the largest sheddable count
+        self.clients = 0  # client sockets open
+        self.handshaking: dict[_Pair, None] = {}  # every connection in its handshake, oldest first
+        self.mid: set[_Pair] = set()  # connections with an unfinished message (progress windows)
+        self.stuck: set[_Pair] = set()  # connections whose client leaves the daemon's bytes waiting
+        self.next_check = 0.0
+        self.shed = self.refused = 0
+        self.hb_dropped = 0  # heartbeat repeats dropped (_repeat)
+        self.paused: set[_Pair] = set()  # connections not read until their frame budget is back (_throttle)
+        self.curve_authed = self.data_authed = 0  # connections never shed: CURVE-authenticated, sealed data
+        self.data_tokens: dict[bytes, _Pair] = {}  # a sealed data connection's token -> its connection
+        self.throttled = 0  # times a connection was paused for its frame rate
+        self.hand: socket.socket | None = None  # the daemon's hand-over socket (ps/net/handover.py), if it takes them
+        self.hand_mask = select.EPOLLIN
+        self.hand_wait: collections.deque[_Pair] = collections.deque()  # handshakes done, for the daemon to take
+        self.handed: dict[int, str] = {}  # connections handed over and still open -> their source
+        self.handed_by_source: dict[str, int] = {}
+        self.next_cid = 0
+        self.listener = listener
+        listener.setblocking(False)
+        self.limits = limits
+        self.clock = clock
+        self.ep = select.epoll()
+        self.backend: str | None = None  # the daemon's Unix socket path while it is up
+        self.data: tuple[str, Limits, bytes] | None = None  # its sealed data path (set_backend)
+        self.pairs: dict[int, _Pair] = {}  # fd (either side) -> its pair
+        self.watched: dict[int, Callable[[], None]] = {}  # other fds (signals, the child) -> callback
+        self.accepting = False
+        self.pending = 0  # bytes declared by all connections' unfinished messages
+        self.accepted = self.cut = self.handed_over = 0
+        self.last_cut_log = -1e9
+        self.cuts_unlogged = 0
+        self.accept_paused_until = 0.0
+        self.draining: set[_Pair] = set()
+        self.view = memoryview(bytearray(CHUNK))  # every read lands here; only an unsent rest is copied
+        self.pipe: tuple[int, int] | None = _open_pipe() if splice else None  # shared, empty between calls
+        self.spliced = 0  # bytes moved by splice (both directions)
+
+    # ---------------------------------------------------------------- set-up
+    def watch(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``fd`` is readable (the supervisor's own fds)."""
+        self.watched[fd] = callback
+        self.ep.register(fd, select.EPOLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        if self.watched.pop(fd, None) is not None:
+            self.ep.unregister(fd)
+
+    def set_backend(self, path: str | None, limits: Limits | None = None,
+                    data: tuple[str, Limits, bytes] | None = None, hand: str | None = None) -> None:
+        """The daemon is up at ``path`` (accept clients) or down (None: every connection is
+        closed, new ones wait in the listen backlog). ``data``: its sealed data path under
+        CurveZMQ (private endpoint, the NULL connections' limits, the tokens' secret): clients
+        are then routed by their greeting's mechanism (:meth:`_route`). ``hand``: under NULL,
+        the daemon's hand-over socket: each client is handed over once its handshake is done
+        (:meth:`_hand_over`)."""
+        if limits is not None:
+            self.limits = limits
+        self.data = data if path is not None else None
+        self._set_hand(hand if path is not None and data is None else None)
+        if path is None:
+            for p in set(self.pairs.values()):
+                self._close_pair(p)
+            self.draining.clear()
+        self.backend = path
+        self._set_accepting(path is not None)
 
     def _set_accepting(self, on: bool) -> None:
         if on and not self.accepting:
@@ -1111,46 +1156,6 @@ class Front(_Admission, _Splicing, _Handshakes):
             return
         p.up = data
         self._write_daemon(p)
-
-    def _throttle(self, p: _Pair, frames: int) -> None:
-        """``frames`` frame headers came in the client's last read: take them from its budget
-        (a bucket of ``max_frame_rate`` a second, holding at most one second's worth); once it
-        is spent the client is not read until the budget is back. What was read is passed on:
-        nothing is dropped, the sender's own socket fills and its sends wait, so one connection's
-        flood (heartbeats sent as fast as a peer can) costs its sender, not the daemon's loop
-        that every worker's replies share. A worker's own pace is far below the bound (a reply
-        and a heartbeat per job: a few thousand frames a second at the smallest sizes)."""
-        rate = self.limits.max_frame_rate
-        now = self.clock()
-        p.tokens = min(rate, p.tokens + (now - p.tok_at) * rate) - frames
-        p.tok_at = now
-        if p.tokens < 0:
-            p.paused_until = now - p.tokens / rate
-            self.paused.add(p)
-            self.throttled += 1
-
-    def _repeat(self, p: _Pair, data: memoryview, boundary: bool) -> bool:
-        """Whether ``data`` (a whole read, past the NULL handshake) is a heartbeat that repeats,
-        byte for byte, the connection's previous message, passed on less than
-        ``limits.hb_repeat_s`` ago: it is dropped here, one hop before the daemon would drop it
-        unread (ps/net/connections.py, ``repeat_heartbeat``), which saves the daemon receiving it
-        and the front sending it. Only a read that is exactly one short one-frame message
-        counts; anything else passed on forgets the heartbeat. The window is half the daemon's:
-        whatever a worker's pace, one of its heartbeats is passed on at least every half window
-        plus its period, so the daemon still hands one to the core at least every
-        ``1.5 * hb_refresh_s`` plus that period (2 s at the defaults, against a liveness of 3 s)."""
-        n = len(data)
-        if boundary and 2 < n <= 257 and data[0] == 0 and data[1] == n - 2:
-            body = bytes(data[2:])
-            if looks_like_heartbeat(body):
-                now = self.clock()
-                if body == p.hb_last and now - p.hb_at < p.parser.limits.hb_repeat_s:
-                    self.hb_dropped += 1
-                    return True
-                p.hb_last, p.hb_at = body, now
-                return False
-        p.hb_last = None
-        return False
 
     def _write_daemon(self, p: _Pair) -> None:
         if p.up:

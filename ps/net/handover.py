@@ -45,6 +45,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from protocol.zmtp import Connection, ZmtpError, ZmtpLimits, frames_out, pong
 
 log = logging.getLogger("latecomer.server")
@@ -64,6 +66,18 @@ _IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPO
 _SIOCOUTQ = 0x5411
 _BAD = (ZmtpError, ValueError, IndexError, struct.error)  # what the codec may raise on a peer's bytes
 IOV_MAX = 512  # buffers per sendmsg
+
+
+def attach(transport: Any, path: str, limits: HandLimits) -> None:
+    """Behind the front under NULL: the daemon transport takes the connections the front hands over
+    at ``path``; a live worker's connection is never shed for room."""
+    def live(rid: bytes) -> bool:
+        conn = transport.conns.by_rid.get(rid)
+        return conn is not None and conn.wid is not None and conn.wid in transport.core.workers
+
+    from algorithms._pool import POOL
+
+    transport.handed = HandedPath(path, limits, transport.clock, lambda n: POOL.empty((n,), np.uint8), live)
 
 
 def pack_hand(cid: int, source: str, unsent: bytes, read: bytes) -> bytes:
@@ -566,4 +580,4 @@ def _unsent(s: socket.socket) -> int:
         return 0
 
 
-__all__ = ["HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand"]
+__all__ = ["attach", "HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand"]

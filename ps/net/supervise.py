@@ -243,7 +243,7 @@ def _accept_hand_overs(daemon: Any, endpoint: str, info: dict[str, Any]) -> str:
     would enforce on a relayed connection (ps/net/handover.py); returns its path."""
     from protocol.zmtp import ZmtpLimits
     from ps.net.front import MAX_COMMAND_BYTES, PROGRESS_FLOOR_BYTES, PROGRESS_WINDOW_S
-    from ps.net.handover import HAND_SOCKET, HandLimits
+    from ps.net.handover import HAND_SOCKET, HandLimits, attach
 
     m = _meta()
     front = _limits(info, m.get("max_unfinished_bytes"), m.get("max_frame_rate", DEFAULT_FRAME_RATE))
@@ -254,7 +254,7 @@ def _accept_hand_overs(daemon: Any, endpoint: str, info: dict[str, Any]) -> str:
                         max_connections=budget.max_clients, max_out_messages=daemon.sock.sndhwm,
                         window_s=PROGRESS_WINDOW_S, floor_bytes=PROGRESS_FLOOR_BYTES)
     path = os.path.join(os.path.dirname(endpoint.removeprefix("ipc://")), HAND_SOCKET)
-    daemon.transport.accept_hand_overs(path, limits)
+    attach(daemon.transport, path, limits)
     return path
 
 

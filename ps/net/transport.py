@@ -75,7 +75,7 @@ from ps.net.connections import (
     RateLimitedLog,
 )
 from ps.net.endpoints import needs_ipv6
-from ps.net.handover import HandedPath, HandLimits
+from ps.net.handover import HandedPath
 from ps.net.routed import MAX_PARTS_PEERS, PartsIn, ShardPeers, ShardRole, worker_of
 from ps.net.samehost import SliceSameHost, lend_job, offers_shm, open_arena, opened_shm
 from ps.net.sealed import OpenFrame, SealedPath
@@ -218,7 +218,8 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
 
 class _Outbound:
     """What the server sends of its own accord: heartbeats (a slice per pass), a message in parts, the
-    final byes (a mixin of ServerTransport, which holds the state)."""
+    final byes; and the frames of any message, on the path its connection takes (a mixin of
+    ServerTransport, which holds the state)."""
 
     def _parts_out(self, msg: Any, rid: bytes | None = None) -> list:
         """The messages that carry ``msg`` in parts, then its header (a new transfer id); to a
@@ -248,6 +249,29 @@ class _Outbound:
             if not self.send_frames(conn.rid, frames):
                 gone.append(conn.wid)
         return gone
+
+    def send_frames(self, rid: bytes, frames: list) -> bool:
+        """``frames`` to the connection ``rid``: over the connection the daemon reads itself, the
+        sealed data connection, or the ROUTER. False: it cannot be reached (gone, or its pipe full)."""
+        sent = self.handed.send(rid, frames) if self.handed is not None else None
+        if sent is not None:  # a connection the daemon reads itself (ps/net/handover.py)
+            self.send_failures += not sent
+            return sent
+        sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
+        if sent is not None:  # on the sealed data connection (sent, or its pipe is full)
+            self.send_failures += not sent
+            return sent
+        try:
+            send_frames(self.sock, [rid, *frames], _NOBLOCK)
+            return True
+        except zmq.Again:
+            self.send_failures += 1
+            return False
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                self.send_failures += 1
+                return False
+            raise
 
     def drain(self, bye: Bye, deadline: float) -> None:
         """Tell every worker bye and wait (until ``deadline``) for their acknowledging bye. A
@@ -354,14 +378,6 @@ class ServerTransport(_Outbound):
             yield from self.sealed.pending()
         if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
             yield from self.handed.pending()
-
-    def accept_hand_overs(self, path: str, limits: HandLimits) -> None:
-        """Behind the front under NULL: take the connections it hands over at ``path``
-        (ps/net/handover.py); a live worker's connection is never shed for room."""
-        def live(rid: bytes) -> bool:
-            conn = self.conns.by_rid.get(rid)
-            return conn is not None and conn.wid is not None and conn.wid in self.core.workers
-        self.handed = HandedPath(path, limits, self.clock, lambda n: POOL.empty((n,), np.uint8), live)
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -524,27 +540,6 @@ class ServerTransport(_Outbound):
 
     def send_message(self, rid: bytes, msg: Any) -> bool:
         return self.send_frames(rid, encode(msg))
-
-    def send_frames(self, rid: bytes, frames: list) -> bool:
-        sent = self.handed.send(rid, frames) if self.handed is not None else None
-        if sent is not None:  # a connection the daemon reads itself (ps/net/handover.py)
-            self.send_failures += not sent
-            return sent
-        sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
-        if sent is not None:  # on the sealed data connection (sent, or its pipe is full)
-            self.send_failures += not sent
-            return sent
-        try:
-            send_frames(self.sock, [rid, *frames], _NOBLOCK)
-            return True
-        except zmq.Again:
-            self.send_failures += 1
-            return False
-        except zmq.ZMQError as e:
-            if e.errno == errno.EHOSTUNREACH:
-                self.send_failures += 1
-                return False
-            raise
 
     def sweep(self) -> None:
         """After the core's commands: shared-memory slots and wire copies of iterates the core no
