@@ -346,6 +346,31 @@ def test_a_libzmq_dealer_talks_to_the_daemon_through_a_handed_connection(tmp_pat
         s.close()
 
 
+def test_more_handshakes_at_once_than_the_daemons_queue_holds_all_wait_their_turn(tmp_path):
+    """The hand-over socket holds what its send buffer holds (here shrunk to the least the kernel
+    allows: a few hand-overs; 500 workers joining at once filled the default one): 40 clients
+    finishing their handshake in one burst are queued by the front (EPOLLOUT), none is cut."""
+    s = Stack(tmp_path)
+    socks = []
+    try:
+        wait_until(lambda: s.path.front is not None, s.step)  # the daemon took the front's socket
+        s.front.hand.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+        port = int(s.endpoint.rsplit(":", 1)[1])
+        for _ in range(40):
+            c = socket.create_connection(("127.0.0.1", port), timeout=5)
+            c.sendall(greeting() + ready(b"DEALER"))
+            socks.append(c)
+        for _ in range(20):  # the front alone: the daemon takes nothing meanwhile
+            s.front.run_once(0.01)
+        assert s.front.cut == 0 and s.front.handed_over < 40 and s.front.hand_wait
+        wait_until(lambda: len(s.path.by_fd) == 40, s.step)
+        assert s.front.cut == 0 and s.front.handed_over == 40 and not s.front.hand_wait
+    finally:
+        for c in socks:
+            c.close()
+        s.close()
+
+
 def test_the_cap_per_source_counts_connections_handed_over(tmp_path):
     s = Stack(tmp_path, per_source=2)
     socks = []
