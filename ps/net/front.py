@@ -854,9 +854,9 @@ class _HandOvers:
         return None
 
     def _flush_hands(self) -> None:
-        """Hand over the connections waiting (the daemon's queue of hand-overs is short: the
-        system's ``max_dgram_qlen``, 10 by default): what it does not take now waits for the
-        hand-over socket to be writable again (EPOLLOUT)."""
+        """Hand over the connections waiting (the hand-over socket holds what its send buffer
+        holds: 500 workers joining at once filled it): what it does not take now waits for the
+        socket to be writable again (EPOLLOUT)."""
         while self.hand_wait:
             p = self.hand_wait[0]
             if p.c is None or self.hand is None:  # gone meanwhile, or the daemon is

@@ -42,6 +42,7 @@ import os
 import select
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -522,7 +523,15 @@ class HandedPath:
         self.closed_ids.append(h.cid)
         self._tell_front()
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 1.0) -> None:
+        """Close every handed connection, after at most ``linger_s`` for what waits to be sent
+        (the final byes: libzmq's ROUTER closes with the same linger)."""
+        deadline = time.monotonic() + linger_s
+        while any(h.out for h in self.by_fd.values()) and (left := deadline - time.monotonic()) > 0:
+            for fd, ev in self.ep.poll(left):
+                h = self.by_fd.get(fd)
+                if h is not None and ev & (_OUT | _GONE):
+                    self._flush(h) if ev & _OUT else self._close(h)
         for h in list(self.by_fd.values()):
             self._close(h)
         if self.front is not None:

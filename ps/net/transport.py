@@ -202,7 +202,7 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
         messages = [sock.recv_multipart(copy=False)] if sock in ready else []
         if sealed is not None and sealed.sock in ready:
             messages += list(sealed.pending())
-        if handed is not None and handed in ready:
+        if handed is not None and handed.fileno() in ready:  # the poller answers with the descriptor
             messages += list(handed.pending())
         for frames in messages:
             rid = frames[0].bytes

@@ -241,6 +241,62 @@ def test_a_peer_that_leaves_the_daemons_bytes_waiting_is_cut_and_the_send_queue_
     assert "of what the server sent it in 5 s (at least 65536 per 5 s while bytes wait for it)" in caplog.text
 
 
+def test_the_final_bye_waits_behind_a_large_message_and_its_answer_ends_the_drain(daemon):
+    """The drain (transport.await_byes) flushes what waits for a handed connection: a bye queued
+    behind 4 MB reaches the worker, whose answering bye ends the wait. (The poller answers with
+    the descriptor, not the object registered: the drain once never flushed, and a worker behind
+    a large job never heard its bye.)"""
+    import threading
+
+    from protocol.messages import Bye
+    from ps.net.transport import await_byes
+
+    c = daemon.hand(read=HANDSHAKE)
+    rid = next(iter(daemon.path.by_rid))
+    assert daemon.path.send(rid, [bytes(4 << 20)]) and daemon.path.send(rid, encode(Bye("stopping")))
+    assert daemon.path.by_rid[rid].out  # the socket pair took only part of it
+    bye = wire(encode(Bye("stopping")))
+
+    def worker() -> None:
+        got = b""
+        while not got.endswith(bye):
+            got += c.recv(1 << 20)
+        c.sendall(wire(encode(Bye("ack"))))
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        pending = {rid}
+        await_byes(router, pending, Bye("again"), time.monotonic() + 10, time.monotonic, 1 << 20,
+                   lambda r, m: daemon.path.send(r, encode(m)), handed=daemon.path)
+        assert pending == set()
+    finally:
+        router.close(0)
+        ctx.term()
+        t.join(5)
+
+
+def test_close_lingers_for_what_waits_to_be_sent(daemon):
+    c = daemon.hand(read=HANDSHAKE)
+    rid = next(iter(daemon.path.by_rid))
+    assert daemon.path.send(rid, [bytes(4 << 20)]) and daemon.path.by_rid[rid].out
+    got = []
+
+    def reader() -> None:
+        n = 0
+        while chunk := c.recv(1 << 20):
+            n += len(chunk)
+        got.append(n)
+    import threading
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    daemon.path.close()
+    t.join(5)
+    assert got == [9 + (4 << 20)]  # all of it, then the orderly end
+
+
 def test_a_reader_that_takes_its_bytes_is_not_cut(daemon):
     c = daemon.hand(read=HANDSHAKE)
     rid = next(iter(daemon.path.by_rid))
