@@ -61,6 +61,21 @@ class ZmtpLimits:
     max_command_bytes: int = 64 * 1024
 
 
+def check_header(flags: int, size: int, max_command_bytes: int) -> bool:
+    """The rules every frame header obeys, whatever the bounds on messages: no reserved flag bits,
+    a command neither flagged MORE nor above ``max_command_bytes``. True: the frame is a command.
+    Raises ZmtpError (one line). The codec's check and the front's (ps/net/front.py) are this one."""
+    if flags & RESERVED:
+        raise ZmtpError(f"frame flags {flags:#04x} have reserved bits set")
+    if flags & COMMAND:
+        if flags & MORE:
+            raise ZmtpError("a command frame with MORE set")
+        if size > max_command_bytes:
+            raise ZmtpError(f"a {size}-byte command frame (at most {max_command_bytes})")
+        return True
+    return False
+
+
 def greeting(as_server: bool = False) -> bytes:
     """This side's greeting: ZMTP 3.1, NULL."""
     return SIGNATURE + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + bytes([as_server]) + bytes(31)
@@ -250,13 +265,7 @@ class Connection:
     def _check_frame(self, flags: int, size: int, lim: ZmtpLimits) -> None:
         """A frame's header, before its body is held (a small frame's header is looked at again
         after each read until its body is whole: the figures are recomputed, not added to)."""
-        if flags & RESERVED:
-            raise ZmtpError(f"frame flags {flags:#04x} have reserved bits set")
-        if flags & COMMAND:
-            if flags & MORE:
-                raise ZmtpError("a command frame with MORE set")
-            if size > lim.max_command_bytes:
-                raise ZmtpError(f"a {size}-byte command frame (at most {lim.max_command_bytes})")
+        if check_header(flags, size, lim.max_command_bytes):
             return
         if size > lim.max_frame_bytes:
             raise ZmtpError(f"a {size}-byte frame (at most {lim.max_frame_bytes})")
@@ -286,5 +295,5 @@ class Connection:
         # READY again, PONG, SUBSCRIBE and unknown commands: nothing to do (spec/23 ignores them)
 
 
-__all__ = ["Connection", "ZmtpError", "ZmtpLimits", "command", "frame_header", "frames_out", "greeting",
+__all__ = ["Connection", "ZmtpError", "ZmtpLimits", "check_header", "command", "frame_header", "frames_out", "greeting",
            "parse_properties", "pong", "ready"]

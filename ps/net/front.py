@@ -65,8 +65,9 @@ from typing import Callable
 
 from protocol.codec import looks_like_heartbeat
 from protocol.seal import token_ok
+from protocol.zmtp import ZmtpError, check_header
 from protocol.zmtp import ready as zmtp_ready
-from ps.net.handover import CLOSED, MAX_HAND_MESSAGE, pack_hand
+from ps.net.handover import CLOSED, MAX_HAND_MESSAGE, pack_hand, unsent_bytes
 
 log = logging.getLogger("latecomer.front")
 
@@ -242,13 +243,12 @@ class InboundParser:
     def _frame(self, flags: int, size: int) -> None:
         lim = self.limits
         self.seen += 1
-        if flags & RESERVED:
-            raise Cut(f"frame flags {flags:#04x} have reserved bits set")
-        if flags & COMMAND:
-            if flags & MORE:
-                raise Cut("a command frame with MORE set")
-            if size > lim.max_command_bytes:
-                raise Cut(f"a {size}-byte command frame (at most {lim.max_command_bytes})")
+        try:
+            command = check_header(flags, size, lim.max_command_bytes)  # the codec's own rules
+        except ZmtpError as e:
+            raise Cut(str(e)) from None
+        if command:
+            pass
         elif lim.mechanism == b"CURVE":
             # libzmq sends CURVE MESSAGE boxes as frames; MORE is inside the box.
             if size > lim.max_command_bytes:
@@ -269,7 +269,6 @@ class InboundParser:
 
 _SOFT_ERRORS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 _IN, _OUT, _GONE = select.EPOLLIN, select.EPOLLOUT, select.EPOLLERR | select.EPOLLHUP
-_SIOCOUTQ = 0x5411  # TIOCOUTQ: a socket's unsent bytes (Linux)
 
 
 class _Pair:
@@ -362,7 +361,7 @@ class _Admission:
             else:
                 p.win_start, p.win_bytes = now, 0
         for p in [p for p in self.stuck if now - p.dwin_start >= b.window_s]:
-            queued = _unsent(p.c)
+            queued = unsent_bytes(p.c)
             took = p.dwin_q0 + p.dwin_bytes - queued  # what left the socket's send queue for the client
             if took < b.floor_bytes:
                 self._cut(p, f"took {took} bytes of what the server sent it in {b.window_s:g} s "
@@ -386,7 +385,7 @@ class _Admission:
             p.dwin_bytes += sent
         else:
             self.stuck.add(p)
-            p.dwin_start, p.dwin_bytes, p.dwin_q0 = self.clock(), 0, _unsent(p.c)
+            p.dwin_start, p.dwin_bytes, p.dwin_q0 = self.clock(), 0, unsent_bytes(p.c)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -1297,16 +1296,6 @@ def _source_of(c: socket.socket, addr) -> str:
         return "unix"
     host = str(addr[0])
     return host[7:] if host.startswith("::ffff:") and "." in host else host
-
-
-def _unsent(s: socket.socket | None) -> int:
-    """Bytes in a socket's send queue (TCP: not yet acknowledged by the peer); 0 if unknown."""
-    if s is None:
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(s.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
 
 
 def _frame_end(buf: bytearray, at: int) -> int | None:

@@ -442,7 +442,7 @@ class HandedPath:
             h.dwin_bytes += sent
         else:
             self.stuck.add(h)
-            h.dwin_start, h.dwin_bytes, h.dwin_q0 = self.clock(), 0, _unsent(h.sock)
+            h.dwin_start, h.dwin_bytes, h.dwin_q0 = self.clock(), 0, unsent_bytes(h.sock)
 
     def _mask(self, h: _Hand) -> None:
         m = (0 if h.paused_until else _IN) | (_OUT if h.out else 0)
@@ -471,7 +471,7 @@ class HandedPath:
             else:
                 h.win_start, h.win_bytes = now, 0
         for h in [h for h in self.stuck if now - h.dwin_start >= b.window_s]:
-            queued = _unsent(h.sock)
+            queued = unsent_bytes(h.sock)
             took = h.dwin_q0 + h.dwin_bytes - queued
             if took < b.floor_bytes:
                 self._cut(h, f"took {took} bytes of what the server sent it in {b.window_s:g} s "
@@ -581,12 +581,16 @@ def _reset(s: socket.socket) -> None:
         pass
 
 
-def _unsent(s: socket.socket) -> int:
-    """Bytes in a socket's send queue (TCP: not yet acknowledged by the peer); 0 if unknown."""
+def unsent_bytes(s: socket.socket | None) -> int:
+    """Bytes in a socket's send queue (TCP: not yet acknowledged by the peer); 0 if unknown (the
+    front's rule for a peer that does not read, and the daemon's for a handed connection)."""
+    if s is None:
+        return 0
     try:
         return struct.unpack("i", fcntl.ioctl(s.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
     except OSError:
         return 0
 
 
-__all__ = ["attach", "HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand"]
+__all__ = ["attach", "HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand",
+           "unsent_bytes"]
