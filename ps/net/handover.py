@@ -143,7 +143,84 @@ class _Hand:
         self.tokens, self.tok_at, self.paused_until = float("inf"), now, 0.0
 
 
-class HandedPath:
+class _Writing:
+    """A handed connection's sending side: ``sendmsg`` of a message's buffers, what the peer does not
+    take queued (at most ``max_out_messages``) and sent when its socket is writable again, and the
+    window in which a peer must take what waits for it (a mixin of :class:`HandedPath`)."""
+
+    def send(self, rid: bytes, frames: list) -> bool | None:
+        """One message to the handed connection ``rid``: True sent (or queued), False its queue is
+        full or it went meanwhile, None: no handed connection has that routing id."""
+        h = self.by_rid.get(rid)
+        if h is None:
+            return None
+        if len(h.out) >= self.limits.max_out_messages:
+            return False
+        self.messages_out += 1
+        return self._send_raw(h, frames_out(frames))
+
+    def _send_raw(self, h: _Hand, bufs: list) -> bool:
+        """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size."""
+        total = sum(map(len, bufs))
+        if h.out:
+            h.out.append(bufs)
+            h.out_bytes += total
+            return True
+        try:
+            n = h.sock.sendmsg(bufs) if len(bufs) <= IOV_MAX else 0
+        except OSError as e:
+            if e.errno not in _SOFT:
+                self._close(h)
+                return False
+            n = 0
+        if n < total:
+            h.out.append(_rest(bufs, n))
+            h.out_bytes += total - n
+            self._waiting(h, 0)
+            self._mask(h)
+        return True
+
+    def _flush(self, h: _Hand) -> None:
+        sent = 0
+        while h.out:
+            bufs = [b for m in list(h.out)[:64] for b in m][:IOV_MAX]
+            total = sum(map(len, bufs))
+            try:
+                n = h.sock.sendmsg(bufs)
+            except OSError as e:
+                if e.errno in _SOFT:
+                    break
+                self._close(h)
+                return
+            short = n < total
+            sent += n
+            h.out_bytes -= n
+            while n and h.out:
+                m = h.out[0]
+                size = sum(map(len, m))
+                if n >= size:
+                    h.out.popleft()
+                    n -= size
+                else:
+                    h.out[0] = _rest(m, n)
+                    n = 0
+            if short:
+                break
+        self._waiting(h, sent)
+        self._mask(h)
+
+    def _waiting(self, h: _Hand, sent: int) -> None:
+        """The peer's window for taking what waits for it (the front's rule, Front._down_progress)."""
+        if not h.out:
+            self.stuck.discard(h)
+        elif h in self.stuck:
+            h.dwin_bytes += sent
+        else:
+            self.stuck.add(h)
+            h.dwin_start, h.dwin_bytes, h.dwin_q0 = self.clock(), 0, unsent_bytes(h.sock)
+
+
+class HandedPath(_Writing):
     """The hand-over socket, the handed connections and their messages (see the module docstring).
 
     Args:
@@ -371,78 +448,6 @@ class HandedPath:
             except OSError:
                 self.closed_ids = batch + self.closed_ids  # full: the next pass tries again
                 return
-
-    # ---------------------------------------------------------------- writing
-    def send(self, rid: bytes, frames: list) -> bool | None:
-        """One message to the handed connection ``rid``: True sent (or queued), False its queue is
-        full or it went meanwhile, None: no handed connection has that routing id."""
-        h = self.by_rid.get(rid)
-        if h is None:
-            return None
-        if len(h.out) >= self.limits.max_out_messages:
-            return False
-        self.messages_out += 1
-        return self._send_raw(h, frames_out(frames))
-
-    def _send_raw(self, h: _Hand, bufs: list) -> bool:
-        """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size."""
-        total = sum(map(len, bufs))
-        if h.out:
-            h.out.append(bufs)
-            h.out_bytes += total
-            return True
-        try:
-            n = h.sock.sendmsg(bufs) if len(bufs) <= IOV_MAX else 0
-        except OSError as e:
-            if e.errno not in _SOFT:
-                self._close(h)
-                return False
-            n = 0
-        if n < total:
-            h.out.append(_rest(bufs, n))
-            h.out_bytes += total - n
-            self._waiting(h, 0)
-            self._mask(h)
-        return True
-
-    def _flush(self, h: _Hand) -> None:
-        sent = 0
-        while h.out:
-            bufs = [b for m in list(h.out)[:64] for b in m][:IOV_MAX]
-            total = sum(map(len, bufs))
-            try:
-                n = h.sock.sendmsg(bufs)
-            except OSError as e:
-                if e.errno in _SOFT:
-                    break
-                self._close(h)
-                return
-            short = n < total
-            sent += n
-            h.out_bytes -= n
-            while n and h.out:
-                m = h.out[0]
-                size = sum(map(len, m))
-                if n >= size:
-                    h.out.popleft()
-                    n -= size
-                else:
-                    h.out[0] = _rest(m, n)
-                    n = 0
-            if short:
-                break
-        self._waiting(h, sent)
-        self._mask(h)
-
-    def _waiting(self, h: _Hand, sent: int) -> None:
-        """The peer's window for taking what waits for it (the front's rule, Front._down_progress)."""
-        if not h.out:
-            self.stuck.discard(h)
-        elif h in self.stuck:
-            h.dwin_bytes += sent
-        else:
-            self.stuck.add(h)
-            h.dwin_start, h.dwin_bytes, h.dwin_q0 = self.clock(), 0, unsent_bytes(h.sock)
 
     def _mask(self, h: _Hand) -> None:
         m = (0 if h.paused_until else _IN) | (_OUT if h.out else 0)
