@@ -102,8 +102,9 @@ class ServeCommand(click.Command):
                          expose_value=False, callback=_store, is_eager=True,
                          help="Without --keys: auto has the front pass each connection, once its ZMTP "
                               "handshake is done, to the server process, which then reads and writes it "
-                              "itself with the front's bounds (PROTOCOL.md 1, the front; no relay: 2-3x the updates "
-                              "per second at small vectors); off: the front relays every byte."),
+                              "itself with the front's bounds (PROTOCOL.md 1, the front; without the relay's "
+                              "hop: 1.2-2.2x its updates per second, benchmarks/RESULTS-handover.md); off: the "
+                              "front relays every byte."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),
         ]
