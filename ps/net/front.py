@@ -58,7 +58,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -67,7 +66,7 @@ from protocol.codec import looks_like_heartbeat
 from protocol.seal import token_ok
 from protocol.zmtp import ZmtpError, check_header
 from protocol.zmtp import ready as zmtp_ready
-from ps.net.handover import CLOSED, MAX_HAND_MESSAGE, pack_hand, unsent_bytes
+from ps.net.handover import CLOSED, MAX_HAND_MESSAGE, CutLog, pack_hand, reset, unsent_bytes
 
 log = logging.getLogger("latecomer.front")
 
@@ -78,7 +77,6 @@ CHUNK = 256 * 1024  # bytes read at once, and the most held per connection and d
 DRAIN_S = 10.0  # after a client went: how long to wait for the daemon to close its end
 MAX_COMMAND_BYTES = 64 * 1024  # a NULL-mechanism command (READY with metadata, PING, ...)
 CURVE_OVERHEAD = 64  # a CURVE MESSAGE box around a frame: command name, nonce, MAC, flags
-CUT_LOG_INTERVAL_S = 1.0  # one log line per this interval for cut connections (the rest counted)
 SPLICE_MIN = 16 * 1024  # a frame body at least this long still to pass is spliced, not read
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 0) | getattr(os, "SPLICE_F_NONBLOCK", 0)
 _NO_SPLICE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP)  # refused: read instead
@@ -978,8 +976,7 @@ class Front(_Admission, _Splicing, _Handshakes, _HandOvers):
         self.accepting = False
         self.pending = 0  # bytes declared by all connections' unfinished messages
         self.accepted = self.cut = self.handed_over = 0
-        self.last_cut_log = -1e9
-        self.cuts_unlogged = 0
+        self._log_cut = CutLog(log, clock)  # one line per second for cut, shed and refused connections
         self.accept_paused_until = 0.0
         self.draining: set[_Pair] = set()
         self.view = memoryview(bytearray(CHUNK))  # every read lands here; only an unsent rest is copied
@@ -1215,24 +1212,11 @@ class Front(_Admission, _Splicing, _Handshakes, _HandOvers):
             p.down_full = False
         self._mask(p)
 
-    def _log_cut(self, why: str) -> None:
-        """One log line per CUT_LOG_INTERVAL_S for cut, shed and refused connections."""
-        now = self.clock()
-        if now - self.last_cut_log >= CUT_LOG_INTERVAL_S:
-            more = f" ({self.cuts_unlogged} more cut since the last line)" if self.cuts_unlogged else ""
-            log.warning("cut a connection: %s%s", why, more)
-            self.last_cut_log, self.cuts_unlogged = now, 0
-        else:
-            self.cuts_unlogged += 1
-
     def _cut(self, p: _Pair, why: str) -> None:
         self.cut += 1
         self._log_cut(why)
-        if p.c is not None:
-            try:  # the client gets a reset: it broke a bound, nothing it sent is kept
-                p.c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            except OSError:
-                pass
+        if p.c is not None:  # the client gets a reset: it broke a bound, nothing it sent is kept
+            reset(p.c)
         self._client_gone(p)
 
     def _release(self, p: _Pair) -> None:

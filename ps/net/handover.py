@@ -100,6 +100,32 @@ def unpack_hand(data: bytes) -> tuple[int, str, bytes, bytes]:
     return cid, source, data[at + ns:at + ns + nu], data[at + ns + nu:]
 
 
+class CutLog:
+    """One log line per CUT_LOG_INTERVAL_S for cut, shed and refused connections, the next line
+    counting those in between: the front's (ps/net/front.py) and the daemon's, each on its logger."""
+
+    def __init__(self, logger: logging.Logger, clock: Callable[[], float]) -> None:
+        self.logger, self.clock = logger, clock
+        self.last, self.unlogged = -1e9, 0
+
+    def __call__(self, why: str) -> None:
+        now = self.clock()
+        if now - self.last >= CUT_LOG_INTERVAL_S:
+            more = f" ({self.unlogged} more cut since the last line)" if self.unlogged else ""
+            self.logger.warning("cut a connection: %s%s", why, more)
+            self.last, self.unlogged = now, 0
+        else:
+            self.unlogged += 1
+
+
+def reset(s: socket.socket) -> None:
+    """Close with a reset (``SO_LINGER`` 0): the peer broke a bound, nothing it sent is kept."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+
+
 class Frame(bytes):
     """A small frame read from a handed connection, with ``zmq.Frame``'s ``bytes``."""
 
@@ -256,7 +282,7 @@ class HandedPath(_Writing):
         self.pending_bytes = 0  # what all unfinished messages have declared
         self.next_check = 0.0
         self.handed = self.cut = self.shed = self.taken_over = self.pongs = self.messages_in = self.messages_out = 0
-        self.last_cut_log, self.cuts_unlogged = -1e9, 0
+        self._log_cut = CutLog(log, clock)
 
     def fileno(self) -> int:
         """The epoll descriptor: readable when a handed connection or the hand-over socket is ready."""
@@ -425,7 +451,7 @@ class HandedPath(_Writing):
         self._log_cut(why)
         self.cut += 1
         self.closed_ids.append(cid)
-        _reset(sock)
+        reset(sock)
         sock.close()
         self._tell_front()
 
@@ -495,20 +521,11 @@ class HandedPath(_Writing):
             t = 0.0
         return max(0.0, t)
 
-    def _log_cut(self, why: str) -> None:
-        now = self.clock()
-        if now - self.last_cut_log >= CUT_LOG_INTERVAL_S:
-            more = f" ({self.cuts_unlogged} more cut since the last line)" if self.cuts_unlogged else ""
-            log.warning("cut a connection: %s%s", why, more)
-            self.last_cut_log, self.cuts_unlogged = now, 0
-        else:
-            self.cuts_unlogged += 1
-
     def _cut(self, h: _Hand, why: str) -> None:
         """``h`` broke a bound: a reset, and nothing it sent that is not whole is kept."""
         self.cut += 1
         self._log_cut(why)
-        _reset(h.sock)
+        reset(h.sock)
         self._close(h)
 
     def _close(self, h: _Hand) -> None:
@@ -579,13 +596,6 @@ def _rest(bufs: list, n: int) -> list:
     return out
 
 
-def _reset(s: socket.socket) -> None:
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-
-
 def unsent_bytes(s: socket.socket | None) -> int:
     """Bytes in a socket's send queue (TCP: not yet acknowledged by the peer); 0 if unknown (the
     front's rule for a peer that does not read, and the daemon's for a handed connection)."""
@@ -597,5 +607,5 @@ def unsent_bytes(s: socket.socket | None) -> int:
         return 0
 
 
-__all__ = ["attach", "HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand", "unpack_hand",
-           "unsent_bytes"]
+__all__ = ["CutLog", "reset", "attach", "HandedPath", "HandLimits", "Frame", "GENERATED", "HAND_SOCKET", "pack_hand",
+           "unpack_hand", "unsent_bytes"]
