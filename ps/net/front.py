@@ -774,6 +774,11 @@ class _Handshakes:
         if not token_ok(self.data[2], token):
             self._cut(p, "a NULL connection without a token of this server's sealed data path")
             return None
+        if self.hand is not None:  # the daemon reads it itself: the front's READY, then the descriptor
+            p.down = p.down + zmtp_ready(b"ROUTER")
+            p.hs_pre = bytearray(bytes(p.hs_pre) + out)
+            self._write_client(p)
+            return self._handing(p) if p.c is not None else None
         if not self._attach(p, self.data[0]):
             return None
         self._promote(p, token)
@@ -844,6 +849,11 @@ class _HandOvers:
             if p.c is not None:
                 self._mask(p)
             return None
+        return self._handing(p)
+
+    def _handing(self, p: _Pair) -> None:
+        """``p``'s handshake is done (``p.hs_pre``: all it sent, ``p.down``: what of the front's
+        greeting and READY it has not taken): it waits for the hand-over socket."""
         p.up_full = True  # read no more of it: what comes next is the daemon's to read
         self._mask(p)
         self.hand_wait.append(p)
@@ -998,13 +1008,13 @@ class Front(_Admission, _Splicing, _Handshakes, _HandOvers):
         """The daemon is up at ``path`` (accept clients) or down (None: every connection is
         closed, new ones wait in the listen backlog). ``data``: its sealed data path under
         CurveZMQ (private endpoint, the NULL connections' limits, the tokens' secret): clients
-        are then routed by their greeting's mechanism (:meth:`_route`). ``hand``: under NULL,
-        the daemon's hand-over socket: each client is handed over once its handshake is done
-        (:meth:`_hand_over`)."""
+        are then routed by their greeting's mechanism (:meth:`_route`). ``hand``: the daemon's
+        hand-over socket: each client under NULL, each sealed data connection under CurveZMQ, is
+        handed over once its handshake is done (:meth:`_hand_over`)."""
         if limits is not None:
             self.limits = limits
         self.data = data if path is not None else None
-        self._set_hand(hand if path is not None and data is None else None)
+        self._set_hand(hand if path is not None else None)
         if path is None:
             for p in set(self.pairs.values()):
                 self._close_pair(p)
@@ -1106,7 +1116,7 @@ class Front(_Admission, _Splicing, _Handshakes, _HandOvers):
             return
         # after a spliced body, read little more than the next headers: a large body is spliced
         want = SPLICE_MIN if p.short and self.pipe is not None else CHUNK
-        if p.route == ROUTE_HAND:
+        if p.route == ROUTE_HAND or p.route and self.hand is not None:  # a handshake that goes with its descriptor
             want = HAND_READ
         try:
             n = p.c.recv_into(self.view, want)

@@ -70,15 +70,20 @@ IOV_MAX = 512  # buffers per sendmsg
 
 
 def attach(transport: Any, path: str, limits: HandLimits) -> None:
-    """Behind the front under NULL: the daemon transport takes the connections the front hands over
-    at ``path``; a live worker's connection is never shed for room."""
+    """Behind the front: the daemon transport takes the connections the front hands over at
+    ``path`` (under NULL its clients'; under CurveZMQ the sealed data connections, whose messages
+    its sealed path opens, ps/net/sealed.py); a live worker's connection is never shed for room."""
     def live(rid: bytes) -> bool:
         conn = transport.conns.by_rid.get(rid)
         return conn is not None and conn.wid is not None and conn.wid in transport.core.workers
 
     from algorithms._pool import POOL
 
-    transport.handed = HandedPath(path, limits, transport.clock, lambda n: POOL.empty((n,), np.uint8), live)
+    sealed = transport.sealed
+    alive = live if sealed is None else lambda token: sealed.live_token(token, live)
+    transport.handed = HandedPath(path, limits, transport.clock, lambda n: POOL.empty((n,), np.uint8), alive)
+    if sealed is not None:
+        sealed.handed = transport.handed
 
 
 def pack_hand(cid: int, source: str, unsent: bytes, read: bytes) -> bytes:
@@ -182,8 +187,9 @@ class _Writing:
             return None
         if len(h.out) >= self.limits.max_out_messages:
             return False
-        self.messages_out += 1
-        return self._send_raw(h, frames_out(frames))
+        sent = self._send_raw(h, frames_out(frames))
+        self.messages_out += sent
+        return sent
 
     def _send_raw(self, h: _Hand, bufs: list) -> bool:
         """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size."""

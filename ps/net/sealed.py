@@ -12,6 +12,11 @@ authenticated), so the core, the journal and the replay see exactly what they sa
 Once a worker's first sealed message came, every message to it goes sealed on its data
 connection; when that connection is gone (``EHOSTUNREACH``), a message goes over CURVE, which
 the worker reads as well, until its next sealed message comes.
+
+With the hand-over (``serve --hand-over auto``, ps/net/handover.py) the front does not relay a
+data connection whose token checked out: it hands the connection itself to the daemon, which
+reads and writes it (``handed``, its routing id the token) with no ROUTER and no relay between;
+what comes on it is opened here exactly as what comes on the ROUTER (:meth:`SealedPath.opened`).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class RidFrame(bytes):
 
 
 class _Session:
-    __slots__ = ("rid", "token", "sealer", "opener", "bound", "rid_frame")
+    __slots__ = ("rid", "token", "sealer", "opener", "bound", "rid_frame", "handed")
 
     def __init__(self, rid: bytes, session: Session, key: str, alloc: Any) -> None:
         self.rid, self.token = rid, session.token
@@ -51,6 +56,7 @@ class _Session:
         self.opener = Opener(session.up, UP, {"key": key}, alloc)
         self.bound = False  # a sealed message came on the data connection: send there
         self.rid_frame = RidFrame(rid)
+        self.handed = False  # its data connection is one the daemon was handed (else the ROUTER's)
 
 
 def secret_path(endpoint: str) -> str:
@@ -102,6 +108,7 @@ class SealedPath:
         self.by_rid: dict[bytes, _Session] = {}
         self.messages_in = self.messages_out = self.refused = self.fallbacks = 0
         self.refusals = RateLimitedLog(log)
+        self.handed: Any = None  # the data connections the front hands over (ps/net/handover.py), if any
 
     def offer(self, rid: bytes, key: str) -> str:
         """A new session for the CURVE connection ``rid`` (its key's fingerprint ``key``), replacing
@@ -128,19 +135,37 @@ class SealedPath:
                 frames = recv_frames(sock, _NOBLOCK)
             except zmq.Again:
                 return
-            s = self.by_token.get(frames[0].bytes)
-            if s is None:  # a session that ended (its connection went): nothing to open it with
-                self.refused += 1
-                continue
-            try:
-                opened = s.opener.open(frames[1:])
-            except RemoteProtocolError as e:
-                self.refused += 1
-                self.refusals.warning("sealed", self.clock(), "refused a sealed message: %s", e)
-                continue
-            s.bound = True
-            self.messages_in += 1
-            yield [s.rid_frame, *opened]
+            opened = self._open(frames, False)
+            if opened is not None:
+                yield opened
+
+    def opened(self, messages: Iterator[list]) -> Iterator[list]:
+        """The messages of the handed data connections (each its token, then the sealed frames)
+        that open, as :meth:`pending`'s."""
+        for frames in messages:
+            opened = self._open(frames, True)
+            if opened is not None:
+                yield opened
+
+    def _open(self, frames: list, handed: bool) -> list | None:
+        s = self.by_token.get(frames[0].bytes)
+        if s is None:  # a session that ended (its connection went): nothing to open it with
+            self.refused += 1
+            return None
+        try:
+            opened = s.opener.open(frames[1:])
+        except RemoteProtocolError as e:
+            self.refused += 1
+            self.refusals.warning("sealed", self.clock(), "refused a sealed message: %s", e)
+            return None
+        s.bound, s.handed = True, handed
+        self.messages_in += 1
+        return [s.rid_frame, *opened]
+
+    def live_token(self, token: bytes, live: Any) -> bool:
+        """Whether ``token`` is the data connection of a session whose CURVE connection ``live`` says is live."""
+        s = self.by_token.get(token)
+        return s is not None and live(s.rid)
 
     def is_bound(self, rid: bytes) -> bool:
         s = self.by_rid.get(rid)
@@ -152,6 +177,16 @@ class SealedPath:
         s = self.by_rid.get(rid)
         if s is None or not s.bound:
             return None
+        if s.handed:
+            handed = self.handed
+            sent = handed.send(s.token, s.sealer.seal(frames)) if handed is not None else None
+            if sent is None or s.token not in handed.by_rid:  # its data connection is gone (or went
+                # as this was sent): CURVE until the next sealed message
+                s.bound = False
+                self.fallbacks += 1
+                return None
+            self.messages_out += sent
+            return sent
         try:
             send_frames(self.sock, [s.token, *s.sealer.seal(frames)], _NOBLOCK)
         except zmq.Again:
@@ -173,7 +208,7 @@ class SealedPath:
                 "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close(linger=0)  # the handed connections are closed with the transport's HandedPath
 
 
 __all__ = ["SealedPath", "RidFrame", "OpenFrame", "SealError", "secret_path", "write_secret"]

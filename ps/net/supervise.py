@@ -100,11 +100,11 @@ class ServeCommand(click.Command):
                               "vectors); off: everything over CurveZMQ."),
             click.Option(["--hand-over"], type=click.Choice(["auto", "off"]), default="auto", show_default=True,
                          expose_value=False, callback=_store, is_eager=True,
-                         help="Without --keys: auto has the front pass each connection, once its ZMTP "
-                              "handshake is done, to the server process, which then reads and writes it "
-                              "itself with the front's bounds (PROTOCOL.md 1, the front; without the relay's "
-                              "hop: 1.2-2.2x its updates per second, benchmarks/RESULTS-handover.md); off: the "
-                              "front relays every byte."),
+                         help="auto has the front pass each plaintext connection (under --keys: each "
+                              "sealed data connection), once its ZMTP handshake is done, to the server "
+                              "process, which then reads and writes it itself with the front's bounds "
+                              "(PROTOCOL.md 1, the front; without the relay's hop: 1.2-2.2x its updates per "
+                              "second, benchmarks/RESULTS-handover.md); off: the front relays every byte."),
             click.Option(["--supervised-by"], hidden=True, default=None, expose_value=False, callback=_store,
                          is_eager=True),
         ]
@@ -233,21 +233,26 @@ def announce(daemon: Any) -> None:
             seal = _endpoint.removesuffix(".sock") + "-seal.sock"
             attach(daemon.transport, seal, secret)
             info["seal_endpoint"] = seal.removeprefix("ipc://")
+            if _meta().get("hand_over", "auto") != "off":  # the front hands the sealed data connections over
+                info["hand_endpoint"] = _accept_hand_overs(daemon, _endpoint, info, sealed=True)
     elif _meta().get("hand_over", "auto") != "off":  # plaintext: the front hands connections over
         info["hand_endpoint"] = _accept_hand_overs(daemon, _endpoint, info)
     with os.fdopen(int(fd), "w", encoding="utf-8") as f:
         f.write(json.dumps(info) + "\n")
 
 
-def _accept_hand_overs(daemon: Any, endpoint: str, info: dict[str, Any]) -> str:
+def _accept_hand_overs(daemon: Any, endpoint: str, info: dict[str, Any], sealed: bool = False) -> str:
     """Bind the daemon's hand-over socket beside its private endpoint, with the bounds the front
-    would enforce on a relayed connection (ps/net/handover.py); returns its path."""
+    would enforce on a relayed connection (ps/net/handover.py; ``sealed``: on a sealed data
+    connection, :func:`_data_limits`); returns its path."""
     from protocol.zmtp import ZmtpLimits
     from ps.net.front import MAX_COMMAND_BYTES, PROGRESS_FLOOR_BYTES, PROGRESS_WINDOW_S
     from ps.net.handover import HAND_SOCKET, HandLimits, attach
 
     m = _meta()
     front = _limits(info, m.get("max_unfinished_bytes"), m.get("max_frame_rate", DEFAULT_FRAME_RATE))
+    if sealed:
+        front = _data_limits(info, front)
     zl = ZmtpLimits(max_frame_bytes=front.max_frame_bytes, max_message_bytes=front.max_message_bytes,
                     max_frames=front.max_frames, max_command_bytes=MAX_COMMAND_BYTES)
     budget = _budget(m.get("max_connections"), m.get("max_connections_per_source") or 0)

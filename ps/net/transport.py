@@ -203,7 +203,7 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
         if sealed is not None and sealed.sock in ready:
             messages += list(sealed.pending())
         if handed is not None and handed.fileno() in ready:  # the poller answers with the descriptor
-            messages += list(handed.pending())
+            messages += list(sealed.opened(handed.pending()) if sealed is not None else handed.pending())
         for frames in messages:
             rid = frames[0].bytes
             try:
@@ -253,8 +253,8 @@ class _Outbound:
     def send_frames(self, rid: bytes, frames: list) -> bool:
         """``frames`` to the connection ``rid``: over the connection the daemon reads itself, the
         sealed data connection, or the ROUTER. False: it cannot be reached (gone, or its pipe full)."""
-        sent = self.handed.send(rid, frames) if self.handed is not None else None
-        if sent is not None:  # a connection the daemon reads itself (ps/net/handover.py)
+        sent = self.handed.send(rid, frames) if self.handed is not None and self.sealed is None else None
+        if sent is not None:  # a plaintext connection the daemon reads itself (ps/net/handover.py)
             self.send_failures += not sent
             return sent
         sent = self.sealed.send(rid, frames) if self.sealed is not None and self.sealed.by_rid else None
@@ -322,7 +322,7 @@ class ServerTransport(_Outbound):
         self.wire_dtype = wire_dtype
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
         self.sealed: SealedPath | None = None  # under CurveZMQ behind the front: the sealed path (sealed.attach)
-        self.handed: HandedPath | None = None  # behind the front, plaintext: connections it hands over
+        self.handed: HandedPath | None = None  # behind the front: connections it hands over (sealed: data ones)
         self.send_failures = self.invalid_messages = self.bytes_in = 0
         if shard is None:
             self._init_daemon(ctx, bind, shm, limits, max_workers, max_workers_per_key)
@@ -376,8 +376,8 @@ class ServerTransport(_Outbound):
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
             yield from self.sealed.pending()
-        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
-            yield from self.handed.pending()
+        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py); sealed: opened
+            yield from self.sealed.opened(self.handed.pending()) if self.sealed is not None else self.handed.pending()
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -438,7 +438,7 @@ class ServerTransport(_Outbound):
         key = self._key(frame)
         if key:
             return "key:" + key, key in getattr(self.security, "allowed", ())
-        handed = self.handed.by_rid.get(rid) if self.handed is not None else None
+        handed = self.handed.by_rid.get(rid) if self.handed is not None and self.sealed is None else None
         if handed is not None:
             return ("ip:" + handed.source if handed.source else ""), False
         try:

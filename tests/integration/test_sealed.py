@@ -42,19 +42,27 @@ def keyed_quadratic(procs, tmp_path, names: tuple[str, ...], start: tuple[str, .
     return keys, events, state, server, endpoint, workers
 
 
-@pytest.mark.parametrize("d, steps, parts", [(500_000, 10, False), (4_500_000, 4, True)],
-                         ids=["2MB", "18MB-in-parts"])
-def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, steps, parts):
+@pytest.mark.parametrize("d, steps, parts, hand_over", [(500_000, 10, False, "auto"), (500_000, 10, False, "off"),
+                                                        (4_500_000, 4, True, "auto")],
+                         ids=["2MB-handed", "2MB-relayed", "18MB-in-parts-handed"])
+def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, steps, parts, hand_over):
+    """With the hand-over (the default) the daemon reads the data connection itself; with
+    ``--hand-over off`` the front relays it to the daemon's data ROUTER. Either way the same."""
     from ps.drivers.replay import replay_run
 
     keys, state = make_keys(tmp_path, "w"), str(tmp_path / "state")
-    summary = keyed_synthetic_run(procs, keys, state, d, steps, LR)
+    summary = keyed_synthetic_run(procs, keys, state, d, steps, LR, "--hand-over", hand_over)
     t = summary["transport"]
     assert summary["version"] == steps
     # the replies (with the heartbeats) came sealed and the jobs went sealed: the first one or two
     # of each may cross over CurveZMQ while the data connection comes up
     assert t["sealed_messages_in"] >= steps and t["sealed_messages_out"] >= steps - 2, t
     assert t["sealed_refused"] == 0, t
+    if hand_over == "auto":  # every sealed message went over the connection handed to the daemon
+        assert t["handed_in_all"] == 1 and t["handed_messages_in"] == t["sealed_messages_in"], t
+        assert t["handed_messages_out"] == t["sealed_messages_out"], t
+    else:
+        assert "handed_in_all" not in t, t
     if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message
         assert t["parts_in"] >= 5 * steps and t["parts_out"] >= 5 * (steps - 2), t
     else:  # 2 MB: below the plaintext threshold, one message each way sealed; CurveZMQ splits it in 2

@@ -443,3 +443,71 @@ def test_the_cap_per_source_counts_connections_handed_over(tmp_path):
         for c in socks:
             c.close()
         s.close()
+
+
+def test_a_sealed_data_connection_is_handed_over_once_its_token_checks_out_and_opens_as_its_sessions(tmp_path):
+    """Under CurveZMQ the front hands over a NULL data connection whose READY names a token of this
+    server (PROTOCOL.md §6.15): the daemon reads it itself and its sealed path opens what comes and
+    seals what goes under the session; a token the server never made is cut by the front, and
+    once the data connection is gone a message falls back to CurveZMQ (None)."""
+    import dataclasses
+
+    from protocol.seal import Session, make_token, sealer_opener
+    from ps.net.sealed import SealedPath
+
+    secret = b"k" * 32
+    clock = time.monotonic
+    path = HandedPath(str(tmp_path / "hand.sock"), HL, clock, bytearray)
+    ctx = zmq.Context()
+    sealed = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", secret, 70_000, 16, clock)
+    sealed.handed = path
+    listener = listen("tcp://127.0.0.1:0")
+    endpoint = endpoint_of(listener, "tcp://127.0.0.1:0")
+    front = Front(listener, dataclasses.replace(FRONT_LIMITS, mechanism=b"CURVE"), budget=Budget(max_fds=200))
+    front.set_backend(str(tmp_path / "curve.sock"), dataclasses.replace(FRONT_LIMITS, mechanism=b"CURVE"),
+                      (f"{tmp_path}/seal.sock", FRONT_LIMITS, secret), str(tmp_path / "hand.sock"))
+    got: list = []
+
+    def step() -> None:
+        front.run_once(0.005)
+        got.extend(sealed.opened(path.pending()))
+        path.service(clock())
+
+    try:
+        hexed = sealed.offer(b"\x00curve-rid", "fp")
+        session = Session.unpack(bytes.fromhex(hexed))
+        up, down = sealer_opener(session, server=False)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.routing_id = session.token
+        dealer.connect(endpoint)
+        hb = Heartbeat(boot=1, credit=2, busy=(), seen=-1)
+        dealer.send_multipart(up.seal(encode(hb)))
+        wait_until(lambda: got, step)
+        assert front.handed_over == 1 and not front.pairs and path.by_rid.keys() == {session.token}
+        (rid, *frames), = got
+        assert rid == b"\x00curve-rid" and decode(frames) == hb  # as if it came over the CURVE connection
+        assert sealed.is_bound(b"\x00curve-rid") and sealed.by_rid[b"\x00curve-rid"].handed
+        assert sealed.send(b"\x00curve-rid", encode(hb)) is True
+        wait_until(lambda: dealer.poll(0), step)
+        assert decode(down.open(dealer.recv_multipart(copy=False))) == hb
+        assert path.messages_out == sealed.messages_out == 1
+
+        stranger = ctx.socket(zmq.DEALER)  # a token of another secret: the front cuts it
+        stranger.linger = 0
+        stranger.routing_id = make_token(b"x" * 32)
+        stranger.connect(endpoint)
+        stranger.send_multipart(up.seal(encode(hb)))
+        wait_until(lambda: front.cut >= 1, step)
+        assert front.handed_over == 1 and len(path.by_fd) == 1
+        stranger.close()
+
+        dealer.close()
+        wait_until(lambda: not path.by_fd, step)
+        assert sealed.send(b"\x00curve-rid", encode(hb)) is None  # gone: over CurveZMQ until the next sealed message
+        assert sealed.fallbacks == 1 and not sealed.is_bound(b"\x00curve-rid")
+    finally:
+        front.close()
+        path.close()
+        sealed.close()
+        ctx.destroy(linger=0)
