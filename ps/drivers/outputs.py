@@ -23,7 +23,7 @@ import numpy as np
 from protocol.codec import encode, error_text
 from protocol.errors import LocalProtocolError
 from protocol.messages import Status
-from ps.journal.events import EventLog, event_line
+from ps.journal.events import EventLog
 
 WORKER_COLUMNS = ("worker", "device", "jobs_done", "mean_job_s", "last_seen_s_ago", "holding", "oldest_age",
                   "state", "failed", "last_error")
@@ -96,7 +96,7 @@ class RunOutputs:
         if d.observers and events:
             d.observers.call("on_events", events, d.clock())
         if self.events_file and events:
-            self.events_file.write("".join(map(event_line, events)))
+            self.events_file.write("".join(json.dumps(ev) + "\n" for ev in events))
             self.events_dirty = True  # flushed by the loop (flush_event_log)
 
     def flush_event_log(self) -> None:

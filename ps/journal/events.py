@@ -3,32 +3,10 @@ time, and never the reason a server stops (a full disk drops events, counted).""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from typing import Any
-
-import msgspec
 
 log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
-
-
-_ENCODER = msgspec.json.Encoder()
-
-
-def event_line(ev: dict[str, Any]) -> str:
-    """One event as a JSON line. msgspec's encoder (a tenth of ``json.dumps``'s 5.7 µs: one or two
-    events an update); ``json.dumps`` where it would differ: msgspec writes a NaN or an infinity as
-    ``null`` (so any ``null`` takes the slow path, which writes ``NaN`` as before), writes text past
-    ASCII as UTF-8 (``json.dumps`` escapes it: the file stays ASCII) and refuses what it cannot
-    encode."""
-    try:
-        raw = _ENCODER.encode(ev)
-    except (TypeError, ValueError, OverflowError):
-        return json.dumps(ev) + "\n"
-    if b"null" in raw or not raw.isascii():
-        return json.dumps(ev) + "\n"
-    return raw.decode() + "\n"
 
 
 class EventLog:
