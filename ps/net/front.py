@@ -776,7 +776,7 @@ class _Handshakes:
             return None
         if self.hand is not None:  # the daemon reads it itself: the front's READY, then the descriptor
             p.down = p.down + zmtp_ready(b"ROUTER")
-            p.hs_pre = bytearray(bytes(p.hs_pre) + out)
+            p.hs_pre += out  # its greeting, then its READY and what followed
             self._write_client(p)
             return self._handing(p) if p.c is not None else None
         if not self._attach(p, self.data[0]):

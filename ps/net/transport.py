@@ -182,6 +182,12 @@ def slice_limits(span: tuple[int, int]) -> ConnectionLimits:
                             transfer_timeout_s=TRANSFER_TIMEOUT_S)
 
 
+def handed_messages(handed: HandedPath, sealed: SealedPath | None) -> Iterator[list]:
+    """The whole messages of the handed connections: under CurveZMQ (``sealed``) those of the
+    sealed data connections, opened as their CURVE connections' (ps/net/sealed.py)."""
+    return handed.pending() if sealed is None else sealed.opened(handed.pending())
+
+
 def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float, clock: Callable[[], float],
                max_array_bytes: int, send: Callable[[bytes, Any], bool], sealed: Any = None,
                handed: Any = None) -> None:
@@ -203,7 +209,7 @@ def await_byes(sock: zmq.Socket, pending: set[bytes], bye: Bye, deadline: float,
         if sealed is not None and sealed.sock in ready:
             messages += list(sealed.pending())
         if handed is not None and handed.fileno() in ready:  # the poller answers with the descriptor
-            messages += list(sealed.opened(handed.pending()) if sealed is not None else handed.pending())
+            messages += list(handed_messages(handed, sealed))
         for frames in messages:
             rid = frames[0].bytes
             try:
@@ -376,8 +382,8 @@ class ServerTransport(_Outbound):
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
             yield from self.sealed.pending()
-        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py); sealed: opened
-            yield from self.sealed.opened(self.handed.pending()) if self.sealed is not None else self.handed.pending()
+        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
+            yield from handed_messages(self.handed, self.sealed)
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
