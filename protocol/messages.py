@@ -118,6 +118,7 @@ class Hello:
     parts: bool = False  # the worker sends and receives large arrays in `part` messages (§6.13)
     shards: bool = False  # the worker follows Welcome.shards (§12): a sharded server refuses a hello without it
     seal: bool = False  # under CurveZMQ the worker can move to a sealed data connection (§6.15)
+    seal_segments: bool = False  # ... and opens sealed frames in segments (§6.15)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class Welcome:
     # Under CurveZMQ, to a hello with ``seal``: the session's keys (up, down) and its data connection's
     # token (protocol/seal.py, §6.15), in hex (headers carry no binary); "": none offered.
     seal: str = ""
+    seal_segments: bool = False  # with a session: the server opens sealed frames in segments (§6.15)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,17 +10,33 @@ welcome travel on it sealed here: each frame of a message encrypted and authenti
 separately (AES-256-GCM; `cryptography`'s OpenSSL uses the CPU's AES instructions), no frame
 copied on the way in or out beyond the cipher's own pass.
 
-A sealed message is its frames, each sealed, after a clear prefix frame::
+A sealed message is its frames, each sealed, after a clear prefix frame. Whole (the first
+format, what a peer that did not say ``seal_segments`` opens)::
 
     prefix  = counter (u64, big-endian) | frame count n (u16)
     frame i = AES-256-GCM(key, nonce = direction (4 bytes) | counter + i (u64), aad = prefix)(plain frame i)
 
-The counter counts frames: the sender's next message starts where the last one ended, so no
-nonce is used twice under a key. The receiver takes a message only if its counter is at least
-the one after the last message it took and every frame opens: a repeat (a replay), an older
-message, a frame moved or cut, a changed prefix or a message under another key is refused
-whole, before any of it is decoded. A gap (messages lost with a dropped connection) is allowed:
-the protocol tolerates lost messages, and nothing lost can come back afterwards.
+In segments (``hello.seal_segments`` / ``welcome.seal_segments``: the peer opens them), each frame
+is cut into segments of 2^p bytes (the last shorter; an empty frame is one empty segment), each
+sealed on its own, so that the segments of a large frame are sealed and opened on several cores
+at once (``cryptography`` lets go of the GIL inside the cipher)::
+
+    prefix    = counter (u64) | frame count n (u16) | p (u8)
+    segment g = AES-256-GCM(key, nonce = direction | counter + g (u64),
+                            aad = prefix | frame index (u16) | segment index in the frame (u32) |
+                                  the frame's segment count (u32))(plain segment)
+    frame i   = its segments, each followed by its tag
+
+with g counting the message's segments in order over its frames. The receiver tells the format
+by the prefix's length and finds the segments from each frame's length alone.
+
+The counter counts nonces (frames, or segments): the sender's next message starts where the last
+one ended, so no nonce is used twice under a key. The receiver takes a message only if its
+counter is at least the one after the last message it took and every frame (segment) opens: a
+repeat (a replay), an older message, a frame or segment moved or cut, a changed prefix or a
+message under another key is refused whole, before any of it is decoded. A gap (messages lost
+with a dropped connection) is allowed: the protocol tolerates lost messages, and nothing lost
+can come back afterwards.
 
 Pure: no sockets. The daemon (ps/net/sealed.py) and the worker (worker/link.py) hold one
 :class:`Sealer` and one :class:`Opener` per session.
@@ -33,6 +49,7 @@ import hmac
 import os
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -49,7 +66,15 @@ SECRET_BYTES = 32  # the front's and the daemon's shared secret for tokens
 SESSION_BYTES = SEAL_SESSION_BYTES  # Welcome.seal: key up, key down, token (2 x KEY_BYTES + TOKEN_BYTES)
 UP, DOWN = b"up\x00\x00", b"dn\x00\x00"  # nonce prefixes: worker -> server, server -> worker
 _PREFIX = struct.Struct(">QH")
+_PREFIX_SEGMENTS = struct.Struct(">QHB")
+_SEGMENT_AAD = struct.Struct(">HII")  # frame index, segment index in the frame, the frame's segment count
 MAX_FRAMES = 0xFFFF
+SEGMENT_LOG2 = 20  # this sender's segments: 1 MiB
+SEGMENT_LOG2_MIN, SEGMENT_LOG2_MAX = 16, 24  # what a receiver accepts
+PARALLEL_MIN_BYTES = 2 << 20  # a message's sealed bytes from which its segments are spread over threads
+MAX_CIPHER_THREADS = 4  # the calling thread and up to 3 helpers
+CIPHER_THREADS_ENV = "LATECOMER_CIPHER_THREADS"
+_NONCES = 1 << 64
 MAX_SIZES = 8  # frame sizes an Opener remembers as genuine (its warm buffers' sizes)
 
 
@@ -143,25 +168,117 @@ class BufferPool:
 def _nbytes(f: Any) -> int:
     return f.nbytes if hasattr(f, "nbytes") else len(f)
 
+_helpers: Any = None  # the cipher's helper threads (a ThreadPoolExecutor), False for none
+_helpers_pid = 0
+_helpers_wanted: int | None = None  # set_cipher_threads: None, as many as the CPUs allow
+
+
+def set_cipher_threads(n: int | None) -> None:
+    """How many threads seal and open a large message's segments, the caller's included (None: as
+    many as this process may run on, at most MAX_CIPHER_THREADS; 1: the caller alone)."""
+    global _helpers, _helpers_wanted
+    if n is not None and n < 1:
+        raise ValueError("cipher threads must be at least 1")
+    _helpers_wanted = n
+    if _helpers:
+        _helpers.shutdown(wait=False)
+    _helpers = None
+
+
+def cipher_threads() -> int:
+    """The threads sealing and opening a large message in this process, the caller's included."""
+    pool = _pool()
+    return 1 + (pool._max_workers if pool else 0)
+
+
+def _threads_from_env() -> int | None:
+    """``LATECOMER_CIPHER_THREADS``: how many threads seal and open (1: the caller alone); unset or
+    empty: the default. Anything else is refused in one line."""
+    raw = os.environ.get(CIPHER_THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"{CIPHER_THREADS_ENV}={raw!r}: expected an integer from 1 to 64")
+    return int(raw)
+
+
+def _pool() -> Any:
+    global _helpers, _helpers_pid
+    if _helpers is None or _helpers_pid != os.getpid():  # made in this process (not inherited by a fork)
+        n = _helpers_wanted
+        if n is None:
+            n = _threads_from_env()
+        if n is None:
+            n = min(MAX_CIPHER_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1)
+        _helpers = ThreadPoolExecutor(n - 1, thread_name_prefix="latecomer-cipher") if n > 1 else False
+        _helpers_pid = os.getpid()
+    return _helpers
+
+
+def _run(fn: Callable, tasks: list) -> bool:
+    """``fn(nonce, data, aad, out)`` over ``tasks``; False if one did not authenticate."""
+    try:
+        for t in tasks:
+            fn(*t)
+    except InvalidTag:
+        return False
+    return True
+
+
+def _spread(fn: Callable, tasks: list, nbytes: int) -> bool:
+    """:func:`_run` over ``tasks``, shared with the helper threads when the message is large: the
+    cipher lets go of the GIL, so the segments are sealed (opened) on several cores at once. The
+    threads take the next segment from one iterator (``next`` on a list iterator is atomic under
+    the GIL), so a helper that wakes late (an idle virtual CPU can take a tenth of a millisecond)
+    takes fewer, and one that has not started when the caller ran out is cancelled rather than
+    waited for. Returns only once no helper touches the buffers any more."""
+    pool = _pool() if nbytes >= PARALLEL_MIN_BYTES and len(tasks) > 1 else False
+    if not pool:
+        return _run(fn, tasks)
+    shared = iter(tasks)
+    futures = [pool.submit(_run, fn, shared) for _ in range(min(pool._max_workers, len(tasks) - 1))]
+    try:
+        ok = _run(fn, shared)
+    finally:
+        # a helper still queued is cancelled; one that started is waited for (it may be mid-segment)
+        ok = all([f.cancel() or f.result() for f in futures]) and ok
+    return ok
+
+
+def _segments(nbytes: int, log2: int) -> int:
+    """How many segments a plain frame of ``nbytes`` is cut into (an empty frame: one)."""
+    return max(1, -(-nbytes // (1 << log2)))
+
+
+def sealed_frame_bytes(plain_bytes: int) -> int:
+    """The most bytes a sealed frame of at most ``plain_bytes`` takes, whatever its format: a tag
+    per segment of the smallest size a receiver takes (the bound a receiver sets on sealed frames)."""
+    return plain_bytes + TAG_BYTES * _segments(plain_bytes, SEGMENT_LOG2_MIN)
+
+
 
 class Sealer:
-    """One direction's sending side: seals the frames of a message under its key. ``alloc``
-    gives the sealed frames' buffers (a pool of warm ones: fresh large ones cost page faults
-    that outweigh the cipher)."""
+    """One direction's sending side: seals the frames of a message under its key, whole or (when
+    the peer opens them, ``segments``) in segments. ``alloc`` gives the sealed frames' buffers (a
+    pool of warm ones: fresh large ones cost page faults that outweigh the cipher)."""
 
-    __slots__ = ("aead", "direction", "counter", "sealed_bytes", "alloc")
+    __slots__ = ("aead", "direction", "counter", "sealed_bytes", "alloc", "segments")
 
-    def __init__(self, key: bytes, direction: bytes, alloc: Alloc = _empty) -> None:
+    def __init__(self, key: bytes, direction: bytes, alloc: Alloc = _empty, segments: bool = False) -> None:
         self.alloc = alloc
         self.aead = AESGCM(key)
         self.direction = direction
         self.counter = 0
         self.sealed_bytes = 0
+        self.segments = segments
 
     def seal(self, frames: list) -> list:
         n = len(frames)
         if not 0 < n <= MAX_FRAMES:
             raise ValueError(f"a sealed message has 1..{MAX_FRAMES} frames, got {n}")
+        if self.segments:
+            return self._seal_segments(frames)
         c = self.counter
         prefix = _PREFIX.pack(c, n)
         out: list = [prefix]
@@ -173,6 +290,33 @@ class Sealer:
             out.append(buf)
             self.sealed_bytes += size
         self.counter = c + n
+        return out
+
+    def _seal_segments(self, frames: list) -> list:
+        c, n, p = self.counter, len(frames), SEGMENT_LOG2
+        seg = 1 << p
+        prefix = _PREFIX_SEGMENTS.pack(c, n, p)
+        out: list = [prefix]
+        tasks, d, g, total = [], self.direction, c, 0
+        aad = _SEGMENT_AAD.pack
+        for i, f in enumerate(frames):
+            src = memoryview(f) if type(f) is bytes else memoryview(f).cast("B")
+            size = src.nbytes
+            m = _segments(size, p)
+            buf = self.alloc(size + m * TAG_BYTES)
+            dst = memoryview(buf)
+            for j in range(m):
+                lo = j * seg
+                part = src[lo:lo + seg]
+                at = j * (seg + TAG_BYTES)
+                tasks.append((d + g.to_bytes(8, "big"), part, prefix + aad(i, j, m),
+                              dst[at:at + part.nbytes + TAG_BYTES]))
+                g += 1
+            out.append(buf)
+            total += size
+        _spread(self.aead.encrypt_into, tasks, total)
+        self.sealed_bytes += total
+        self.counter = g
         return out
 
 
@@ -191,9 +335,10 @@ class OpenFrame(np.ndarray):
 
 
 class Opener:
-    """One direction's receiving side: opens a sealed message's frames, in order."""
+    """One direction's receiving side: opens a sealed message's frames, in order, whole or in
+    segments (the prefix says which)."""
 
-    __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes")
+    __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes", "segmented")
 
     def __init__(self, key: bytes, direction: bytes, props: dict | None = None, alloc: Alloc = _empty) -> None:
         # A frame is opened into a buffer before it is known to be genuine: ``alloc`` (warm
@@ -205,7 +350,13 @@ class Opener:
         self.direction = direction
         self.next = 0  # the least counter the next message may have
         self.opened_bytes = 0
+        self.segmented = 0  # messages that came in segments
         self.props = props or {}  # what OpenFrame.get answers (the CURVE connection's User-Id)
+
+    def _frame(self, size: int) -> np.ndarray:
+        out = (self.alloc if size in self.sizes else _empty)(size).view(OpenFrame)
+        out.props = self.props
+        return out
 
     def open(self, frames: list) -> list:
         """The plain frames of ``frames`` (the prefix, then the sealed frames); SealError if
@@ -213,30 +364,24 @@ class Opener:
         if len(frames) < 2:
             raise SealError("a sealed message has a prefix and at least one frame")
         prefix = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
-        if len(prefix) != _PREFIX.size:
-            raise SealError(f"a sealed message's prefix has {_PREFIX.size} bytes, got {len(prefix)}")
-        c, n = _PREFIX.unpack(prefix)
+        if len(prefix) == _PREFIX_SEGMENTS.size:
+            c, n, p = _PREFIX_SEGMENTS.unpack(prefix)
+        elif len(prefix) == _PREFIX.size:
+            (c, n), p = _PREFIX.unpack(prefix), None
+        else:
+            raise SealError(f"a sealed message's prefix has {_PREFIX.size} or {_PREFIX_SEGMENTS.size} bytes, "
+                            f"got {len(prefix)}")
         if n != len(frames) - 1:
             raise SealError(f"the prefix names {n} frames, the message has {len(frames) - 1}")
         if c < self.next:
             raise SealError(f"message counter {c}: a repeat or out of order (next at least {self.next})")
-        opened, total = [], 0
-        dec, d = self.aead.decrypt_into, self.direction
-        for i, f in enumerate(frames[1:]):
-            buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
-            size = buf.nbytes - TAG_BYTES
-            if size < 0:
-                raise SealError("a sealed frame shorter than its tag")
-            out = (self.alloc if size in self.sizes else _empty)(size).view(OpenFrame)
-            out.props = self.props
-            try:
-                dec(d + (c + i).to_bytes(8, "big"), buf, prefix, out)
-            except InvalidTag:
-                raise SealError(f"frame {i} of a sealed message does not authenticate") from None
-            opened.append(out)
-            total += size
-        self.next = c + n
-        self.opened_bytes += total
+        if p is None:
+            opened, end = self._open_whole(frames, prefix, c, n)
+        else:
+            opened, end = self._open_segments(frames, prefix, c, p)
+            self.segmented += 1
+        self.next = end
+        self.opened_bytes += sum(f.nbytes for f in opened)
         for f in opened:
             if f.nbytes not in self.sizes:
                 self.sizes[f.nbytes] = None
@@ -244,10 +389,62 @@ class Opener:
                     del self.sizes[next(iter(self.sizes))]
         return opened
 
+    def _open_whole(self, frames: list, prefix: bytes, c: int, n: int) -> tuple[list, int]:
+        if c + n > _NONCES:
+            raise SealError(f"message counter {c}: past the last nonce")
+        opened = []
+        dec, d = self.aead.decrypt_into, self.direction
+        for i, f in enumerate(frames[1:]):
+            buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
+            size = buf.nbytes - TAG_BYTES
+            if size < 0:
+                raise SealError("a sealed frame shorter than its tag")
+            out = self._frame(size)
+            try:
+                dec(d + (c + i).to_bytes(8, "big"), buf, prefix, out)
+            except InvalidTag:
+                raise SealError(f"frame {i} of a sealed message does not authenticate") from None
+            opened.append(out)
+        return opened, c + n
+
+    def _open_segments(self, frames: list, prefix: bytes, c: int, p: int) -> tuple[list, int]:
+        if not SEGMENT_LOG2_MIN <= p <= SEGMENT_LOG2_MAX:
+            raise SealError(f"segments of 2^{p} bytes: a receiver takes 2^{SEGMENT_LOG2_MIN} to 2^{SEGMENT_LOG2_MAX}")
+        seg = 1 << p
+        step = seg + TAG_BYTES
+        opened, tasks, d, g, total = [], [], self.direction, c, 0
+        aad = _SEGMENT_AAD.pack
+        for i, f in enumerate(frames[1:]):
+            buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
+            if buf.ndim != 1 or buf.itemsize != 1:
+                buf = buf.cast("B")
+            sealed = buf.nbytes
+            m = max(1, -(-sealed // step))
+            if sealed - (m - 1) * step < TAG_BYTES:
+                raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag")
+            size = sealed - m * TAG_BYTES
+            if g + m > _NONCES:
+                raise SealError(f"message counter {c}: past the last nonce")
+            out = self._frame(size)
+            dst = memoryview(out).cast("B") if size else memoryview(out)
+            for j in range(m):
+                at = j * step
+                part = buf[at:at + step]
+                lo = j * seg
+                tasks.append((d + g.to_bytes(8, "big"), part, prefix + aad(i, j, m),
+                              dst[lo:lo + part.nbytes - TAG_BYTES]))
+                g += 1
+            opened.append(out)
+            total += size
+        if not _spread(self.aead.decrypt_into, tasks, total):
+            raise SealError("a segment of a sealed message does not authenticate")
+        return opened, g
+
 
 def sealer_opener(session: Session, *, server: bool, props: dict | None = None,
-                  alloc: Alloc = _empty) -> tuple[Sealer, Opener]:
-    """The two halves of a session for one end: the server seals down and opens up."""
+                  alloc: Alloc = _empty, segments: bool = False) -> tuple[Sealer, Opener]:
+    """The two halves of a session for one end: the server seals down and opens up. ``segments``:
+    the peer opens messages sealed in segments (it said so: ``seal_segments``)."""
     if server:
-        return Sealer(session.down, DOWN, alloc), Opener(session.up, UP, props, alloc)
-    return Sealer(session.up, UP, alloc), Opener(session.down, DOWN, props, alloc)
+        return Sealer(session.down, DOWN, alloc, segments), Opener(session.up, UP, props, alloc)
+    return Sealer(session.up, UP, alloc, segments), Opener(session.down, DOWN, props, alloc)

@@ -214,7 +214,7 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
                                 shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True,
-                                seal=self.curve is not None))
+                                seal=self.curve is not None, seal_segments=self.curve is not None))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -260,7 +260,7 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
     def _timers(self) -> int:
         """Hello (with backoff), heartbeat, liveness and give-up; returns the receive timeout (ms)."""
         now = self.clock()
-        if self.seal_sock is not None and self._seal_lost():  # worker/sealed.py
+        if self.sealer is not None and self._seal_timers():  # worker/sealed.py: the data connection dropped
             self.welcomed, self.next_hello, self.backoff = False, now, self.cfg.backoff_s
         if not self.welcomed and now >= self.next_hello:
             self._hello()
@@ -289,16 +289,21 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
-        if self.poller_for != (self.sock, self.compute, self.shards, self.seal_sock):  # rebuilt on reconnect, ...
+        seal = self.seal_sock
+        if self.poller_for != (self.sock, self.compute, self.shards, seal):  # rebuilt on reconnect, ...
             self.poller = zmq.Poller()
             self.poller.register(self.sock, zmq.POLLIN)
-            if self.seal_sock is not None:
-                self.poller.register(self.seal_sock, zmq.POLLIN)
+            if seal is not None:
+                self.poller.register(seal.fileno(), zmq.POLLIN)  # ready() names it by its descriptor
+                self.poll_seal_out = False
             if self.compute is not None:
                 self.poller.register(self.compute.wake_r, zmq.POLLIN)
             for s in self.shards.socks if self.shards is not None else ():
                 self.poller.register(s, zmq.POLLIN)
-            self.poller_for = (self.sock, self.compute, self.shards, self.seal_sock)
+            self.poller_for = (self.sock, self.compute, self.shards, seal)
+        if seal is not None and seal.wants_write != self.poll_seal_out:  # wait to write what it holds, too
+            self.poll_seal_out = seal.wants_write
+            self.poller.modify(seal.fileno(), zmq.POLLIN | (zmq.POLLOUT if self.poll_seal_out else 0))
         ready = dict(self.poller.poll(timeout_ms))
         if self.shards is not None:
             for i, s in enumerate(self.shards.socks):
@@ -306,8 +311,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
                     self._from_shard(i)
         if self.sock in ready:
             self._drain(self.sock, self._on_message, lambda: self.sock)  # stops on a reconnection
-        if self.seal_sock is not None and self.seal_sock in ready:
-            self._drain(self.seal_sock, self._on_sealed, lambda: self.seal_sock)  # ... on a new session
+        if seal is not None and seal is self.seal_sock and seal.fileno() in ready:
+            self._drain_sealed()  # worker/sealed.py
         if self.compute is not None and self.compute.wake_r in ready:
             self.compute.drain_wakeups()
 

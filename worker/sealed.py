@@ -3,10 +3,12 @@
 Under CurveZMQ a welcome may carry a session (protocol/seal.py): keys for each direction and a
 token. The worker then opens a second connection to the same endpoint under ZMTP's NULL
 mechanism, its routing id the token (the server's front lets it through only with a token of
-that server), and seals a heartbeat on it at once. The server answers on it from that message
-on; once something opened there, everything but a hello goes there too, each message's frames
-sealed with AES-256-GCM. A message the data connection cannot take now goes over CurveZMQ,
-which the worker keeps reading: the server sends there while the data connection is down.
+that server), and seals a heartbeat on it at once. The worker speaks ZMTP on that connection
+itself (worker/plainsock.py), with no libzmq I/O thread between it and the socket. The server
+answers on it from that message on; once something opened there, everything but a hello goes
+there too, each message's frames sealed with AES-256-GCM. A message the data connection cannot
+take now goes over CurveZMQ, which the worker keeps reading: the server sends there while the
+data connection is down.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import zmq
 from protocol.chunks import chunking
 from protocol.codec import encode
 from protocol.errors import RemoteProtocolError
-from protocol.messages import MAX_PARTS, Heartbeat
+from protocol.messages import MAX_PARTS, RECONNECT_IVL_MAX_S, RECONNECT_IVL_S, Heartbeat
 from protocol.seal import BufferPool, Opener, Sealer, Session, sealer_opener
-from worker.sockio import dealer_options, recv_frames, recv_within, send_frames
+from worker.plainsock import ZmtpDealer
+from worker.sockio import recv_frames, send_frames
 
-_EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 log = logging.getLogger("latecomer.worker")
 
 
@@ -31,72 +34,102 @@ class SealedLink:
 
     def _init_seal(self) -> None:
         self.plain_chunking = chunking(False)  # how large replies are split on the data connection
-        # the session's socket, its two halves, and whether the server has sent on it (then
-        # everything but a hello goes there too)
-        self.seal_sock: zmq.Socket | None = None
-        self.seal_mon: zmq.Socket | None = None  # its monitor (disconnections)
+        # the session's connection (a DEALER speaking ZMTP itself, worker/plainsock.py), its two
+        # halves, and whether the server has sent on it (then everything but a hello goes there too)
+        self.seal_sock: ZmtpDealer | None = None
+        self.seal_token = b""  # the session's token
+        self.seal_retry_at: float | None = None  # when to connect again (a connection that never came up)
+        self.seal_retry_s = RECONNECT_IVL_S
         self.sealer: Sealer | None = None
         self.opener: Opener | None = None
         self.seal_up = False
-        self.seal_rcvtimeo = -1
-        self.seal_pool = BufferPool()  # warm buffers for sealing and opening
+        self.poll_seal_out = False  # the loop's poller waits to write on it (worker/link.py _poll)
+        self.seal_pool = BufferPool()  # warm buffers for sealing and opening, and for what is read
         self.seal_refused = 0  # sealed messages that did not open (logged once per 10 s)
         self.seal_log_at = -1e9
 
     def _out(self, frames: list, sealed: bool) -> None:
         """One message out: sealed on the data connection, or over CurveZMQ (also when the data
         connection's queue is full: the server reads both)."""
-        if sealed:
-            try:
-                send_frames(self.seal_sock, self.sealer.seal(frames), _NOBLOCK)
-                return
-            except zmq.Again:
-                pass
+        s = self.seal_sock
+        if sealed and s is not None and s.lost is None and s.queued < s.max_queued:
+            s.send(self.sealer.seal(frames))  # cannot be Full: checked above, one thread
+            return
         send_frames(self.sock, frames, _NOBLOCK)
 
-    def _open_seal(self, hexed: str) -> None:
-        """A welcome's session (PROTOCOL.md §6.15): a NULL-mechanism DEALER to the same endpoint,
-        its routing id the session's token, and a heartbeat sealed on it at once: the server
-        answers on it from that message on, and this worker sends there once something came."""
+    def _open_seal(self, hexed: str, segments: bool = False) -> None:
+        """A welcome's session (PROTOCOL.md §6.15): a NULL ZMTP connection to the same endpoint as
+        a DEALER, its routing id the session's token, and a heartbeat sealed on it at once (it
+        goes once the handshake is done): the server answers on it from that message on, and this
+        worker sends there once something came. ``segments``: the server opens frames sealed in
+        segments (welcome.seal_segments)."""
         self._close_seal()
         if not hexed or self.curve is None:
             return
         session = Session.unpack(bytes.fromhex(hexed))
-        s = self.ctx.socket(zmq.DEALER)
-        s.linger = 1000
-        s.routing_id = session.token
-        s.sndhwm = s.rcvhwm = 4 * MAX_PARTS
-        dealer_options(s, self.cfg.server)
-        self.seal_mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # before connect: no event missed
-        s.connect(self.cfg.server)
-        self.seal_sock, self.seal_rcvtimeo = s, -1
-        self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool)
+        self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool, segments=segments)
+        self.seal_token, self.seal_retry_s = session.token, RECONNECT_IVL_S
+        self._connect_seal()
+
+    def _connect_seal(self) -> None:
+        """The session's data connection (again), with a sealed heartbeat queued on it."""
+        self.seal_retry_at = None
         try:
-            send_frames(s, self.sealer.seal(encode(Heartbeat(boot=self.boot, credit=self.cfg.credit,
-                                                             busy=self._busy(), seen=self.seen))), _NOBLOCK)
-        except zmq.Again:
-            pass
+            s = ZmtpDealer(self.cfg.server, self.seal_token, alloc=self.seal_pool, max_queued=4 * MAX_PARTS,
+                           clock=self.clock)
+        except (OSError, ValueError) as e:  # a name that no longer resolves, ...: CurveZMQ until the retry
+            log.warning("no sealed data connection to %s: %s", self.cfg.server, e)
+            self._retry_seal()
+            return
+        self.seal_sock = s
+        s.send(self.sealer.seal(encode(Heartbeat(boot=self.boot, credit=self.cfg.credit,
+                                                  busy=self._busy(), seen=self.seen))))
+
+    def _retry_seal(self) -> None:
+        """Connect again later (doubling the wait, as libzmq's reconnection): meanwhile CurveZMQ."""
+        self.seal_retry_at = self.clock() + self.seal_retry_s
+        self.seal_retry_s = min(2 * self.seal_retry_s, RECONNECT_IVL_MAX_S)
+
+    def _seal_timers(self) -> bool:
+        """The data connection's step of the loop's timers: True if it dropped once up (the caller
+        says hello again, see :meth:`_seal_lost`); a connection that never came up is tried again
+        later, the session kept."""
+        if self.seal_sock is not None:
+            return self._seal_lost()
+        if self.seal_retry_at is not None and self.clock() >= self.seal_retry_at:
+            self._connect_seal()
+        return False
 
     def _close_seal(self, linger: int = 0) -> None:
-        if self.seal_sock is not None:
-            self.seal_sock.disable_monitor()
-            self.seal_mon.close(linger=0)
-            self.seal_sock.close(linger=linger)
-        self.seal_sock = self.sealer = self.opener = self.seal_mon = None
+        """Close the data connection, writing what it holds for up to ``linger`` ms first (a bye)."""
+        s = self.seal_sock
+        if s is not None:
+            if linger > 0 and s.lost is None:
+                end = self.clock() + linger / 1000.0
+                while s.wants_write and s.lost is None and self.clock() < end:
+                    s.recv(max(1, int((end - self.clock()) * 1000)))  # writes while it waits
+            s.close()
+        self.seal_sock = self.sealer = self.opener = self.seal_retry_at = None
         self.seal_up = False
 
     def _seal_lost(self) -> bool:
-        """Whether the data connection dropped (its monitor says so; checked on every pass of the
-        loop). What was in flight on it is lost, and a job the server sent there and this worker
-        never received would stay outstanding at the server for good (its heartbeats reconcile
-        only jobs up to ``seen``, PROTOCOL.md 8.6): so the worker says hello again, which settles
-        every job it does not hold (8.10) and brings a new session."""
-        mon = self.seal_mon
-        if mon is None or not mon.get(_EVENTS) & _POLLIN:
+        """Whether the data connection dropped (checked on every pass of the loop): refused, reset,
+        closed, no handshake in time. What was in flight on it is lost, and a job the server sent
+        there and this worker never received would stay outstanding at the server for good (its
+        heartbeats reconcile only jobs up to ``seen``, PROTOCOL.md 8.6): so the worker says hello
+        again, which settles every job it does not hold (8.10) and brings a new session."""
+        s = self.seal_sock
+        s.check()
+        if s.lost is None:
             return False
-        while mon.get(_EVENTS) & _POLLIN:
-            mon.recv_multipart()
-        log.warning("the sealed data connection dropped: saying hello again")
+        if s.conn.peer is None:  # it never came up: nothing was sent on it, so nothing is lost
+            log.info("the sealed data connection did not come up (%s): trying again in %.1f s",
+                     s.lost, self.seal_retry_s)
+            s.close()
+            self.seal_sock = None
+            self._retry_seal()
+            return False
+        log.warning("the sealed data connection dropped (%s): saying hello again", s.lost)
         self._close_seal()
         return True
 
@@ -123,7 +156,19 @@ class SealedLink:
             except zmq.Again:
                 pass
             return
-        frames, self.seal_rcvtimeo = recv_within(self.seal_sock, timeout_ms, self.seal_rcvtimeo)
+        frames = self.seal_sock.recv(timeout_ms)
         if frames is not None:
             self._on_sealed(frames)
 
+    def _drain_sealed(self) -> None:
+        """Handle up to 64 whole messages the data connection holds (a poll saw it ready), until
+        the session changes; write what it holds."""
+        s = self.seal_sock
+        if s.wants_write:
+            s.flush()
+        for _ in range(64):
+            if not s.pending():
+                break
+            self._on_sealed(s.inbox.popleft())
+            if s is not self.seal_sock:
+                break

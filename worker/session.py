@@ -98,7 +98,7 @@ class ServerSession:
         self.server_boot = w.server_boot
         self.wire = w.wire_dtype
         self.parts_ok = w.parts
-        self._open_seal(w.seal)  # under CurveZMQ: the sealed data connection (PROTOCOL.md §6.15)
+        self._open_seal(w.seal, w.seal_segments)  # under CurveZMQ: the sealed data connection (PROTOCOL.md §6.15)
         self.shm = self._open_shm(w) if w.shm else None
         self._link_shards(w.shards)
         self.hb_interval = w.heartbeat_interval_s

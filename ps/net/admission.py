@@ -57,6 +57,7 @@ class Admission:
             t.conns.bind(conn, msg.worker_id, key)  # a record bound to wid before loses it
             conn.parts = msg.parts
             conn.seal_capable = msg.seal and bool(key)
+            conn.seal_segments = msg.seal_segments
             if t.arena is not None:
                 t.arena.forget_worker(msg.worker_id)
                 conn.shm_capable = t.offers_shm(msg)

@@ -132,7 +132,7 @@ class Conn:
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
                  "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
                  "status_auth", "source",
-                 "hb_raw", "hb_at", "hb_bucket", "seal_capable")
+                 "hb_raw", "hb_at", "hb_bucket", "seal_capable", "seal_segments")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -143,6 +143,7 @@ class Conn:
         self.parts = False  # the worker takes large arrays in parts (§6.13)
         self.shm_capable = False  # said hello from this host, asking for shared memory
         self.seal_capable = False  # its hello asked for the sealed data path (§6.15)
+        self.seal_segments = False  # ... and said it opens sealed frames in segments
         self.shm_ready = False  # opened our shared memory (Ready.shm)
         self.xfer: Reassembler | None = None  # its unfinished transfer, if any
         self.xfer_at = 0.0  # when it last got a part
@@ -506,7 +507,7 @@ class Connections(_StatusQueue):
         if c.wid is not None and self.by_wid.get(c.wid) is c:
             del self.by_wid[c.wid]
         c.wid, c.key = None, ""
-        c.parts = c.shm_capable = c.shm_ready = c.seal_capable = False
+        c.parts = c.shm_capable = c.shm_ready = c.seal_capable = c.seal_segments = False
         self.drop_transfer(c)
         if self.on_unbind is not None:
             self.on_unbind(c.rid)

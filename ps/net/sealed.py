@@ -30,7 +30,19 @@ import zmq
 
 from protocol.chunks import chunking
 from protocol.errors import RemoteProtocolError
-from protocol.seal import DOWN, SECRET_BYTES, UP, BufferPool, Opener, OpenFrame, Sealer, SealError, Session, make_token
+from protocol.seal import (
+    DOWN,
+    SECRET_BYTES,
+    UP,
+    BufferPool,
+    Opener,
+    OpenFrame,
+    Sealer,
+    SealError,
+    Session,
+    make_token,
+    sealed_frame_bytes,
+)
 from ps.net.connections import RateLimitedLog
 from worker.sockio import recv_frames, send_frames
 
@@ -50,9 +62,9 @@ class RidFrame(bytes):
 class _Session:
     __slots__ = ("rid", "token", "sealer", "opener", "bound", "rid_frame", "handed")
 
-    def __init__(self, rid: bytes, session: Session, key: str, alloc: Any) -> None:
+    def __init__(self, rid: bytes, session: Session, key: str, alloc: Any, segments: bool = False) -> None:
         self.rid, self.token = rid, session.token
-        self.sealer = Sealer(session.down, DOWN, alloc)
+        self.sealer = Sealer(session.down, DOWN, alloc, segments)
         self.opener = Opener(session.up, UP, {"key": key}, alloc)
         self.bound = False  # a sealed message came on the data connection: send there
         self.rid_frame = RidFrame(rid)
@@ -99,7 +111,7 @@ class SealedPath:
         s.linger = 0
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's reconnected data connection takes its token over
-        s.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + 64)  # a sealed frame: the plain one and its tag
+        s.setsockopt(zmq.MAXMSGSIZE, sealed_frame_bytes(max_frame_bytes) + 64)  # a sealed frame: the plain one, its tags
         s.sndhwm, s.rcvhwm = hwm, hwm
         s.bind(endpoint)
         self.sock = s
@@ -110,12 +122,13 @@ class SealedPath:
         self.refusals = RateLimitedLog(log)
         self.handed: Any = None  # the data connections the front hands over (ps/net/handover.py), if any
 
-    def offer(self, rid: bytes, key: str) -> str:
+    def offer(self, rid: bytes, key: str, segments: bool = False) -> str:
         """A new session for the CURVE connection ``rid`` (its key's fingerprint ``key``), replacing
-        any it had; returns Welcome.seal."""
+        any it had; returns Welcome.seal. ``segments``: its worker opens sealed frames in segments
+        (hello.seal_segments), so large ones go that way (sealed on several threads)."""
         self.forget(rid)
         session = Session.new(make_token(self.secret))
-        self.by_rid[rid] = self.by_token[session.token] = _Session(rid, session, key, self.pool)
+        self.by_rid[rid] = self.by_token[session.token] = _Session(rid, session, key, self.pool, segments)
         return session.pack().hex()
 
     def forget(self, rid: bytes) -> None:
@@ -203,7 +216,9 @@ class SealedPath:
     def figures(self) -> dict[str, Any]:
         sealed = sum(s.sealer.sealed_bytes for s in self.by_rid.values())
         opened = sum(s.opener.opened_bytes for s in self.by_rid.values())
-        return {"sealed_sessions": len(self.by_rid), "sealed_messages_in": self.messages_in,
+        return {"sealed_sessions": len(self.by_rid),
+                "sealed_sessions_in_segments": sum(s.sealer.segments for s in self.by_rid.values()),
+                "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()), "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
                 "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
 

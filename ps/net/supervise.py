@@ -278,13 +278,13 @@ def _limits(info: dict[str, Any], max_unfinished: int | None, max_frame_rate: fl
 
 def _data_limits(info: dict[str, Any], limits: Any):
     """The front's bounds on sealed data connections (NULL): frames and messages as the daemon's,
-    each frame with its 16-byte tag, a message with its prefix frame; no heartbeat repeats (a
-    sealed heartbeat never repeats its bytes)."""
-    from protocol.seal import TAG_BYTES
+    each frame with its 16-byte tags (one per segment, protocol/seal.py), a message with its prefix
+    frame; no heartbeat repeats (a sealed heartbeat never repeats its bytes)."""
+    from protocol.seal import TAG_BYTES, sealed_frame_bytes
 
     frames = int(info["max_frames"]) + 1
-    return dataclasses.replace(limits, mechanism=b"NULL", max_frame_bytes=limits.max_frame_bytes + TAG_BYTES,
-                               max_message_bytes=limits.max_message_bytes + frames * TAG_BYTES + 64,
+    return dataclasses.replace(limits, mechanism=b"NULL", max_frame_bytes=sealed_frame_bytes(limits.max_frame_bytes),
+                               max_message_bytes=sealed_frame_bytes(limits.max_message_bytes) + frames * TAG_BYTES + 64,
                                max_frames=frames, hb_repeat_s=0.0)
 
 

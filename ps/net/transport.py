@@ -519,10 +519,11 @@ class ServerTransport(_Outbound):
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
-            seal = self.sealed.offer(conn.rid, conn.key) if self.sealed is not None and conn.seal_capable else ""
+            seal = (self.sealed.offer(conn.rid, conn.key, conn.seal_segments)
+                    if self.sealed is not None and conn.seal_capable else "")
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
                                       shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),
-                                      seal=seal)
+                                      seal=seal, seal_segments=bool(seal))
         return self.send_message(conn.rid, msg)
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:

@@ -58,6 +58,9 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     # of each may cross over CurveZMQ while the data connection comes up
     assert t["sealed_messages_in"] >= steps and t["sealed_messages_out"] >= steps - 2, t
     assert t["sealed_refused"] == 0, t
+    # both ends said seal_segments: every sealed message went in segments (large frames' segments
+    # sealed and opened on several threads), the worker's all opened as such
+    assert t["sealed_sessions_in_segments"] == 1 and t["sealed_segmented_live_in"] == t["sealed_messages_in"], t
     if hand_over == "auto":  # every sealed message went over the connection handed to the daemon
         assert t["handed_in_all"] == 1 and t["handed_messages_in"] == t["sealed_messages_in"], t
         assert t["handed_messages_out"] == t["sealed_messages_out"], t

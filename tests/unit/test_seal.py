@@ -14,13 +14,16 @@ from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import SEAL_SESSION_BYTES, Heartbeat, Job, JobKind, Welcome
 from protocol.seal import (
+    SEGMENT_LOG2,
     TAG_BYTES,
     TOKEN_BYTES,
     BufferPool,
     SealError,
     Session,
+    cipher_threads,
     make_token,
     sealer_opener,
+    set_cipher_threads,
     token_ok,
 )
 from ps.net.sealed import SealedPath
@@ -219,6 +222,157 @@ def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path):
         path.forget(rid)
         assert not path.by_rid and not path.by_token
         stranger.close()
+    finally:
+        path.close()
+        ctx.destroy(linger=0)
+
+
+# --------------------------------------------------------------------------- segments
+
+MiB = 1 << 20
+
+
+@pytest.fixture(params=[1, 3], ids=["one-thread", "three-threads"])
+def threads(request):
+    """Seal and open on the caller alone, and spread over helper threads (the parallel path)."""
+    set_cipher_threads(request.param)
+    yield request.param
+    set_cipher_threads(None)
+
+
+def seg_pair():
+    s = Session.new(make_token(SECRET))
+    return sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False, segments=True)
+
+
+def plain(frames: list) -> list:
+    return [bytes(memoryview(f).cast("B")) for f in frames]
+
+
+def test_frames_sealed_in_segments_open_to_the_same_bytes_on_any_number_of_threads(threads):
+    (s_seal, _), (_, w_open) = seg_pair()
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, MiB - 1, MiB, MiB + 1, 3 * MiB + 5, 17]
+    frames = [b"header", *(rng.integers(0, 256, n, dtype=np.uint8) for n in sizes)]
+    sealed = s_seal.seal(frames)
+    segs = [max(1, -(-memoryview(f).cast("B").nbytes // MiB)) for f in frames]
+    assert len(sealed[0]) == 11 and sealed[0][10] == SEGMENT_LOG2 == 20  # prefix: counter, count, log2 of 1 MiB
+    assert [memoryview(f).nbytes for f in sealed[1:]] == [
+        memoryview(f).cast("B").nbytes + m * TAG_BYTES for f, m in zip(frames, segs)]
+    assert s_seal.counter == sum(segs) == 1 + 1 + 1 + 1 + 1 + 2 + 4 + 1  # a nonce per segment
+    opened = w_open.open(sealed)
+    assert [f.tobytes() for f in opened] == plain(frames)
+    assert w_open.next == s_seal.counter and w_open.segmented == 1 and w_open.opened_bytes == sum(map(len, plain(frames)))
+    job = decode(w_open.open(s_seal.seal(job_frames(2_000_000))))  # an 8 MB job: decodes as ever
+    assert np.array_equal(job.points[0], np.arange(2_000_000, dtype=np.float32))
+
+
+def test_threads_seal_exactly_the_bytes_one_thread_seals():
+    """The helper threads only share the work out: the same key and counter give the same bytes."""
+    s = Session.new(make_token(SECRET))
+    frames = [b"h", np.random.default_rng(1).random(1_500_000).astype(np.float32)]
+    out = []
+    for n in (1, 3):
+        set_cipher_threads(n)
+        try:
+            assert cipher_threads() == n
+            seal, _ = sealer_opener(s, server=True, segments=True)
+            out.append(plain(seal.seal(frames)))
+        finally:
+            set_cipher_threads(None)
+    assert out[0] == out[1]
+
+
+def test_a_worker_that_did_not_say_segments_gets_whole_frames_and_an_opener_takes_both():
+    s = Session.new(make_token(SECRET))
+    whole, _ = sealer_opener(s, server=True)
+    parted, _ = sealer_opener(s, server=True, segments=True)
+    _, w_open = sealer_opener(s, server=False)
+    frames = [b"h", np.zeros(3 * MiB, np.uint8)]
+    a = whole.seal(frames)
+    assert len(a[0]) == 10 and memoryview(a[2]).nbytes == 3 * MiB + TAG_BYTES  # one tag: the first format
+    assert plain(w_open.open(a)) == plain(frames) and w_open.next == 2 and w_open.segmented == 0
+    parted.counter = whole.counter  # one session's sender changing format: the counter goes on
+    b = parted.seal(frames)
+    assert plain(w_open.open(b)) == plain(frames) and w_open.next == 2 + 1 + 3 and w_open.segmented == 1
+
+
+def _segments_of(frame) -> list[bytes]:
+    raw = bytes(memoryview(frame).cast("B"))
+    step = MiB + TAG_BYTES
+    return [raw[i:i + step] for i in range(0, len(raw), step)]
+
+
+@pytest.mark.parametrize("attack", ["segment moved to the next frame", "last segment cut", "segments swapped",
+                                    "segment size changed", "a byte of a middle segment", "tag shortened"])
+def test_a_segment_moved_cut_swapped_or_changed_refuses_the_whole_message(attack, threads):
+    (s_seal, _), (_, w_open) = seg_pair()
+    frames = [b"h", np.full(3 * MiB, 7, np.uint8), np.full(2 * MiB, 9, np.uint8)]
+    sealed = [bytes(memoryview(f).cast("B")) for f in s_seal.seal(frames)]
+    one, two = _segments_of(sealed[2]), _segments_of(sealed[3])
+    prefix = sealed[0]
+    if attack == "segment moved to the next frame":  # same nonces in the same order, boundaries moved
+        bad = [prefix, sealed[1], b"".join(one[:-1]), b"".join([one[-1], *two])]
+    elif attack == "last segment cut":
+        bad = [prefix, sealed[1], sealed[2], two[0]]
+    elif attack == "segments swapped":
+        bad = [prefix, sealed[1], b"".join([one[1], one[0], one[2]]), sealed[3]]
+    elif attack == "segment size changed":  # the same ciphertext read as 2^19-byte segments
+        bad = [prefix[:10] + bytes([19]), *sealed[1:]]
+    elif attack == "a byte of a middle segment":
+        mid = bytearray(one[1])
+        mid[12345] ^= 0x80
+        bad = [prefix, sealed[1], b"".join([one[0], bytes(mid), one[2]]), sealed[3]]
+    else:
+        bad = [prefix, sealed[1], sealed[2][:-TAG_BYTES] + sealed[2][-TAG_BYTES:-8], sealed[3]]
+    before = (w_open.next, w_open.opened_bytes, w_open.segmented)
+    with pytest.raises(SealError):
+        w_open.open(bad)
+    assert (w_open.next, w_open.opened_bytes, w_open.segmented) == before
+    assert plain(w_open.open(sealed)) == plain(frames)  # the original still opens
+
+
+@pytest.mark.parametrize("prefix, error", [
+    ((2**64 - 1).to_bytes(8, "big") + (2).to_bytes(2, "big"), "past the last nonce"),
+    ((2**64 - 1).to_bytes(8, "big") + (2).to_bytes(2, "big") + bytes([20]), "past the last nonce"),
+    (bytes(8) + (2).to_bytes(2, "big") + bytes([15]), "segments of 2\\^15"),
+    (bytes(8) + (2).to_bytes(2, "big") + bytes([25]), "segments of 2\\^25"),
+    (bytes(9), "prefix has 10 or 11 bytes"),
+])
+def test_a_hostile_prefix_is_a_seal_error_not_a_crash(prefix, error):
+    """An authenticated peer may still send anything: a counter at the end of the nonce space (the
+    nonce would not fit its 8 bytes) or a segment size out of range is refused as a SealError,
+    which the daemon counts and drops, never another exception."""
+    _, (_, w_open) = seg_pair()
+    with pytest.raises(SealError, match=error):
+        w_open.open([prefix, bytes(40), bytes(40)])
+    with pytest.raises(SealError, match="shorter than its tag"):
+        w_open.open([bytes(8) + (1).to_bytes(2, "big") + bytes([16]), bytes((1 << 16) + TAG_BYTES + 5)])
+    assert w_open.next == 0 and w_open.opened_bytes == 0
+
+
+def test_hello_and_welcome_say_segments_and_leave_the_field_out_at_its_default():
+    from protocol.messages import Hello
+
+    for msg in (Hello("w", 1, 1, seal=True, seal_segments=True), Welcome(1, 1, "quadratic", seal_segments=True)):
+        assert decode(encode(msg)).seal_segments is True
+    assert b"seal_segments" not in bytes(encode(Hello("w", 1, 1, seal=True))[0])
+
+
+def test_the_daemons_sealed_path_seals_in_segments_only_for_a_worker_that_said_so(tmp_path):
+    ctx = zmq.Context()
+    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 16 << 20, 64, clock=lambda: 0.0)
+    try:
+        for rid, segments in ((b"old", False), (b"new", True)):
+            session = Session.unpack(bytes.fromhex(path.offer(rid, "k", segments)))
+            assert path.by_rid[rid].sealer.segments is segments
+            w_seal, _ = sealer_opener(session, server=False, segments=segments)
+            msg = path._open([zmq.Frame(session.token), *(zmq.Frame(memoryview(f)) for f in
+                                                          w_seal.seal([b"h", np.zeros(3 * MiB, np.uint8)]))], True)
+            assert msg is not None and msg[0] == rid and msg[2].nbytes == 3 * MiB
+        f = path.figures()
+        assert f["sealed_sessions_in_segments"] == 1 and f["sealed_segmented_live_in"] == 1
+        assert path.sock.getsockopt(zmq.MAXMSGSIZE) >= (16 << 20) + 16 * 256  # tags of 64 KiB segments fit
     finally:
         path.close()
         ctx.destroy(linger=0)
