@@ -34,6 +34,7 @@ log = logging.getLogger("latecomer.worker")
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 _CONNECTING = (errno.EINPROGRESS, errno.EAGAIN, errno.EALREADY)
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+LOWAT_MAX = 1 << 20  # the most a wait for a large frame's body asks the kernel to gather first
 
 
 class Full(Exception):
@@ -93,6 +94,7 @@ class ZmtpDealer:
         self.ready_sent = False
         self.lost: str | None = None  # why it dropped (None: it has not)
         self.bytes_in = self.bytes_out = 0
+        self.lowat = 1  # the socket's SO_RCVLOWAT (:meth:`_lowat`)
         self.poller = select.poll()
         self.poll_events = select.POLLIN
         self.poller.register(self.sock, self.poll_events)
@@ -200,7 +202,13 @@ class ZmtpDealer:
 
     # ------------------------------------------------------------------ in
     def _read(self) -> None:
-        """Read what the socket holds now (without waiting)."""
+        """Read what the socket holds now (without waiting); then the low-water mark for what is
+        left of a large frame (any poll of this socket, the worker's loop's too, waits for it)."""
+        self._read_some()
+        if self.conn.big is not None or self.lowat > 1:
+            self._lowat()
+
+    def _read_some(self) -> None:
         conn = self.conn
         while self.lost is None:
             buf = conn.buffer()
@@ -243,6 +251,18 @@ class ZmtpDealer:
         if not self.inbox and self.lost is None:
             self._read()
         return bool(self.inbox)
+
+    def _lowat(self) -> None:
+        """While a large frame's body arrives, wake only once most of it is there: the socket's
+        receive low-water mark is set to what is left of it (at most LOWAT_MAX; Linux caps it at
+        half the receive buffer), and back to 1 byte between frames. A 400 KB frame otherwise
+        woke the worker once per segment the kernel delivered, each wake-up a pass through this
+        loop (libzmq pays those in its I/O thread)."""
+        big = self.conn.big
+        want = 1 if big is None else max(1, min(memoryview(big).nbytes - self.conn.big_at, LOWAT_MAX))
+        if want != self.lowat:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self.lowat = want
 
     def recv(self, timeout_ms: int) -> list | None:
         """One whole message within ``timeout_ms`` (None: none came, or the connection was lost),
