@@ -192,11 +192,12 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
     out = ["", "## The encrypted path", "",
            f"Cipher limits, one core, 4 MB messages (measured in this run): {limit}. *sealed*: `serve --keys` "
            "(the default `--seal auto`: after the welcome, every message on a second connection, each frame "
-           "sealed with AES-256-GCM through OpenSSL; PROTOCOL.md 6.15); *CurveZMQ*: `--keys --seal off` (libzmq "
+           "sealed with AES-256-GCM through OpenSSL, a large frame in 1 MiB segments on up to 4 threads; "
+           "PROTOCOL.md 6.15); *CurveZMQ*: `--keys --seal off` (libzmq "
            "seals every frame with XSalsa20-Poly1305). Targets (issue 32): the secure path >= 0.7x plaintext at "
            "every d with 1 and 2 workers; payload bytes/s >= 50 % of the cipher limit at 1e6-1e7. *cipher bound*: "
-           "the updates/s of a lockstep worker if each update cost only AES-256-GCM's 4 passes over its arrays "
-           "on top of the plaintext round trip.", "",
+           "the updates/s of a lockstep worker if each update cost only AES-256-GCM's 4 passes over its arrays, "
+           "each at one core's limit, on top of the plaintext round trip (the segments' threads may pass it).", "",
            "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | CurveZMQ upd/s | "
            "CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | % of AES-GCM limit | "
            "1-worker cipher bound upd/s |",
