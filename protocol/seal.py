@@ -191,7 +191,7 @@ def cipher_threads() -> int:
     return 1 + (pool._max_workers if pool else 0)
 
 
-def _threads_from_env() -> int | None:
+def threads_from_env() -> int | None:
     """``LATECOMER_CIPHER_THREADS``: how many threads seal and open (1: the caller alone); unset or
     empty: the default. Anything else is refused in one line."""
     raw = os.environ.get(CIPHER_THREADS_ENV, "").strip()
@@ -207,7 +207,7 @@ def _pool() -> Any:
     if _helpers is None or _helpers_pid != os.getpid():  # made in this process (not inherited by a fork)
         n = _helpers_wanted
         if n is None:
-            n = _threads_from_env()
+            n = threads_from_env()
         if n is None:
             n = min(MAX_CIPHER_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                     else os.cpu_count() or 1)

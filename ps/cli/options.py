@@ -143,3 +143,14 @@ def add_loggers(daemon: Any, specs: tuple[str, ...]) -> None:
             daemon.add_observer(make_logger(spec))
         except ValueError as e:
             raise click.BadParameter(str(e).removeprefix("--log-to "), param_hint="--log-to") from None
+
+
+def cipher_threads_env() -> None:
+    """``LATECOMER_CIPHER_THREADS`` (protocol/seal.py) checked before anything starts: a bad value is
+    a one-line usage error here, not a failure at the first large sealed message."""
+    from protocol.seal import CIPHER_THREADS_ENV, threads_from_env
+
+    try:
+        threads_from_env()
+    except ValueError as e:
+        raise click.UsageError(f"{e} (the environment variable {CIPHER_THREADS_ENV})") from None

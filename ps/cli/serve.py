@@ -16,6 +16,7 @@ from ps.cli.options import (
     add_loggers,
     allow_options,
     allowed_from,
+    cipher_threads_env,
     finite,
     log_to_option,
     positive,
@@ -134,6 +135,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
     from ps.net.security import is_loopback_endpoint
 
     setup_logging(log_level, log_format)
+    cipher_threads_env()
     if not keys_dir and not insecure and not is_loopback_endpoint(bind):
         raise click.UsageError(f"binding {bind} without --keys would let anyone on the network connect and "
                                "read the traffic: give --keys DIR (see `latecomer keys`) or --insecure")

@@ -17,6 +17,7 @@ from ps.cli.dashboard import dashboard_options, start_dashboard
 from ps.cli.options import (
     add_loggers,
     allow_patterns,
+    cipher_threads_env,
     finite,
     log_to_option,
     parse_pairs,
@@ -73,6 +74,7 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
          threads, seed, key_secret, server_key, shm, problem_opt, allow_problem, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     setup_logging(log_level)
+    cipher_threads_env()
     if worker_id and not (worker_id.isascii() and worker_id.isprintable() and len(worker_id) <= 64):
         raise click.BadParameter("1-64 printable ASCII characters", param_hint="--worker-id")
     if not (device in ("cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):

@@ -111,7 +111,7 @@ class SealedPath:
         s.linger = 0
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a worker's reconnected data connection takes its token over
-        s.setsockopt(zmq.MAXMSGSIZE, sealed_frame_bytes(max_frame_bytes) + 64)  # a sealed frame: the plain one, its tags
+        s.setsockopt(zmq.MAXMSGSIZE, sealed_frame_bytes(max_frame_bytes) + 64)  # a sealed frame: plain bytes, tags
         s.sndhwm, s.rcvhwm = hwm, hwm
         s.bind(endpoint)
         self.sock = s
@@ -218,7 +218,8 @@ class SealedPath:
         opened = sum(s.opener.opened_bytes for s in self.by_rid.values())
         return {"sealed_sessions": len(self.by_rid),
                 "sealed_sessions_in_segments": sum(s.sealer.segments for s in self.by_rid.values()),
-                "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()), "sealed_messages_in": self.messages_in,
+                "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()),
+                "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
                 "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
 

@@ -79,6 +79,15 @@ def test_cli_errors_bad_endpoint_from_the_environment(here):
     assert_refused(r, "expected tcp://HOST:PORT or ipc://PATH")
 
 
+@pytest.mark.parametrize("cmd", [["serve"], ["work", "--server", "tcp://127.0.0.1:5555"]], ids=["serve", "work"])
+@pytest.mark.parametrize("value", ["0", "abc", "-2", "65"])
+def test_cli_errors_bad_cipher_threads_from_the_environment(here, cmd, value):
+    """LATECOMER_CIPHER_THREADS (protocol/seal.py) is checked before anything starts."""
+    r = CliRunner().invoke(main, cmd, env={"LATECOMER_CIPHER_THREADS": value})
+    assert_refused(r, "expected an integer from 1 to 64")
+    assert "LATECOMER_CIPHER_THREADS" in r.output
+
+
 def _console() -> list[str]:
     exe = ROOT / ".venv" / "bin" / "latecomer"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "ps"]

@@ -258,11 +258,12 @@ def test_frames_sealed_in_segments_open_to_the_same_bytes_on_any_number_of_threa
     segs = [max(1, -(-memoryview(f).cast("B").nbytes // MiB)) for f in frames]
     assert len(sealed[0]) == 11 and sealed[0][10] == SEGMENT_LOG2 == 20  # prefix: counter, count, log2 of 1 MiB
     assert [memoryview(f).nbytes for f in sealed[1:]] == [
-        memoryview(f).cast("B").nbytes + m * TAG_BYTES for f, m in zip(frames, segs)]
+        memoryview(f).cast("B").nbytes + m * TAG_BYTES for f, m in zip(frames, segs, strict=True)]
     assert s_seal.counter == sum(segs) == 1 + 1 + 1 + 1 + 1 + 2 + 4 + 1  # a nonce per segment
     opened = w_open.open(sealed)
     assert [f.tobytes() for f in opened] == plain(frames)
-    assert w_open.next == s_seal.counter and w_open.segmented == 1 and w_open.opened_bytes == sum(map(len, plain(frames)))
+    assert w_open.next == s_seal.counter and w_open.segmented == 1
+    assert w_open.opened_bytes == sum(map(len, plain(frames)))
     job = decode(w_open.open(s_seal.seal(job_frames(2_000_000))))  # an 8 MB job: decodes as ever
     assert np.array_equal(job.points[0], np.arange(2_000_000, dtype=np.float32))
 
