@@ -95,6 +95,7 @@ class ZmtpDealer:
         self.lost: str | None = None  # why it dropped (None: it has not)
         self.bytes_in = self.bytes_out = 0
         self.lowat = 1  # the socket's SO_RCVLOWAT (:meth:`_lowat`)
+        self.lowat_ok = True
         self.poller = select.poll()
         self.poll_events = select.POLLIN
         self.poller.register(self.sock, self.poll_events)
@@ -260,8 +261,12 @@ class ZmtpDealer:
         loop (libzmq pays those in its I/O thread)."""
         big = self.conn.big
         want = 1 if big is None else max(1, min(memoryview(big).nbytes - self.conn.big_at, LOWAT_MAX))
-        if want != self.lowat:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        if want != self.lowat and self.lowat_ok:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            except OSError:  # a kernel (or sandbox) without it: a wake-up per delivery, as before
+                self.lowat_ok = False
+                return
             self.lowat = want
 
     def recv(self, timeout_ms: int) -> list | None:

@@ -234,3 +234,37 @@ def test_a_data_connection_that_never_came_up_is_tried_again_and_one_that_droppe
         w._close_seal()
         srv.close()
         w.ctx.term()
+
+
+def test_a_large_frame_sets_the_low_water_mark_to_its_rest_and_back():
+    """While a large frame's body arrives the socket wakes only once most of it is there
+    (SO_RCVLOWAT = the rest, at most 1 MiB), and between frames at the first byte."""
+    from protocol import zmtp
+    from worker.plainsock import LOWAT_MAX
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    d = ZmtpDealer(f"tcp://127.0.0.1:{srv.getsockname()[1]}", b"me")
+    c, _ = srv.accept()
+    try:
+        c.sendall(zmtp.greeting(as_server=True) + zmtp.ready(b"ROUTER"))
+        until(lambda: d.up, d, "handshake")
+        body = bytes(range(256)) * 1600  # 409,600 bytes
+        wire = b"".join(bytes(b) for b in zmtp.frames_out([b"head", body]))
+        c.sendall(wire[:5000])
+        end = time.monotonic() + DEADLINE_S
+        while d.conn.big is None or d.conn.big_at < 5000 - 15:
+            assert time.monotonic() < end
+            assert d.recv(5) is None
+        rest = len(body) - d.conn.big_at
+        lowat = d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        assert d.lowat == rest == lowat and rest < LOWAT_MAX
+        c.sendall(wire[5000:])
+        msg = d.recv(int(DEADLINE_S * 1000))
+        assert msg is not None and bytes(msg[1]) == body
+        assert d.lowat == 1 == d.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+    finally:
+        c.close()
+        srv.close()
+        d.close()
