@@ -44,6 +44,16 @@ def until(cond, d: ZmtpDealer, what: str) -> None:
             select.select([d], [d] if d.wants_write else [], [], 0.01)
 
 
+def dealer_and_its_peer() -> tuple[socket.socket, ZmtpDealer, socket.socket]:
+    """A listening socket, a dealer connected to it, and the accepted end (the test plays the server)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    d = ZmtpDealer(f"tcp://127.0.0.1:{srv.getsockname()[1]}", b"me")
+    c, _ = srv.accept()
+    return srv, d, c
+
+
 def test_a_message_sent_at_once_waits_for_the_handshake_and_the_identity_is_the_routing_id(router):
     """A libzmq ROUTER closed every connection whose first message came with its READY before its
     own greeting (the front relays a data connection's handshake that way under --hand-over off);
@@ -157,11 +167,7 @@ def test_a_refused_connection_a_closing_peer_garbage_and_a_silent_peer_are_lost(
 def test_a_ping_gets_its_pong():
     from protocol import zmtp
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    d = ZmtpDealer(f"tcp://127.0.0.1:{srv.getsockname()[1]}", b"me")
-    c, _ = srv.accept()
+    srv, d, c = dealer_and_its_peer()
     try:
         c.setblocking(False)
         c.sendall(zmtp.greeting(as_server=True) + zmtp.ready(b"ROUTER") + zmtp.command(b"PING", b"\x00\x10ctx"))
@@ -242,11 +248,7 @@ def test_a_large_frame_sets_the_low_water_mark_to_its_rest_and_back():
     from protocol import zmtp
     from worker.plainsock import LOWAT_MAX
 
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    d = ZmtpDealer(f"tcp://127.0.0.1:{srv.getsockname()[1]}", b"me")
-    c, _ = srv.accept()
+    srv, d, c = dealer_and_its_peer()
     try:
         c.sendall(zmtp.greeting(as_server=True) + zmtp.ready(b"ROUTER"))
         until(lambda: d.up, d, "handshake")
