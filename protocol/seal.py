@@ -168,6 +168,7 @@ class BufferPool:
 def _nbytes(f: Any) -> int:
     return f.nbytes if hasattr(f, "nbytes") else len(f)
 
+
 _helpers: Any = None  # the cipher's helper threads (a ThreadPoolExecutor), False for none
 _helpers_pid = 0
 _helpers_wanted: int | None = None  # set_cipher_threads: None, as many as the CPUs allow
@@ -255,7 +256,6 @@ def sealed_frame_bytes(plain_bytes: int) -> int:
     """The most bytes a sealed frame of at most ``plain_bytes`` takes, whatever its format: a tag
     per segment of the smallest size a receiver takes (the bound a receiver sets on sealed frames)."""
     return plain_bytes + TAG_BYTES * _segments(plain_bytes, SEGMENT_LOG2_MIN)
-
 
 
 class Sealer:
