@@ -137,7 +137,14 @@ class ZmtpDealer:
         if self.lost is None and self.conn.peer is None and self.clock() > self.deadline:
             self._lose("no handshake in time")
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close it, writing what it holds for up to ``linger_ms`` first (a bye); what comes in
+        meanwhile is left unread."""
+        end = self.clock() + linger_ms / 1000.0
+        while self.wants_write and self.clock() < end:
+            self.flush()
+            if self.wants_write:
+                select.select([], [self.sock], [], max(0.0, end - self.clock()))
         self._lose("closed")
         self.sock.close()
 

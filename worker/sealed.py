@@ -102,13 +102,8 @@ class SealedLink:
 
     def _close_seal(self, linger: int = 0) -> None:
         """Close the data connection, writing what it holds for up to ``linger`` ms first (a bye)."""
-        s = self.seal_sock
-        if s is not None:
-            if linger > 0 and s.lost is None:
-                end = self.clock() + linger / 1000.0
-                while s.wants_write and s.lost is None and self.clock() < end:
-                    s.recv(max(1, int((end - self.clock()) * 1000)))  # writes while it waits
-            s.close()
+        if self.seal_sock is not None:
+            self.seal_sock.close(linger)
         self.seal_sock = self.sealer = self.opener = self.seal_retry_at = None
         self.seal_up = False
 

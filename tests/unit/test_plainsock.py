@@ -270,3 +270,24 @@ def test_a_large_frame_sets_the_low_water_mark_to_its_rest_and_back():
         c.close()
         srv.close()
         d.close()
+
+
+def test_close_with_a_linger_writes_what_it_holds_first(router):
+    """A worker's bye on its way out: ``close(linger_ms)`` writes the queue out before closing
+    (libzmq's ROUTER reads it in its own thread); ``close()`` at once leaves it unsent."""
+    r, ep = router
+    for linger, delivered in ((10_000, True), (0, False)):
+        d = ZmtpDealer(ep, b"L" + bytes([linger > 0]))
+        until(lambda d=d: d.up, d, "handshake")
+        sent = 0
+        while not d.wants_write:  # until the socket's buffers are full and some of it is queued
+            assert sent < 16, "the kernel took 384 MB without pushing back"
+            d.send([b"bye", np.zeros(24 << 20, np.uint8)])
+            sent += 1
+        d.close(linger)
+        got = 0
+        while r.poll(2000 if delivered else 500):
+            frames = r.recv_multipart()
+            assert frames[1] == b"bye" and len(frames[2]) == 24 << 20
+            got += 1
+        assert (got == sent) is delivered, (got, sent)
