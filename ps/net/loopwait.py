@@ -50,7 +50,7 @@ class LoopWait:
         """Whether something may be ready: a socket holds a message now (then no wait), or a
         descriptor fired within ``timeout_ms``."""
         self.quiet.clear()
-        for sock, fd in self.socks:
+        for sock, _fd in self.socks:
             if sock.get(_EVENTS) & _POLLIN:
                 self.quiet.clear()  # those asked before it stay quiet, but once is enough to be right
                 return True
