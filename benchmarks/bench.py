@@ -79,15 +79,72 @@ def plan(backends: list[str], sizes: list[int], workers: list[int] | None, quick
     return out
 
 
-def estimate_s(the_plan: list[tuple[str, list]], seconds: float, warmup: float) -> float:
+def estimate_s(the_plan: list[tuple[str, list]], seconds: float, warmup: float, repeat: int = 1) -> float:
     total = 0.0
     for b, cells in the_plan:
         if b == SIM:
             total += SIM_S
             continue
         total += RAY_START_S if b == "ray" else 0.0
-        total += sum(OVERHEAD_S[b] + PER_1E7_S[b] * d / 1e7 + warmup + seconds for d, _ in cells)
+        total += sum(OVERHEAD_S[b] + PER_1E7_S[b] * d / 1e7 + warmup + seconds for d, _ in cells) * (
+            1 if b == "ray" else repeat)
     return total
+
+
+def interleaved(the_plan: list[tuple[str, list]], repeat: int) -> list[tuple[int, str, int, int]]:
+    """``bench --repeat N``: (repetition, backend, d, workers) in run order. Each cell's backends run
+    back to back (in the plan's backend order), cell after cell, and the whole round N times, so
+    that the rows a ratio compares ran seconds apart, not a backend's whole sweep apart: whole
+    rounds on this project's machines swing by up to 2x within minutes. Ray (one instance for
+    its sweep) and the simulator are not in it: they run once, after the rounds."""
+    cells = list(dict.fromkeys(c for b, cs in the_plan if b not in (SIM, "ray") for c in cs))
+    return [(k, b, d, w) for k in range(1, repeat + 1) for d, w in cells
+            for b, cs in the_plan if b not in (SIM, "ray") and (d, w) in cs]
+
+
+def median_rows(rows: list[Row]) -> list[Row]:
+    """One row per (backend, d, workers): the repetition with the median updates/s (the lower of
+    the two middle ones for an even count); rows that were not repeated as they are."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.backend, r.d, r.workers), []).append(r)
+    out = []
+    for g in groups.values():
+        ok = sorted((r for r in g if _ok(r)), key=lambda r: r.updates_per_s)
+        out.append(ok[(len(ok) - 1) // 2] if ok else g[0])
+    return out
+
+
+PAIRED = (("latecomer", "raw-zmq"), ("latecomer-curve", "latecomer"), ("latecomer-curvezmq", "latecomer"),
+          ("latecomer-relay", "latecomer"), ("latecomer-shm", "latecomer"))
+
+
+def paired_table(rows: list[Row]) -> list[str]:
+    """``bench --repeat N``: for each cell, each ratio of PAIRED whose two backends ran in it, the
+    ratio within each repetition (the two rows seconds apart) and the median of those: the figure
+    to read on a machine whose speed drifts; the other tables compare the median rows."""
+    by = {(r.backend, r.d, r.workers, r.rep): r for r in rows if r.rep}
+    reps = sorted({r.rep for r in rows if r.rep})
+    cells = list(dict.fromkeys((r.d, r.workers) for r in rows if r.rep))
+    body = []
+    for d, w in cells:
+        for a, b in PAIRED:
+            got = [(by.get((a, d, w, k)), by.get((b, d, w, k))) for k in reps]
+            vals = [x.updates_per_s / y.updates_per_s for x, y in got if _ok(x) and _ok(y)]
+            if not vals:
+                continue
+            cpu = [x.cpu_s_per_update * 1e3 for x, _ in got if _ok(x) and math.isfinite(x.cpu_s_per_update)]
+            body.append(f"| {d:,} | {w} | {a} / {b} | {' '.join(f'{v:.2f}' for v in vals)} | "
+                        f"{_f(sorted(vals)[(len(vals) - 1) // 2], '.2f')} | "
+                        f"{' '.join(f'{c:.3f}' for c in cpu) or 'n/a'} |")
+    if not body:
+        return []
+    return ["", "## Paired ratios, per repetition", "",
+            f"`--repeat {len(reps)}`: each cell's backends ran back to back, the round {len(reps)} times. "
+            "Updates/s of the first backend over the second's within each repetition, their median (the lower "
+            "middle one for an even count), and the first backend's server CPU ms per update in each.", "",
+            "| d | workers | ratio | per repetition | median | first's CPU ms/upd per repetition |",
+            "|---|---|---|---|---|---|"] + body
 
 
 def run_cell(backend: str, d: int, workers: int, seconds: float, warmup: float, credit: int = 1) -> Row:
@@ -104,8 +161,16 @@ def run_cell(backend: str, d: int, workers: int, seconds: float, warmup: float, 
 
 
 def sweep(the_plan: list[tuple[str, list]], seconds: float, warmup: float, *, credit: int = 1, quick: bool = False,
-          echo=print) -> list[Row]:
+          echo=print, repeat: int = 1) -> list[Row]:
     rows: list[Row] = []
+    if repeat > 1:  # the cells interleaved, the round repeated; then Ray and the simulator, once
+        for k, b, d, w in interleaved(the_plan, repeat):
+            t = time.monotonic()
+            r = run_cell(b, d, w, seconds, warmup, credit)
+            r.wall_s, r.rep = time.monotonic() - t, k
+            echo(f"[{k}/{repeat}] " + line(r))
+            rows.append(r)
+        the_plan = [(b, c) for b, c in the_plan if b in (SIM, "ray")]
     for b, cells in the_plan:
         if b == "ray":
             from benchmarks import ray_ps
@@ -325,7 +390,10 @@ def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, des
                      f"{_cell(r.bytes_per_update, ',.0f')} | {_cell(r.cpu_s_per_update, '.3f', 1e3)} | "
                      f"{_cell(r.rtt_p50_s, '.3f', 1e3)} | {_cell(r.rtt_p99_s, '.3f', 1e3)} | "
                      f"{_cell(r.peak_rss_bytes, ',.1f', 2**-20)} | {' '.join(f'{x:.0f}' for x in r.windows)} | "
-                     f"{r.note} |")
+                     f"{f'repetition {r.rep}. ' if r.rep else ''}{r.note} |")
+    if any(r.rep for r in rows):
+        lines += paired_table(rows)
+        rows = median_rows(rows)  # the tables below compare each cell's median repetition
     lines += ratio_table(rows, ref, ceiling)
     lines += encrypted_table(rows, cipher)
     return "\n".join(lines) + "\n"
@@ -358,6 +426,10 @@ def _ints(s: str) -> list[int]:
 @click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
               help="latecomer rows: jobs each worker holds at once (`latecomer work --credit N`).")
 @click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
+@click.option("--repeat", type=click.IntRange(1, 20), default=1, show_default=True,
+              help="Run each cell's backends back to back, cell after cell, and the whole round N times (Ray and "
+                   "the simulator once, after); the report adds each ratio per repetition and its median, and "
+                   "its other tables compare each cell's median repetition.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, callback=output_file,
               help="Markdown table (default: benchmarks/RESULTS.md for the default plan; RESULTS-quick.md with "
                    "--quick, RESULTS-partial.md otherwise, so that no partial run replaces the committed table).")
@@ -380,7 +452,7 @@ def _ints(s: str) -> list[int]:
                    "(benchmarks/models.py); writes benchmarks/RESULTS-models.md (or --out). --quick and --seconds "
                    "apply (per training run).")
 @model_options
-def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_out, plot_out, workers_scale,
+def bench(quick, sizes, workers_, seconds, warmup, credit, backends, repeat, out, json_out, plot_out, workers_scale,
           scale_workers, scale_serve_args, models_, model_names, model_size, grad_size, grad_reps, systems,
           cores) -> None:
     """Throughput of latecomer vs raw pyzmq, torch.distributed.rpc and Ray on one workload (--models: real
@@ -416,14 +488,14 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
         raise click.BadParameter(f"unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}",
                                  param_hint="--backends")
     the_plan = plan(bl, sizes_l, workers_l, quick)
-    est = estimate_s(the_plan, seconds, warmup)
+    est = estimate_s(the_plan, seconds, warmup, repeat)
     desc = machine()
     click.echo(f"machine: {desc}")
     click.echo(f"plan: {sum(len(c) for _, c in the_plan)} cells, estimated {est / 60:.1f} min "
                f"(up to {LOADED * est / 60:.0f} min on a loaded machine)"
                + (f", over the {TARGET_S / 60:.0f} min target" if LOADED * est > TARGET_S else ""))
     t = time.monotonic()
-    rows = sweep(the_plan, seconds, warmup, credit=credit, quick=quick, echo=lambda s: click.echo(s))
+    rows = sweep(the_plan, seconds, warmup, credit=credit, quick=quick, echo=lambda s: click.echo(s), repeat=repeat)
     elapsed = time.monotonic() - t
     ref = ceil = None
     if any(b in bl for b in ("latecomer", "latecomer-shm")):
@@ -432,18 +504,21 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
         ref, ceil = vector_passes(ds), {d: ceiling_s(d) for d in ds}
     cipher = cipher_limit() if "latecomer-curve" in bl else None
     default = (not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and credit == 1
-               and bl == list(BACKENDS))
+               and bl == list(BACKENDS) and repeat == 1)
     out = out or os.path.join(REPO, "benchmarks", "RESULTS.md" if default else
                               "RESULTS-quick.md" if quick else "RESULTS-partial.md")
     json_out = json_out or os.path.splitext(out)[0] + ".json"
     if json_out:  # first: the raw rows survive whatever happens below
         with open(json_out, "w", encoding="utf-8") as f:
-            json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit,
+            json.dump({"machine": desc, "seconds": seconds, "warmup": warmup, "credit": credit, "repeat": repeat,
                        "estimate_s": est, "elapsed_s": elapsed, "vector_pass_s": ref, "ceiling_s": ceil,
                        "cipher_gbps": cipher,
                        "rows": [r.as_dict() for r in rows]}, f, indent=1)
     note = DEFAULT_PLAN_NOTE if default else ("--quick: d in {1e3, 1e5}, 1 worker. " if quick else
                                               "Cells, interval and warm-up chosen on the command line. ")
+    if repeat > 1:
+        note += (f"--repeat {repeat}: each cell's backends back to back, cell after cell, the round {repeat} "
+                 "times (Ray and the simulator once, after). ")
     md = markdown(rows, seconds, warmup, elapsed, desc, the_plan=the_plan, credit=credit, estimate=est, ref=ref,
                   ceiling=ceil, plan_note=note, cipher=cipher)
     with open(out, "w", encoding="utf-8") as f:
@@ -451,10 +526,11 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, out, json_o
     if plot_out or default:
         from benchmarks.plot import plot
         plot_out = plot_out or os.path.join(REPO, "docs", "img", "bench.png")
-        plot([r.as_dict() for r in rows], plot_out, cipher_gbps=cipher,
+        plot([r.as_dict() for r in (median_rows(rows) if repeat > 1 else rows)], plot_out, cipher_gbps=cipher,
              title=f"latecomer bench ({time.strftime('%Y-%m-%d')}): x -= lr*g on loopback; " + desc.split(";")[0])
         click.echo(f"wrote {plot_out}")
-    click.echo("\n".join(ratio_table(rows, ref, ceil) + encrypted_table(rows, cipher)))
+    med = median_rows(rows) if repeat > 1 else rows
+    click.echo("\n".join(paired_table(rows) + ratio_table(med, ref, ceil) + encrypted_table(med, cipher)))
     click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 
 

@@ -42,6 +42,7 @@ class Row:
     skipped: str = ""  # non-empty: not measured, and why
     note: str = ""
     wall_s: float = math.nan  # the whole cell (start, warm-up, timed interval, shutdown), for the time plan
+    rep: int = 0  # `bench --repeat N`: which repetition (1..N) of the interleaved cells; 0: not repeated
 
     def as_dict(self) -> dict:
         return asdict(self)
