@@ -41,13 +41,14 @@ LATECOMER = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve",
              "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
+OPTIONAL = ("latecomer-busy",)  # backends --backends takes that the default plan leaves out
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
 # The default plan (no --workers): the relay, CurveZMQ and bf16 rows are a cost of an option on
 # top of the latecomer row, so one or two worker counts show it; the rest run 1, 2 and 4 workers.
 REDUCED_WORKERS = {"latecomer-relay": (1, 2), "latecomer-curve": (1, 2), "latecomer-curvezmq": (1,),
-                   "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2)}
+                   "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2), "latecomer-busy": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -58,10 +59,10 @@ TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is
 # about 2.5 times as long).
 OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-relay": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
               "latecomer-curvezmq": 2.0,
-              "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "torch-rpc": 3.5, "ray": 1.0}
+              "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "latecomer-busy": 1.2, "torch-rpc": 3.5, "ray": 1.0}
 PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-relay": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
              "latecomer-curvezmq": 3.0,
-             "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "torch-rpc": 2.5, "ray": 1.5}
+             "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "latecomer-busy": 1.0, "torch-rpc": 2.5, "ray": 1.5}
 RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
 SIM_S = 5.0
 LOADED = 2.5  # worst case seen: factor on the estimate on a loaded machine
@@ -115,8 +116,9 @@ def median_rows(rows: list[Row]) -> list[Row]:
     return out
 
 
-PAIRED = (("latecomer", "raw-zmq"), ("latecomer-curve", "latecomer"), ("latecomer-curvezmq", "latecomer"),
-          ("latecomer-relay", "latecomer"), ("latecomer-shm", "latecomer"))
+PAIRED = (("latecomer", "raw-zmq"), ("latecomer-busy", "raw-zmq"), ("latecomer-busy", "latecomer"),
+          ("latecomer-curve", "latecomer"), ("latecomer-curvezmq", "latecomer"), ("latecomer-relay", "latecomer"),
+          ("latecomer-shm", "latecomer"))
 
 
 def paired_table(rows: list[Row]) -> list[str]:
@@ -151,7 +153,7 @@ def run_cell(backend: str, d: int, workers: int, seconds: float, warmup: float, 
     if backend == "raw-zmq":
         from benchmarks import raw_zmq
         return raw_zmq.run(d, workers, seconds, warmup)
-    if backend in LATECOMER:
+    if backend in LATECOMER or backend in OPTIONAL:
         from benchmarks import latecomer_ps
         return latecomer_ps.run(d, workers, seconds, warmup, variant=backend, credit=credit)
     if backend == "torch-rpc":
@@ -425,7 +427,9 @@ def _ints(s: str) -> list[int]:
 @click.option("--warmup", type=float, default=WARMUP, show_default=True, help="Seconds after start before timing.")
 @click.option("--credit", type=click.IntRange(1, 64), default=1, show_default=True,
               help="latecomer rows: jobs each worker holds at once (`latecomer work --credit N`).")
-@click.option("--backends", default=",".join(BACKENDS), show_default=True, help="Comma-separated backends.")
+@click.option("--backends", default=",".join(BACKENDS), show_default=True,
+              help=f"Comma-separated backends; also {', '.join(OPTIONAL)} (`serve --busy-poll-us`), not in the "
+                   "default.")
 @click.option("--repeat", type=click.IntRange(1, 20), default=1, show_default=True,
               help="Run each cell's backends back to back, cell after cell, and the whole round N times (Ray and "
                    "the simulator once, after); the report adds each ratio per repetition and its median, and "
@@ -483,15 +487,16 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, repeat, out
     if seconds <= 0 or warmup < 0 or any(d < 1 for d in sizes_l) or any(w < 1 for w in workers_l or [1]):
         raise click.BadParameter("sizes, workers and seconds must be positive")
     bl = [b.strip() for b in backends.split(",") if b.strip()]
-    bad = [b for b in bl if b not in BACKENDS]
+    bad = [b for b in bl if b not in BACKENDS + OPTIONAL]
     if bad:
-        raise click.BadParameter(f"unknown backend(s) {bad}; choose from {', '.join(BACKENDS)}",
+        raise click.BadParameter(f"unknown backend(s) {bad}; choose from {', '.join(BACKENDS + OPTIONAL)}",
                                  param_hint="--backends")
     the_plan = plan(bl, sizes_l, workers_l, quick)
     est = estimate_s(the_plan, seconds, warmup, repeat)
     desc = machine()
     click.echo(f"machine: {desc}")
-    click.echo(f"plan: {sum(len(c) for _, c in the_plan)} cells, estimated {est / 60:.1f} min "
+    click.echo(f"plan: {sum(len(c) for _, c in the_plan)} cells" + (f" x {repeat} repetitions" if repeat > 1 else "")
+               + f", estimated {est / 60:.1f} min "
                f"(up to {LOADED * est / 60:.0f} min on a loaded machine)"
                + (f", over the {TARGET_S / 60:.0f} min target" if LOADED * est > TARGET_S else ""))
     t = time.monotonic()

@@ -113,6 +113,12 @@ DEFAULT_PORT = 5555
                    "`latecomer shard --coordinator ...` started elsewhere.")
 @click.option("--shard-bind", default="tcp://127.0.0.1:0", show_default=True, callback=bind_endpoint,
               help="The coordinator's endpoint for its shards (give a fixed port for remote shards).")
+@click.option("--busy-poll-us", type=click.IntRange(0, 100_000), default=0, show_default=True,
+              help="Before it sleeps waiting for messages, the server polls without blocking for up to this "
+                   "many microseconds, the window adapted to how soon messages have come (it shrinks to nothing "
+                   "when they come later than this): a worker whose replies come back within it is served "
+                   "without the wake-up of a sleeping CPU, at the cost of that CPU time (0: never; "
+                   "benchmarks/PROFILE.md).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
@@ -122,10 +128,10 @@ DEFAULT_PORT = 5555
 @log_to_option
 @dashboard_options
 def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, max_steps, max_time, target_loss,
-          eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out,
-          state_dir, checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir,
-          insecure, metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
-          allow_algorithm, shards, local_shards, shard_bind, log_format, log_level, progress, log_to) -> None:
+          eval_every, liveness_timeout, heartbeat_interval, min_workers, round_period, seed, events, out, state_dir,
+          checkpoint_every, checkpoint_interval, fsync, log_payloads, max_journal_bytes, repair, keys_dir, insecure,
+          metrics_port, metrics_addr, max_workers, max_workers_per_key, shm, wire_dtype, allow_problem,
+          allow_algorithm, shards, local_shards, shard_bind, busy_poll_us, log_format, log_level, progress, log_to):
     """Run the server daemon in the foreground.
 
     Resuming a --state directory whose run.json names a problem or algorithm of your own
@@ -165,7 +171,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
-    daemon.transport.behind_front = bind != public  # supervised: the front vouches for X-Source
+    daemon.transport.behind_front, daemon.busy_poll_s = bind != public, busy_poll_us / 1e6  # front: X-Source
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone

@@ -127,6 +127,10 @@ class Daemon:
         core.record_issued = self.outputs.events_file is not None  # nothing else here reads them
         self.stopping: str | None = None
         self.sends = 0  # messages sent (Send commands executed): what a backlogged message cost
+        # `serve --busy-poll-us`: the loop polls without blocking for up to this long before it
+        # sleeps, the window adapted to how soon messages come (ps/net/loopwait.py); 0: never
+        self.busy_poll_s = 0.0
+        self.loop_wait: LoopWait | None = None  # the loop's wait, once it runs (its busy-poll figures)
         self.schedule = ReceiveSchedule(self)  # which received message is handled when (ps/drivers/schedule.py)
         self.started_at = clock()
         self.training_started_at: float | None = None  # when the first job went out
@@ -193,7 +197,7 @@ class Daemon:
         if self.observers:
             self.observers.call("on_start", self.outputs.settings())
         self.evaluate()
-        wait = self.transport.wait = LoopWait()  # one epoll (ps/net/loopwait.py), not zmq_poll
+        wait = self.transport.wait = self.loop_wait = LoopWait(self.busy_poll_s)  # one epoll, not zmq_poll
         wait.add(self.sock)
         if self.hub is not None:
             wait.add(self.hub.sock)

@@ -138,6 +138,7 @@ class RunOutputs:
                      "uptime_s": now - d.started_at, "step_rate": self.step_rate(now),
                      "algorithm": core.alg.name, "problem": core.cfg.problem, "wire_dtype": d.wire_dtype,
                      "shm_workers": sum(c.shm_ready and c.live for c in d.conns.bound())})
+        info.update({f"loop.{k}": v for k, v in self.busy_poll().items()})
         info.update(d.conns.figures())  # the connection table: records, transfers, rates (ps/net/connections.py)
         if d.persist is not None:
             info.update(d.persist.status())  # journal bytes; paused (disk full): why, for how long
@@ -218,6 +219,15 @@ class RunOutputs:
                 continue
         return encode(Status(token=token, info=info, columns=columns, rows=rows[:64]))
 
+    def busy_poll(self) -> dict[str, Any]:
+        """``serve --busy-poll-us``'s figures (ps/net/loopwait.py): the busy polls, those that
+        caught a message, the window now; {} when it is off."""
+        d, wait = self.daemon, self.daemon.loop_wait
+        if not d.busy_poll_s or wait is None:
+            return {}
+        return {"busy_polls": wait.spins, "busy_poll_hits": wait.spin_hits,
+                "busy_poll_window_us": round(wait.spin * 1e6, 1)}
+
     def summary(self) -> dict[str, Any]:
         """Counters, evaluations and age statistics of the run (JSON-able)."""
         d = self.daemon
@@ -231,6 +241,7 @@ class RunOutputs:
                 "connections": {k[len("conn."):]: v for k, v in d.conns.figures().items()},
                 "store_peak": core.store_peak,
                 "transport": d.transport.figures(),
+                **({"loop": self.busy_poll()} if self.busy_poll() else {}),
                 **({"shards": d.hub.summary(), "blocks_timed_out": d.hub.blocks_timed_out}
                    if d.hub is not None else {})}
 

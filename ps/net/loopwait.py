@@ -15,22 +15,39 @@ has not processed, and any call on the socket may process them. So before each w
 socket's EVENTS is asked (which processes them): a socket that holds a message ends the wait at
 once; one that does not is quiet until its descriptor fires, since nothing else calls it while
 the loop waits.
+
+**Busy polling** (``serve --busy-poll-us``, off by default). A daemon that sleeps between the
+messages of a fast lockstep worker pays, per message, the wake-up of an idle CPU (on a VM, a
+halted vCPU) and caches the other processes have used meanwhile: in place its Python ran at a
+third of its hot-loop speed (benchmarks/PROFILE.md). With a bound ``spin_max`` the wait first
+polls without blocking for up to a window, adapted as KVM's halt polling adapts its own: a wait
+that ended within the bound (counted from the start of a poll that missed) doubles the window,
+one that lasted longer halves it, down to none. Messages that come within the bound are then
+taken without sleeping; messages that come later cost no polling once the window is gone. The
+price is that CPU time, and a CPU the workers on the same host do not get meanwhile.
 """
 
 from __future__ import annotations
 
 import select
-from typing import Any
+import time
+from typing import Any, Callable
 
 import zmq
 
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
+SPIN_MIN_S = 10e-6  # the smallest busy-poll window; below it, none
 
 
 class LoopWait:
     """Wait for any of the ZeroMQ sockets and descriptors added, up to a timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, spin_max_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.spin_max = spin_max_s  # the longest busy poll before a blocking wait (0: never; see :meth:`wait`)
+        self.spin = 0.0  # the busy poll's window now, adapted to how soon the waits end
+        self.clock = clock
+        self.spins = self.spin_hits = 0  # busy polls, and those that ended with something ready
+        self.spun_from = -1.0  # when the busy poll that just missed began (-1: none)
         self.ep = select.epoll()
         self.socks: list[tuple[Any, int]] = []  # (ZeroMQ socket, its signal descriptor)
         self.quiet: set[Any] = set()  # the sockets known to hold nothing now
@@ -55,12 +72,49 @@ class LoopWait:
                 self.quiet.clear()  # those asked before it stay quiet, but once is enough to be right
                 return True
             self.quiet.add(sock)
-        events = self.ep.poll(timeout_ms / 1000.0)
+        events = self._spin(timeout_ms) if self.spin_max and timeout_ms else None
+        if not events:
+            events = self._block(timeout_ms)
         for fd, _ in events:
             sock = self.by_fd.get(fd)
             if sock is not None:
                 self.quiet.discard(sock)
         return bool(events)
+
+    def _spin(self, timeout_ms: int) -> list:
+        """Poll without blocking for up to the window (never past ``timeout_ms``): what is ready, or []."""
+        if not self.spin:
+            return []
+        self.spins += 1
+        clock, poll = self.clock, self.ep.poll
+        t0 = clock()
+        end = t0 + min(self.spin, timeout_ms / 1000.0)
+        self.spun_from = t0
+        while True:
+            events = poll(0)
+            if events:
+                self.spin_hits += 1
+                self.spun_from = -1.0
+                return events
+            if clock() >= end:  # missed: the blocking wait that follows decides the window (_block)
+                return []
+
+    def _block(self, timeout_ms: int) -> list:
+        """The blocking wait; with busy polling on, the window adapts to it as KVM's halt polling
+        does: a wait that ended within ``spin_max`` (counted from the start of a busy poll that
+        just missed) doubles the window, so that the next one ends in the poll; a longer one halves it."""
+        if not self.spin_max:
+            return self.ep.poll(timeout_ms / 1000.0)
+        t0 = self.clock()
+        start = self.spun_from if 0.0 <= self.spun_from <= t0 else t0
+        events = self.ep.poll(timeout_ms / 1000.0)
+        waited = self.clock() - start
+        if events and waited <= self.spin_max:
+            self.spin = min(max(2 * self.spin, SPIN_MIN_S), self.spin_max)
+        elif waited > self.spin_max:
+            self.spin = self.spin / 2 if self.spin >= 2 * SPIN_MIN_S else 0.0
+        self.spun_from = -1.0
+        return events
 
     def take_quiet(self, sock: Any) -> bool:
         """True (once) if ``sock`` held nothing before the last wait and its descriptor did not

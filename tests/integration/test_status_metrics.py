@@ -90,3 +90,34 @@ def test_status_metrics_and_json_logs_agree_with_the_event_log(procs, tmp_path):
 def test_status_of_a_server_that_is_not_there_fails_cleanly():
     r = status(f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
     assert r.returncode == 1 and "no answer" in r.stderr and "Traceback" not in r.stderr
+
+
+def _lockstep_run(procs, tmp_path, name: str, *serve_args: str):
+    """One worker, credit 1, asgd on quadratic for 300 steps: the jobs, their seeds and so the final
+    iterate are the same however fast the loop turns. Returns (final iterate, summary.json)."""
+    out = tmp_path / name
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", "d=16",
+                         "--algorithm", "asgd", "--set", "lr=0.05", "--max-steps", "300", "--eval-every", "0",
+                         "--out", str(out), "--shm", "off", *serve_args)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    procs.start("work", "--server", endpoint, "--worker-id", "w1", "--credit", "1", "--shm", "off")
+    assert wait_exit(server, timeout=120) == 0
+    import numpy as np
+
+    return np.load(out / "final_x.npy"), json.loads((out / "summary.json").read_text())
+
+
+def test_busy_poll_serves_the_same_run_and_reports_its_window(procs, tmp_path):
+    """`serve --busy-poll-us` changes when the loop sleeps, nothing it computes: the same lockstep run
+    ends at the same iterate bit for bit, and reports its busy polls within their bound (whether
+    replies come back within it depends on this machine's speed, so no hit count is required;
+    tests/unit/test_loopwait.py checks the window's rules on a fake clock); summary.json has them."""
+    import numpy as np
+
+    x_plain, plain = _lockstep_run(procs, tmp_path, "plain")
+    x_busy, busy = _lockstep_run(procs, tmp_path, "busy", "--busy-poll-us", "300")
+    assert plain["version"] == busy["version"] == 300
+    assert np.array_equal(x_plain, x_busy)
+    assert "loop" not in plain  # off by default
+    loop = busy["loop"]
+    assert 0 <= loop["busy_poll_hits"] <= loop["busy_polls"] and 0 <= loop["busy_poll_window_us"] <= 300

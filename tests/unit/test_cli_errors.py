@@ -88,6 +88,12 @@ def test_cli_errors_bad_cipher_threads_from_the_environment(here, cmd, value):
     assert "LATECOMER_CIPHER_THREADS" in r.output
 
 
+@pytest.mark.parametrize("value", ["-1", "100001", "abc", "1.5"])
+def test_cli_errors_bad_busy_poll(here, value):
+    r = CliRunner().invoke(main, ["serve", "--busy-poll-us", value])
+    assert_refused(r, "--busy-poll-us")
+
+
 def _console() -> list[str]:
     exe = ROOT / ".venv" / "bin" / "latecomer"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "ps"]

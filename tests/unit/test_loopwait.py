@@ -23,6 +23,9 @@ def pair():
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
     dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send(b"up")  # the connection is made and its commands processed before the test begins
+    assert router.poll(5000), "no connection within 5 s"
+    router.recv_multipart()
     yield router, dealer
     dealer.close()
     router.close()
@@ -69,8 +72,11 @@ def test_a_message_queued_before_the_wait_ends_it_at_once(pair):
     wait.close()
 
 
-def test_a_plain_descriptor_wakes_it_and_quiet_is_per_socket(pair):
-    router, dealer = pair
+def test_a_plain_descriptor_wakes_it_and_quiet_is_per_socket():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # no peer: nothing can make its descriptor fire
+    router.linger = 0
+    router.bind_to_random_port("tcp://127.0.0.1")
     a, b = socket.socketpair()
     try:
         wait = LoopWait()
@@ -83,6 +89,8 @@ def test_a_plain_descriptor_wakes_it_and_quiet_is_per_socket(pair):
     finally:
         a.close()
         b.close()
+        router.close()
+        ctx.term()
 
 
 def test_sample_seed_is_numpys_draw():
@@ -94,3 +102,85 @@ def test_sample_seed_is_numpys_draw():
     c.bit_generator.state = np.random.default_rng(99).bit_generator.state  # as a restore sets it
     d = np.random.default_rng(99)
     assert sample_seed(c) == int(d.integers(0, 2**63))
+
+
+class _Ep:
+    """A scripted epoll on a fake clock: a message is ready from ``ready_at``; a poll without
+    waiting costs 1 µs, a blocking one sleeps until the message or its timeout."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.ready_at = float("inf")
+        self.nonblocking = self.blocking = 0
+
+    def now(self) -> float:
+        return self.t
+
+    def poll(self, timeout: float = -1) -> list:
+        if self.t >= self.ready_at:
+            return [(5, 1)]
+        if timeout == 0:
+            self.nonblocking += 1
+            self.t += 1e-6
+            return []
+        self.blocking += 1
+        self.t = min(self.ready_at, self.t + timeout)
+        return [(5, 1)] if self.t >= self.ready_at else []
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(wait: LoopWait, ep: _Ep, gap_s: float, n: int) -> None:
+    """``n`` lockstep rounds: a message ``gap_s`` after each wait begins, taken at once."""
+    for _ in range(n):
+        ep.ready_at = ep.t + gap_s
+        assert wait.wait(100)
+        ep.t = ep.ready_at  # handled; the next round's wait begins now
+        ep.ready_at = float("inf")
+
+
+def _fake(spin_max_s: float) -> tuple[LoopWait, _Ep]:
+    ep = _Ep()
+    wait = LoopWait(spin_max_s, clock=ep.now)
+    wait.ep.close()
+    wait.ep = ep
+    return wait, ep
+
+
+def test_busy_poll_grows_to_catch_messages_that_come_within_its_bound():
+    wait, ep = _fake(400e-6)
+    _serve(wait, ep, 200e-6, 20)
+    assert 200e-6 <= wait.spin <= 400e-6  # 10 -> 20 -> ... -> 320 µs: enough, so it stops growing
+    blocking = ep.blocking
+    _serve(wait, ep, 200e-6, 50)
+    assert ep.blocking == blocking  # every message caught while polling: no sleep
+    assert wait.spin_hits >= 50
+
+
+def test_busy_poll_never_starts_for_messages_later_than_its_bound():
+    wait, ep = _fake(400e-6)
+    _serve(wait, ep, 2e-3, 50)
+    assert wait.spin == 0 and wait.spins == 0 and ep.nonblocking == 0  # no CPU spent polling
+
+
+def test_busy_poll_shrinks_when_messages_slow_down_and_is_off_by_default():
+    wait, ep = _fake(400e-6)
+    _serve(wait, ep, 200e-6, 20)
+    assert wait.spin > 0
+    _serve(wait, ep, 5e-3, 8)  # each miss costs at most the window, then halves it
+    assert wait.spin == 0
+    polled = ep.nonblocking
+    _serve(wait, ep, 5e-3, 20)
+    assert ep.nonblocking == polled
+    off, ep2 = _fake(0.0)
+    _serve(off, ep2, 50e-6, 20)
+    assert ep2.nonblocking == 0 and off.spins == 0
+
+
+def test_busy_poll_never_outlasts_the_loops_timeout():
+    wait, ep = _fake(400e-6)
+    _serve(wait, ep, 200e-6, 20)
+    t0 = ep.t
+    assert not wait.wait(0)  # a timeout of 0: no polling at all
+    assert ep.t == t0 and ep.nonblocking == 0 or ep.t - t0 < 1e-5

@@ -70,7 +70,7 @@ class _Poller:
         self.timeouts: list[int] = []
         self.synced_at_poll: list[int] = []
 
-    def __call__(self):
+    def __call__(self, *args):  # LoopWait(busy_poll_s)
         return self
 
     def add(self, *a):
