@@ -121,3 +121,24 @@ def test_busy_poll_serves_the_same_run_and_reports_its_window(procs, tmp_path):
     assert "loop" not in plain  # off by default
     loop = busy["loop"]
     assert 0 <= loop["busy_poll_hits"] <= loop["busy_polls"] and 0 <= loop["busy_poll_window_us"] <= 300
+
+
+def test_busy_poll_figures_in_status(procs):
+    """`latecomer status --json` shows the busy poll's figures while the server runs (none without it)."""
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", "d=16",
+                         "--algorithm", "asgd", "--set", "lr=0.05", "--max-time", "60", "--eval-every", "0",
+                         "--busy-poll-us", "300")
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    procs.start("work", "--server", endpoint, "--worker-id", "w1", "--delay", "0.005")
+    deadline = time.monotonic() + 60
+    while True:
+        r = status(endpoint, "--json")
+        info = json.loads(r.stdout)["info"] if r.returncode == 0 else {}
+        if info.get("version", 0) >= 5:
+            break
+        assert time.monotonic() < deadline, r.stderr
+        time.sleep(0.1)
+    assert 0 <= info["loop.busy_poll_hits"] <= info["loop.busy_polls"]
+    assert 0 <= info["loop.busy_poll_window_us"] <= 300
+    server.send_signal(2)
+    assert wait_exit(server, timeout=60) == 0
