@@ -288,6 +288,7 @@ class HandedPath(_Writing):
         self.pending_bytes = 0  # what all unfinished messages have declared
         self.next_check = 0.0
         self.handed = self.cut = self.shed = self.taken_over = self.pongs = self.messages_in = self.messages_out = 0
+        self.reads = 0  # reads that brought bytes (over messages in: how often a message woke the loop)
         self._log_cut = CutLog(log, clock)
 
     def fileno(self) -> int:
@@ -337,6 +338,7 @@ class HandedPath(_Writing):
         if not n:
             self._close(h)
             return
+        self.reads += 1
         seen = codec.seen
         try:
             msgs = codec.advance(n)
@@ -574,7 +576,7 @@ class HandedPath(_Writing):
     def figures(self) -> dict[str, Any]:
         return {"handed_connections": len(self.by_fd), "handed_in_all": self.handed, "handed_cut": self.cut,
                 "handed_shed": self.shed, "handed_taken_over": self.taken_over, "handed_messages_in": self.messages_in,
-                "handed_messages_out": self.messages_out}
+                "handed_messages_out": self.messages_out, "handed_reads": self.reads}
 
 
 def feed(codec: Connection, data: bytes) -> list:

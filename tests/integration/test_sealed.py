@@ -64,6 +64,7 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     if hand_over == "auto":  # every sealed message went over the connection handed to the daemon
         assert t["handed_in_all"] == 1 and t["handed_messages_in"] == t["sealed_messages_in"], t
         assert t["handed_messages_out"] == t["sealed_messages_out"], t
+        assert t["handed_reads"] >= t["handed_messages_in"], t  # a read or more per message (PROFILE.md)
     else:
         assert "handed_in_all" not in t, t
     if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message

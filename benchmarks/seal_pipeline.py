@@ -1,0 +1,188 @@
+"""Would pipelining the sealed path pay? A lockstep round trip of one sealed array each way over loopback TCP.
+
+    python -m benchmarks.seal_pipeline [--bytes 400000] [--segment 131072] [--rounds 2000]
+
+Two processes play the daemon and a worker with nothing else to do: each seals its array with
+AES-256-GCM in segments (as protocol/seal.py does) and sends it; the other opens it and answers.
+
+* ``whole``: seal every segment, then send the message; the receiver wakes once it is all there
+  (``SO_RCVLOWAT``, at most 1 MiB, as worker/plainsock.py does) and opens it. What latecomer does.
+* ``threads``: as ``whole``, the segments shared by the caller and one helper thread (the cipher
+  lets go of the GIL), as protocol/seal.py does from 2 MiB.
+* ``stream``: send each segment as soon as it is sealed; the receiver wakes for each segment and
+  opens it while the sender seals the next, so that the two cores overlap the cipher's passes.
+
+Prints the microseconds per round trip of each, alternating, and checks that every array opened to
+the bytes sealed. Results for this machine are in benchmarks/PROFILE.md ("Pipelining the sealed
+path", 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import click
+import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+TAG = 16
+MODES = ("whole", "threads", "stream")
+
+
+class _End:
+    """One side: its key, its array and its buffers."""
+
+    def __init__(self, mode: str, nbytes: int, segment: int, seed: int) -> None:
+        self.mode, self.n, self.seg = mode, nbytes, segment
+        self.aead = AESGCM(bytes(range(32)))
+        self.segs = max(1, -(-nbytes // segment))
+        self.step = segment + TAG
+        self.total = nbytes + TAG * self.segs
+        self.plain = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        self.sealed = np.empty(self.total, np.uint8)
+        self.inbox = np.empty(self.total, np.uint8)
+        self.opened = np.empty(nbytes, np.uint8)
+        self.counter = 0
+        self.pool = ThreadPoolExecutor(1) if mode == "threads" else None
+
+    def _all(self, fn, base: int) -> None:
+        """``fn`` over every segment: on this thread, or shared with the helper (``threads``)."""
+        if self.pool is None or self.segs < 2:
+            for j in range(self.segs):
+                fn(j, base)
+            return
+        shared = iter(range(self.segs))
+
+        def run() -> None:
+            for j in shared:
+                fn(j, base)
+
+        f = self.pool.submit(run)
+        run()
+        f.result()
+
+    def _nonce(self, j: int, base: int) -> bytes:
+        return (base + j).to_bytes(12, "big")
+
+    def _seal(self, j: int, base: int) -> None:
+        lo = j * self.seg
+        part = memoryview(self.plain)[lo:lo + self.seg]
+        at = j * self.step
+        self.aead.encrypt_into(self._nonce(j, base), part, b"", memoryview(self.sealed)[at:at + part.nbytes + TAG])
+
+    def _open(self, j: int, base: int) -> None:
+        lo = j * self.seg
+        n = min(self.seg, self.n - lo)
+        at = j * self.step
+        self.aead.decrypt_into(self._nonce(j, base), memoryview(self.inbox)[at:at + n + TAG], b"",
+                               memoryview(self.opened)[lo:lo + n])
+
+    def send(self, s: socket.socket) -> None:
+        base, self.counter = self.counter, self.counter + self.segs
+        if self.mode != "stream":
+            self._all(self._seal, base)
+            s.sendall(memoryview(self.sealed))
+            return
+        for j in range(self.segs):
+            self._seal(j, base)
+            s.sendall(memoryview(self.sealed)[j * self.step:min(self.total, (j + 1) * self.step)])
+
+    def recv(self, s: socket.socket, base: int, timeout_s: float = 10.0) -> None:
+        got = opened = 0
+        view = memoryview(self.inbox)
+        while got < self.total:
+            if self.mode == "stream":  # wake for the rest of the segment being read
+                want = self.step - got % self.step
+            else:  # wake once the message is (nearly) all there
+                want = 1 << 20
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, self.total - got)))
+            if not select.select([s], [], [], timeout_s)[0]:
+                raise TimeoutError(f"no bytes in {timeout_s} s ({got} of {self.total})")
+            n = s.recv_into(view[got:], self.total - got)
+            if not n:
+                raise ConnectionError("closed by the peer")
+            got += n
+            if self.mode == "stream":
+                while opened < self.segs - 1 and (opened + 1) * self.step <= got:
+                    self._open(opened, base)
+                    opened += 1
+        if opened == 0:
+            self._all(self._open, base)
+            return
+        for j in range(opened, self.segs):
+            self._open(j, base)
+
+
+def round_trips(mode: str, nbytes: int, segment: int, rounds: int, warmup: int = 50) -> float:
+    """Seconds per lockstep round trip (a sealed array each way) in ``mode``; raises if an array did
+    not open to the bytes sealed."""
+    if mode not in MODES:
+        raise ValueError(f"mode: one of {MODES}")
+    lst = socket.create_server(("127.0.0.1", 0))
+    port = lst.getsockname()[1]
+    pid = os.fork()
+    if pid == 0:  # the worker: answer each array with its own, until the other end closes
+        code = 0
+        try:
+            lst.close()
+            c = socket.create_connection(("127.0.0.1", port))
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            w = _End(mode, nbytes, segment, seed=1)
+            server_counter = 0
+            for _ in range(warmup + rounds):
+                w.recv(c, server_counter)
+                server_counter += w.segs
+                w.send(c)
+        except ConnectionError:
+            pass
+        except BaseException:  # noqa: BLE001 - any failure is the exit status
+            code = 1
+        os._exit(code)
+    d = None
+    try:
+        lst.settimeout(10)
+        s, _ = lst.accept()
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        d = _End(mode, nbytes, segment, seed=2)
+        expected = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+        worker_counter = 0
+        t0 = 0.0
+        for r in range(warmup + rounds):
+            if r == warmup:
+                t0 = time.perf_counter()
+            d.send(s)
+            d.recv(s, worker_counter)
+            worker_counter += d.segs
+        dt = (time.perf_counter() - t0) / rounds
+        if not np.array_equal(d.opened, expected):
+            raise AssertionError("an array did not open to the bytes sealed")
+        s.close()
+    finally:
+        lst.close()
+        if d is not None and d.pool is not None:
+            d.pool.shutdown()
+        _, status = os.waitpid(pid, 0)
+    if status:
+        raise RuntimeError(f"the worker process failed (status {status})")
+    return dt
+
+
+@click.command()
+@click.option("--bytes", "nbytes", type=click.IntRange(min=1), default=400_000, show_default=True)
+@click.option("--segment", type=click.IntRange(min=1024), default=128 * 1024, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True)
+def main(nbytes: int, segment: int, rounds: int, repeat: int) -> None:
+    for _ in range(repeat):
+        for mode in MODES:
+            dt = round_trips(mode, nbytes, segment, rounds)
+            click.echo(f"{mode:7s} {nbytes:,} bytes each way, {segment:,}-byte segments: "
+                       f"{dt * 1e6:.0f} µs a round trip")
+
+
+if __name__ == "__main__":
+    main()
