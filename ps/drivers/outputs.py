@@ -241,7 +241,7 @@ class RunOutputs:
                 "connections": {k[len("conn."):]: v for k, v in d.conns.figures().items()},
                 "store_peak": core.store_peak,
                 "transport": d.transport.figures(),
-                **({"loop": self.busy_poll()} if self.busy_poll() else {}),
+                **({"loop": loop} if (loop := self.busy_poll()) else {}),
                 **({"shards": d.hub.summary(), "blocks_timed_out": d.hub.blocks_timed_out}
                    if d.hub is not None else {})}
 

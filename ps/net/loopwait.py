@@ -49,7 +49,7 @@ class LoopWait:
         self.spins = self.spin_hits = 0  # busy polls, and those that ended with something ready
         self.spun_from = -1.0  # when the busy poll that just missed began (-1: none)
         self.ep = select.epoll()
-        self.socks: list[tuple[Any, int]] = []  # (ZeroMQ socket, its signal descriptor)
+        self.socks: list[Any] = []  # the ZeroMQ sockets
         self.quiet: set[Any] = set()  # the sockets known to hold nothing now
         self.by_fd: dict[int, Any] = {}  # signal descriptor -> its socket
 
@@ -57,7 +57,7 @@ class LoopWait:
         """A ZeroMQ socket, or anything with ``fileno()`` (readable: ready)."""
         if isinstance(obj, zmq.Socket):
             fd = obj.get(_FD)
-            self.socks.append((obj, fd))
+            self.socks.append(obj)
             self.by_fd[fd] = obj
         else:
             fd = obj.fileno()
@@ -67,9 +67,9 @@ class LoopWait:
         """Whether something may be ready: a socket holds a message now (then no wait), or a
         descriptor fired within ``timeout_ms``."""
         self.quiet.clear()
-        for sock, _fd in self.socks:
+        for sock in self.socks:
             if sock.get(_EVENTS) & _POLLIN:
-                self.quiet.clear()  # those asked before it stay quiet, but once is enough to be right
+                self.quiet.clear()  # no wait: every receive asks for itself
                 return True
             self.quiet.add(sock)
         events = self._spin(timeout_ms) if self.spin_max and timeout_ms else None
