@@ -171,8 +171,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
-    daemon.transport.behind_front = bind != public  # supervised: the front vouches for X-Source
-    daemon.busy_poll_s = busy_poll_us / 1e6
+    daemon.transport.behind_front, daemon.busy_poll_s = bind != public, busy_poll_us / 1e6  # front: X-Source
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone
