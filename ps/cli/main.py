@@ -9,10 +9,14 @@ paths are checked by ps/cli/paths.py.
 
 User mistakes raise ``click.BadParameter``/``click.UsageError``/``click.ClickException``: a
 one-line message and exit code 2 (usage) or 1, never a traceback. Real bugs keep theirs.
+
+Every command ignores SIGTERM and SIGINT once the interpreter exits (:func:`_exit_deaf_to_stop_signals`).
 """
 
 from __future__ import annotations
 
+import atexit
+import signal
 from typing import Any
 
 import click
@@ -65,6 +69,23 @@ class _LazyGroup(click.Group):
 @click.version_option(package_name="latecomer")
 def main() -> None:
     """latecomer: an asynchronous parameter server for heterogeneous machines."""
+    atexit.unregister(_exit_deaf_to_stop_signals)  # once, however often a test invokes the group
+    atexit.register(_exit_deaf_to_stop_signals)
+
+
+def _exit_deaf_to_stop_signals() -> None:
+    """From the interpreter's exit on, SIGTERM and SIGINT are ignored. The server, its shards and
+    its workers stop on the first one they get and exit with their own status; but Python puts the
+    default action back for every signal it handled while it tears itself down, so a second
+    SIGTERM in that moment killed a process that had already stopped cleanly, and its status 0
+    became 143. SLURM sends exactly that: scancel's SIGTERM, then the job's end sends another to
+    every process of the job (tests/integration/test_exit_signals.py). SIG_IGN is a disposition
+    Python leaves as it is; SIGKILL still ends the process."""
+    try:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+    except ValueError:  # not the main thread (a command invoked from a test's thread): nothing to protect
+        pass
 
 
 # `latecomer --help` lists them sorted by name (_LazyGroup.list_commands), whatever the order here

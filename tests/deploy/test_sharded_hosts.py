@@ -6,7 +6,8 @@ two workers on .4.
 The commands are the README's own, parsed from its fenced bash blocks ("Keys first" for the keys,
 then the sharded section), with only these substituted: the README's addresses (the coordinator's
 and each slot's, read from the block's comments) by the namespaces' addresses, absolute paths
-(``/var/lib/latecomer/...``) placed under the host's own directory, ``--max-steps`` lowered; each
+(``/var/lib/latecomer/...``) placed under the host's own directory, ``--max-steps`` lowered (and ``--min-workers 2`` added
+to the coordinator's command there, so that both workers are in before the first job); each
 host runs them from its own directory holding the keys the README gives it (the coordinator and
 the shards the whole ``keys/``, the workers the two files their command names). ``latecomer`` is
 this checkout's (its venv first on PATH).
@@ -98,9 +99,14 @@ def substituted(argv: list[str], lab: HostsLab, host: str, readme_addresses: dic
 
 
 def with_max_steps(argv: list[str], steps: int) -> list[str]:
+    """The coordinator's command with ``--max-steps steps`` and ``--min-workers`` the test's worker
+    count: no job is issued before both workers joined, so that on a loaded machine one worker's
+    slow start cannot leave the other to take every step of a short run (and every worker hears
+    the end of the run it joined)."""
     assert "--max-steps" in argv, f"the README's coordinator command has no --max-steps: {shlex.join(argv)}"
+    assert "--min-workers" not in argv, f"the README's coordinator command has a --min-workers: {shlex.join(argv)}"
     i = argv.index("--max-steps") + 1
-    return [*argv[:i], str(steps), *argv[i + 1:]]
+    return [*argv[:i], str(steps), *argv[i + 1:], "--min-workers", str(WORKERS)]
 
 
 def option(argv: list[str], name: str) -> str:
@@ -394,8 +400,15 @@ def test_the_readmes_sharded_recipe_on_four_hosts_trains_stops_and_resumes(lab, 
     # ---- the README's commands unchanged (--max-steps 20000), the coordinator stopped with SIGTERM (as
     # `systemctl stop` does): it tells the shards and the workers the run is over, and every process exits 0
     def stop_after_some_steps(coordinator: subprocess.Popen) -> None:
+        # the README's command issues jobs to the first worker in: stop once both are in this start
+        # (each then hears the bye) and the run went on 20 steps
+        n = len(read_events(events))
+
+        def both_in_and_trained(ev: list[dict]) -> bool:
+            return len({e["worker_id"] for e in ev[n:] if e["ev"] == "joined"}) == WORKERS and \
+                sum(e["ev"] == "applied" for e in ev) >= RESUMED_STEPS + 20
         try:
-            wait_events(events, lambda ev: sum(e["ev"] == "applied" for e in ev) >= RESUMED_STEPS + 20, RUN_S)
+            wait_events(events, both_in_and_trained, RUN_S)
         except TimeoutError as e:
             raise AssertionError(f"the third start did not train: {e}\n{lab.tails()}") from e
         coordinator.send_signal(signal.SIGTERM)
