@@ -14,7 +14,11 @@ The variants (bench backend names):
 * ``latecomer-c4``: TCP with ``work --credit 4``: each worker holds up to 4 jobs, so the next job
   is already queued when one finishes (pipelined, unlike the lockstep rows; ages grow by ~3)
 * ``latecomer-busy`` (not in the default plan): TCP with ``serve --busy-poll-us 400``: the daemon
-  polls up to 400 µs before it sleeps, the window adapted to how soon replies come
+  polls up to 400 µs before it sleeps, the window adapted to how soon replies come, whatever runs
+  beside it (the default, ``auto``, polls so only while the host has a CPU for the server and each
+  worker on it)
+* ``latecomer-nopoll`` (not in the default plan): TCP with ``serve --busy-poll-us 0``: the daemon
+  sleeps as soon as nothing is ready (the default before ``auto``)
 
 Updates are the daemon's ``applied`` events; a round trip is a job's ``issued`` -> ``applied``
 time (both stamped by the daemon, monotonic clock, the same clock as the bench's windows). The
@@ -41,8 +45,8 @@ from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16",
-            "latecomer-c4", "latecomer-busy")
-BUSY_POLL_US = 400  # latecomer-busy's `serve --busy-poll-us`
+            "latecomer-c4", "latecomer-busy", "latecomer-nopoll")
+BUSY_POLL_US = {"latecomer-busy": 400, "latecomer-nopoll": 0}  # their `serve --busy-poll-us`
 _EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
 _SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
 
@@ -74,7 +78,8 @@ def missing_flag(variant: str) -> str:
     need = {"latecomer-shm": [("serve", "--shm"), ("work", "--shm")],
             "latecomer-bf16": [("serve", "--wire-dtype")], "latecomer-curvezmq": [("serve", "--seal")],
             "latecomer-relay": [("serve", "--hand-over")],
-            "latecomer-busy": [("serve", "--busy-poll-us")]}.get(variant, [])
+            "latecomer-busy": [("serve", "--busy-poll-us")],
+            "latecomer-nopoll": [("serve", "--busy-poll-us")]}.get(variant, [])
     gone = [f"`latecomer {c} {f}`" for c, f in need if f not in cli_options(c)]
     return f"{' and '.join(gone)} {'do' if len(gone) > 1 else 'does'} not exist yet" if gone else ""
 
@@ -167,8 +172,8 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
             args += ["--wire-dtype", "bf16"]
         if variant == "latecomer-relay":
             args += ["--hand-over", "off"]  # the front relays every byte (as before the hand-over)
-        if variant == "latecomer-busy":
-            args += ["--busy-poll-us", str(BUSY_POLL_US)]
+        if variant in BUSY_POLL_US:
+            args += ["--busy-poll-us", str(BUSY_POLL_US[variant])]
         keys = os.path.join(tmp, "keys") if curve else None
         if keys:
             subprocess.run([sys.executable, "-m", "ps", "keys", "init", keys], cwd=REPO, check=True,

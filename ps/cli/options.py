@@ -104,6 +104,17 @@ def allow_options(f):
     return f
 
 
+def busy_poll_setting(ctx, param, value):
+    """``serve --busy-poll-us``: ``auto`` or microseconds, 0 to 100,000 (ps/net/loopwait.py BusyPoll)."""
+    from ps.net.loopwait import BusyPoll
+
+    try:
+        return BusyPoll.parse(str(value))
+    except ValueError:
+        raise click.BadParameter(f"expected auto or a whole number of microseconds from 0 to 100000, "
+                                 f"got {value!r}") from None
+
+
 def positive(ctx, param, value):
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise click.BadParameter(f"must be > 0, got {value}")

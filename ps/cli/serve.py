@@ -16,6 +16,7 @@ from ps.cli.options import (
     add_loggers,
     allow_options,
     allowed_from,
+    busy_poll_setting,
     cipher_threads_env,
     finite,
     log_to_option,
@@ -113,12 +114,13 @@ DEFAULT_PORT = 5555
                    "`latecomer shard --coordinator ...` started elsewhere.")
 @click.option("--shard-bind", default="tcp://127.0.0.1:0", show_default=True, callback=bind_endpoint,
               help="The coordinator's endpoint for its shards (give a fixed port for remote shards).")
-@click.option("--busy-poll-us", type=click.IntRange(0, 100_000), default=0, show_default=True,
-              help="Before it sleeps waiting for messages, the server polls without blocking for up to this "
-                   "many microseconds, the window adapted to how soon messages have come (it shrinks to nothing "
-                   "when they come later than this): a worker whose replies come back within it is served "
-                   "without the wake-up of a sleeping CPU, at the cost of that CPU time (0: never; "
-                   "benchmarks/PROFILE.md).")
+@click.option("--busy-poll-us", default="auto", show_default=True, metavar="auto|N", callback=busy_poll_setting,
+              help="Before it sleeps waiting for messages, the server polls without blocking for up to N "
+                   "microseconds (0 to 100000), the window adapted to how soon messages have come (it shrinks to "
+                   "nothing when they come later than N): a worker whose replies come back within it is served "
+                   "without the wake-up of a sleeping CPU, at the cost of that CPU time. 0: never; auto: 400 while "
+                   "this host has a CPU for the server and for each worker and shard of the run on it, else 0 "
+                   "(benchmarks/PROFILE.md).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="json: one JSON object per line, lifecycle events with their fields.")
 @click.option("--log-level", default="info", type=click.Choice(["debug", "info", "warning", "error"]))
@@ -171,7 +173,7 @@ def serve(bind, problem, problem_opt, algorithm, settings, config, batch_size, m
                          repair) if state_dir else None
     daemon = make_daemon(spec, bind, opts, state=state, allowed=allowed_from(allow_problem, allow_algorithm).naming(
         problem=spec.problem, algorithm=spec.algorithm))
-    daemon.transport.behind_front, daemon.busy_poll_s = bind != public, busy_poll_us / 1e6  # front: X-Source
+    daemon.transport.behind_front, daemon.busy_poll = bind != public, busy_poll_us  # front: X-Source
     add_loggers(daemon, log_to)
     daemon.install_signal_handlers()
     supervise.watch_supervisor(daemon)  # supervised: stop (and stop the local shards) once the supervisor is gone

@@ -166,6 +166,7 @@ def start_local_shards(daemon: Any, state_dir: str, count: int | None, spec: Any
                         extra=tuple(extra), log_level="info", token=daemon.hub.token)
     local.start()
     daemon.hooks.append(local.poll)
+    daemon.local_shards = local.count  # processes of the run on this host (serve --busy-poll-us auto)
     return local
 
 

@@ -25,6 +25,7 @@ import zmq
 
 from problems.base import Problem
 from protocol.messages import Bye
+from protocol.shm import host_id
 from ps.core.commands import Disconnect, Send
 from ps.core.server_core import ServerCore
 from ps.drivers.coordinator import ShardedRun
@@ -38,7 +39,7 @@ from ps.net.connections import (
     DEFAULT_MAX_WORKERS_PER_KEY,
     ConnectionLimits,
 )
-from ps.net.loopwait import LoopWait
+from ps.net.loopwait import BusyPoll, LoopWait, usable_cpus
 from ps.net.transport import Count, ServerTransport
 from ps.observe.observer import TICK_S, Observers, snapshot
 from worker.compute import describe_layout
@@ -127,9 +128,15 @@ class Daemon:
         core.record_issued = self.outputs.events_file is not None  # nothing else here reads them
         self.stopping: str | None = None
         self.sends = 0  # messages sent (Send commands executed): what a backlogged message cost
-        # `serve --busy-poll-us`: the loop polls without blocking for up to this long before it
-        # sleeps, the window adapted to how soon messages come (ps/net/loopwait.py); 0: never
-        self.busy_poll_s = 0.0
+        # `serve --busy-poll-us`: the loop polls without blocking for up to a bound before it
+        # sleeps, the window adapted to how soon messages come (ps/net/loopwait.py); off here, auto
+        # from the command line: the bound while the host has a CPU for the server and each of the
+        # run's processes on it (its workers, `local_shards`), checked every second (_adapt_busy_poll)
+        self.busy_poll = BusyPoll()
+        self.local_shards = 0
+        self.busy_cpus = self.busy_local = 0  # auto's figures: usable CPUs, the run's processes on this host
+        self.busy_seen = 0  # the workers it counted them among (a join or a leave: counted again at once)
+        self.next_busy_poll_check = 0.0
         self.loop_wait: LoopWait | None = None  # the loop's wait, once it runs (its busy-poll figures)
         self.schedule = ReceiveSchedule(self)  # which received message is handled when (ps/drivers/schedule.py)
         self.started_at = clock()
@@ -197,7 +204,10 @@ class Daemon:
         if self.observers:
             self.observers.call("on_start", self.outputs.settings())
         self.evaluate()
-        wait = self.transport.wait = self.loop_wait = LoopWait(self.busy_poll_s)  # one epoll, not zmq_poll
+        wait = self.transport.wait = self.loop_wait = LoopWait()  # one epoll, not zmq_poll
+        if self.busy_poll.bound_us:
+            self.busy_cpus = usable_cpus()
+            self._adapt_busy_poll(self.clock())
         wait.add(self.sock)
         if self.hub is not None:
             wait.add(self.hub.sock)
@@ -267,6 +277,8 @@ class Daemon:
         for hook in self.hooks:
             hook(now)
         self.outputs.publish_due(now)
+        if self.busy_poll.auto and (now >= self.next_busy_poll_check or len(self.core.workers) != self.busy_seen):
+            self._adapt_busy_poll(now)
         if now >= self.next_hb:
             self.transport.start_heartbeats()
             self.next_hb = now + server_heartbeat_period(core.cfg)
@@ -277,6 +289,16 @@ class Daemon:
             self.observers.next_tick = now + TICK_S
             self.observers.call("on_tick", snapshot(self), now)
         self.outputs.flush_event_log()
+
+    def _adapt_busy_poll(self, now: float) -> None:
+        """The busy poll's bound now (``auto``: none while the workers and local shards on this
+        host leave the server no CPU of its own); again in a second, or as soon as a worker joins or leaves."""
+        self.next_busy_poll_check = now + 1.0
+        if self.busy_poll.auto:
+            me, workers = host_id(), self.core.workers
+            self.busy_seen = len(workers)
+            self.busy_local = self.local_shards + sum(w.host_id == me for w in workers.values())
+        self.loop_wait.set_bound(self.busy_poll.bound_s(self.busy_cpus, self.busy_local))
 
     def _progress(self, now: float) -> None:
         if self.evals.collect():

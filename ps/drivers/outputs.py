@@ -220,12 +220,16 @@ class RunOutputs:
         return encode(Status(token=token, info=info, columns=columns, rows=rows[:64]))
 
     def busy_poll(self) -> dict[str, Any]:
-        """``serve --busy-poll-us``'s figures (ps/net/loopwait.py): the busy polls, those that
-        caught a message, the window now; {} when it is off."""
+        """``serve --busy-poll-us``'s figures (ps/net/loopwait.py): its setting, whether it polls
+        now, the busy polls, those that caught a message, the window now; under ``auto`` the CPUs
+        and the run's processes on this host it decided on; {} when it is 0."""
         d, wait = self.daemon, self.daemon.loop_wait
-        if not d.busy_poll_s or wait is None:
+        if not d.busy_poll.bound_us or wait is None:
             return {}
-        return {"busy_polls": wait.spins, "busy_poll_hits": wait.spin_hits,
+        return {"busy_poll": str(d.busy_poll), "busy_poll_on": bool(wait.spin_max),
+                **({"busy_poll_cpus": d.busy_cpus, "busy_poll_local_processes": d.busy_local}
+                   if d.busy_poll.auto else {}),
+                "busy_polls": wait.spins, "busy_poll_hits": wait.spin_hits,
                 "busy_poll_window_us": round(wait.spin * 1e6, 1)}
 
     def summary(self) -> dict[str, Any]:

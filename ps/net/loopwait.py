@@ -16,7 +16,7 @@ socket's EVENTS is asked (which processes them): a socket that holds a message e
 once; one that does not is quiet until its descriptor fires, since nothing else calls it while
 the loop waits.
 
-**Busy polling** (``serve --busy-poll-us``, off by default). A daemon that sleeps between the
+**Busy polling** (``serve --busy-poll-us``, ``auto`` by default). A daemon that sleeps between the
 messages of a fast lockstep worker pays, per message, the wake-up of an idle CPU (on a VM, a
 halted vCPU) and caches the other processes have used meanwhile: in place its Python ran at a
 third of its hot-loop speed (benchmarks/PROFILE.md). With a bound ``spin_max`` the wait first
@@ -24,19 +24,70 @@ polls without blocking for up to a window, adapted as KVM's halt polling adapts 
 that ended within the bound (counted from the start of a poll that missed) doubles the window,
 one that lasted longer halves it, down to none. Messages that come within the bound are then
 taken without sleeping; messages that come later cost no polling once the window is gone. The
-price is that CPU time, and a CPU the workers on the same host do not get meanwhile.
+price is that CPU time, and a CPU the workers on the same host do not get meanwhile. So by
+default (:class:`BusyPoll` ``auto``) the bound is 400 µs while the host has a CPU for the server
+and for each process of the run on it (its workers, its local shards), and 0 otherwise: one
+worker beside the server on two cores gains 1.3x at d = 10^3, two lose 10 % (benchmarks/PROFILE.md).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import select
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
 
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
 SPIN_MIN_S = 10e-6  # the smallest busy-poll window; below it, none
+AUTO_BOUND_US = 400  # ``--busy-poll-us auto``'s bound, while the host has a CPU to spare for it
+
+
+@dataclass(frozen=True, slots=True)
+class BusyPoll:
+    """``serve --busy-poll-us``: a bound in microseconds (0: never poll), or ``auto``: the bound
+    :data:`AUTO_BOUND_US` while the host has a CPU for the server and each process of the run on
+    it, else none (:meth:`bound_s`)."""
+
+    bound_us: int = 0
+    auto: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "BusyPoll":
+        """``auto`` or a whole number of microseconds, 0 to 100,000; ValueError otherwise."""
+        if text.strip().lower() == "auto":
+            return cls(AUTO_BOUND_US, True)
+        us = int(text)  # ValueError: not a number
+        if not 0 <= us <= 100_000:
+            raise ValueError(f"{us} is not in 0..100000")
+        return cls(us, False)
+
+    def bound_s(self, cpus: int, local_processes: int) -> float:
+        """The bound now, in seconds: ``auto`` polls while ``1 + local_processes <= cpus`` (the
+        server, and the run's workers and shards on its host, one CPU each)."""
+        if self.auto and 1 + local_processes > cpus:
+            return 0.0
+        return self.bound_us / 1e6
+
+    def __str__(self) -> str:
+        return "auto" if self.auto else str(self.bound_us)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, and its cgroup's CPU quota where one is set
+    (a container's ``--cpus``: cgroup v2 ``cpu.max``)."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 class LoopWait:
@@ -123,6 +174,14 @@ class LoopWait:
             self.quiet.discard(sock)
             return True
         return False
+
+    def set_bound(self, spin_max_s: float) -> None:
+        """A new bound for the busy poll (0: none from now on, and the window with it)."""
+        self.spin_max = spin_max_s
+        if not spin_max_s:
+            self.spin, self.spun_from = 0.0, -1.0
+        else:
+            self.spin = min(self.spin, spin_max_s)
 
     def close(self) -> None:
         self.ep.close()

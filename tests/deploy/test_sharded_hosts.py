@@ -6,10 +6,11 @@ two workers on .4.
 The commands are the README's own, parsed from its fenced bash blocks ("Keys first" for the keys,
 then the sharded section), with only these substituted: the README's addresses (the coordinator's
 and each slot's, read from the block's comments) by the namespaces' addresses, absolute paths
-(``/var/lib/latecomer/...``) placed under the host's own directory, ``--max-steps`` lowered (and ``--min-workers 2`` added
-to the coordinator's command there, so that both workers are in before the first job); each
-host runs them from its own directory holding the keys the README gives it (the coordinator and
-the shards the whole ``keys/``, the workers the two files their command names). ``latecomer`` is
+(``/var/lib/latecomer/...``) placed under the host's own directory, ``--max-steps`` lowered
+(and ``--min-workers 2`` added to the coordinator's command there, so that both workers are in
+before the first job); each host runs them from its own directory holding the keys the README
+gives it (the coordinator and the shards the whole ``keys/``, the workers the two files their
+command names). ``latecomer`` is
 this checkout's (its venv first on PATH).
 
 Each namespace gets a machine id of its own (``/etc/netns/NS/machine-id``, which ``ip netns exec``

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -107,20 +108,40 @@ def _lockstep_run(procs, tmp_path, name: str, *serve_args: str):
     return np.load(out / "final_x.npy"), json.loads((out / "summary.json").read_text())
 
 
+def _cpus() -> int:
+    """This process's CPUs: its affinity, under its cgroup's quota (cpu.max) where one is set."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        return n if quota == "max" else min(n, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return n
+
+
 def test_busy_poll_serves_the_same_run_and_reports_its_window(procs, tmp_path):
     """`serve --busy-poll-us` changes when the loop sleeps, nothing it computes: the same lockstep run
     ends at the same iterate bit for bit, and reports its busy polls within their bound (whether
     replies come back within it depends on this machine's speed, so no hit count is required;
-    tests/unit/test_loopwait.py checks the window's rules on a fake clock); summary.json has them."""
+    tests/unit/test_loopwait.py checks the window's rules on a fake clock); summary.json has them.
+    By default (auto) it polls with the bound 400 µs only while this host has a CPU for the server
+    and each worker on it: here one worker, so on with two CPUs or more."""
     import numpy as np
 
-    x_plain, plain = _lockstep_run(procs, tmp_path, "plain")
+    x_plain, plain = _lockstep_run(procs, tmp_path, "plain", "--busy-poll-us", "0")
     x_busy, busy = _lockstep_run(procs, tmp_path, "busy", "--busy-poll-us", "300")
-    assert plain["version"] == busy["version"] == 300
-    assert np.array_equal(x_plain, x_busy)
-    assert "loop" not in plain  # off by default
+    x_auto, auto = _lockstep_run(procs, tmp_path, "auto")
+    assert plain["version"] == busy["version"] == auto["version"] == 300
+    assert np.array_equal(x_plain, x_busy) and np.array_equal(x_plain, x_auto)
+    assert "loop" not in plain  # 0: off
     loop = busy["loop"]
+    assert loop["busy_poll"] == "300" and loop["busy_poll_on"] is True and "busy_poll_cpus" not in loop
     assert 0 <= loop["busy_poll_hits"] <= loop["busy_polls"] and 0 <= loop["busy_poll_window_us"] <= 300
+    loop = auto["loop"]
+    assert loop["busy_poll"] == "auto" and loop["busy_poll_cpus"] == _cpus(), loop
+    # the worker has left by the end: the last check (every second) may have counted it or not
+    assert loop["busy_poll_local_processes"] in (0, 1), loop
+    assert loop["busy_poll_on"] is (1 + loop["busy_poll_local_processes"] <= _cpus()), loop
+    assert 0 <= loop["busy_poll_hits"] <= loop["busy_polls"] and 0 <= loop["busy_poll_window_us"] <= 400
 
 
 def test_busy_poll_figures_in_status(procs):
@@ -140,5 +161,6 @@ def test_busy_poll_figures_in_status(procs):
         time.sleep(0.1)
     assert 0 <= info["loop.busy_poll_hits"] <= info["loop.busy_polls"]
     assert 0 <= info["loop.busy_poll_window_us"] <= 300
+    assert info["loop.busy_poll"] == "300" and info["loop.busy_poll_on"] is True
     server.send_signal(2)
     assert wait_exit(server, timeout=60) == 0

@@ -1,8 +1,9 @@
-"""The daemon loop's wait (ps/net/loopwait.py) against real libzmq sockets, and the job seeds'
-cheap draw (ps/core/dispatch.py sample_seed) against numpy's."""
+"""The daemon loop's wait (ps/net/loopwait.py) against real libzmq sockets, its busy poll on a fake
+clock and its ``auto`` rule, and the job seeds' cheap draw (ps/core/dispatch.py sample_seed) against numpy's."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -11,7 +12,7 @@ import pytest
 import zmq
 
 from ps.core.dispatch import sample_seed
-from ps.net.loopwait import LoopWait
+from ps.net.loopwait import AUTO_BOUND_US, BusyPoll, LoopWait, usable_cpus
 
 
 @pytest.fixture
@@ -184,3 +185,50 @@ def test_busy_poll_never_outlasts_the_loops_timeout():
     t0 = ep.t
     assert not wait.wait(0)  # a timeout of 0: no polling at all
     assert ep.t == t0 and ep.nonblocking == 0 or ep.t - t0 < 1e-5
+
+
+def test_busy_poll_setting_auto_polls_only_with_a_cpu_for_each_process_on_the_host():
+    auto = BusyPoll.parse("auto")
+    assert auto == BusyPoll(AUTO_BOUND_US, True) and str(auto) == "auto" and BusyPoll.parse(" AUTO ").auto
+    # the server and one worker on two CPUs: poll; a second worker (or a local shard): not
+    assert auto.bound_s(cpus=2, local_processes=0) == auto.bound_s(2, 1) == AUTO_BOUND_US / 1e6
+    assert auto.bound_s(2, 2) == auto.bound_s(1, 1) == 0.0
+    assert auto.bound_s(16, 15) > 0 and auto.bound_s(16, 16) == 0.0
+    fixed = BusyPoll.parse("300")  # a number polls whatever runs beside it
+    assert fixed == BusyPoll(300, False) and fixed.bound_s(1, 50) == 300e-6 and str(fixed) == "300"
+    assert BusyPoll.parse("0").bound_s(64, 0) == 0.0 and BusyPoll() == BusyPoll.parse("0")
+    for bad in ("-1", "100001", "1.5", "abc", ""):
+        with pytest.raises(ValueError):
+            BusyPoll.parse(bad)
+
+
+def test_a_bound_set_to_nothing_stops_the_busy_poll_at_once():
+    wait, ep = _fake(400e-6)
+    _serve(wait, ep, 200e-6, 20)
+    assert wait.spin > 0
+    wait.set_bound(0.0)  # auto: a second worker joined on this host
+    polled = ep.nonblocking
+    _serve(wait, ep, 200e-6, 20)
+    assert wait.spin == 0 and ep.nonblocking == polled
+    wait.set_bound(100e-6)  # the bound back, smaller: the window grows again, never past it
+    _serve(wait, ep, 50e-6, 20)
+    assert 0 < wait.spin <= 100e-6 and ep.nonblocking > polled
+
+
+def test_usable_cpus_is_the_affinity_under_the_cgroups_quota(monkeypatch, tmp_path):
+    import builtins
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    real_open = builtins.open
+    for text, want in (("max 100000\n", 4), ("150000 100000\n", 2), ("50000 100000\n", 1), ("800000 100000", 4),
+                       ("garbage", 4), (None, 4)):
+        def fake_open(path, *a, _text=text, **k):
+            if path == "/sys/fs/cgroup/cpu.max":
+                if _text is None:
+                    raise FileNotFoundError(path)
+                f = tmp_path / "cpu.max"
+                f.write_text(_text)
+                return real_open(f, *a, **k)
+            return real_open(path, *a, **k)
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert usable_cpus() == want, text
