@@ -21,6 +21,7 @@ what comes on it is opened here exactly as what comes on the ROUTER (:meth:`Seal
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -49,6 +50,7 @@ from worker.sockio import recv_frames, send_frames
 log = logging.getLogger("latecomer.server")
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 SECRET_FILE = "seal.secret"  # in the supervisor's private directory (mode 0700), mode 0600
+ENDED_KEPT = 4096  # the ended sessions' tokens kept to tell a late message from a refused one (32 bytes each)
 
 
 class RidFrame(bytes):
@@ -119,6 +121,10 @@ class SealedPath:
         self.by_token: dict[bytes, _Session] = {}
         self.by_rid: dict[bytes, _Session] = {}
         self.messages_in = self.messages_out = self.refused = self.fallbacks = 0
+        # the tokens of the sessions that ended lately (their worker said hello again, or left), so
+        # that a message still on its way under one is told apart from a refused one (:meth:`_open`)
+        self.ended: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.stale = 0
         self.refusals = RateLimitedLog(log)
         self.handed: Any = None  # the data connections the front hands over (ps/net/handover.py), if any
 
@@ -136,6 +142,9 @@ class SealedPath:
         s = self.by_rid.pop(rid, None)
         if s is not None:
             self.by_token.pop(s.token, None)
+            self.ended[s.token] = None
+            if len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
 
     def pending(self, wait: Any = None) -> Iterator[list]:
         """The data socket's messages that open, as the CURVE connection's (its routing id, then
@@ -163,8 +172,11 @@ class SealedPath:
 
     def _open(self, frames: list, handed: bool) -> list | None:
         s = self.by_token.get(frames[0].bytes)
-        if s is None:  # a session that ended (its connection went): nothing to open it with
-            self.refused += 1
+        if s is None:  # no session to open it with
+            if frames[0].bytes in self.ended:  # one that ended while the message was on its way:
+                self.stale += 1  # sent before its worker's new hello, read after it (two connections)
+            else:
+                self.refused += 1
             return None
         try:
             opened = s.opener.open(frames[1:])
@@ -222,6 +234,7 @@ class SealedPath:
                 "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()),
                 "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
+                "sealed_stale": self.stale,
                 "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
 
     def close(self) -> None:

@@ -191,7 +191,9 @@ def test_a_reset_data_connection_reconnects_and_training_goes_on(procs, tmp_path
     assert len(lost) <= 2 and all(e["reason"] == "vanished" for e in lost), lost  # at most what was in flight
     with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
         t = json.load(f)["transport"]
-    assert t["sealed_refused"] == 0 and t["sealed_messages_in"] > 700, t
+    # a reply sent on the reset connection and read after the worker's new hello (on the CURVE
+    # connection) is one of the ended session: late, not refused, and at most what was in flight
+    assert t["sealed_refused"] == 0 and t["sealed_stale"] <= 2 and t["sealed_messages_in"] > 700, t
 
 
 def test_a_restarted_daemon_gives_new_sessions_and_nothing_accepted_is_lost(procs, tmp_path):

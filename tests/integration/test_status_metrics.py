@@ -61,10 +61,11 @@ def test_status_metrics_and_json_logs_agree_with_the_event_log(procs, tmp_path):
     assert info["counter.lost"] == count["lost"] and info["workers"] == 0 and info["version"] == 250
     assert info["counter.issued"] == info["counter.applied"] + info["counter.lost"] + info["outstanding"]
 
-    deadline = time.monotonic() + 10  # the endpoint's snapshot is refreshed every 0.5 s
-    while True:
+    deadline = time.monotonic() + 10  # the endpoint's snapshot is refreshed every 0.5 s: one taken
+    while True:  # after the last reply but before the second worker left would lack its lost job
         m = scrape(port)
-        if m.get('latecomer_jobs_total{outcome="applied"}') == count["applied"] or time.monotonic() > deadline:
+        if (m.get('latecomer_jobs_total{outcome="applied"}'), m.get('latecomer_jobs_total{outcome="lost"}')) == \
+                (count["applied"], count["lost"]) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert m['latecomer_jobs_total{outcome="applied"}'] == count["applied"]

@@ -171,8 +171,9 @@ def test_forged_frames_never_make_the_pool_keep_a_buffer():
 def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path):
     """Real sockets: a DEALER whose routing id is a session's token. What opens comes out as the
     CURVE connection's message; an unknown token, a replay and a tampered message are refused and
-    counted; the first message that opens binds the data connection (the path then sends sealed);
-    once that connection is gone a send reports None (the transport sends over CURVE)."""
+    counted (a message of a session that ended is counted apart, late); the first message that
+    opens binds the data connection (the path then sends sealed); once that connection is gone a
+    send reports None (the transport sends over CURVE)."""
     ctx = zmq.Context()
     path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 1 << 20, 64, clock=lambda: 0.0)
     try:
@@ -221,6 +222,13 @@ def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path):
         assert sent is None and path.fallbacks == 1
         path.forget(rid)
         assert not path.by_rid and not path.by_token
+        # a message of the ended session read after its end (sent before the worker's new hello,
+        # on the other connection): counted late, not refused; a token of no session still refused
+        sealed = w_seal.seal(encode(Heartbeat(boot=11)))
+        late = [zmq.Frame(session.token), *(zmq.Frame(bytes(memoryview(f))) for f in sealed)]
+        assert list(path.opened(iter([late]))) == [] and path.stale == 1 and path.refused == 3
+        assert list(path.opened(iter([[zmq.Frame(make_token(SECRET)), *late[1:]]]))) == [] and path.refused == 4
+        assert path.figures()["sealed_stale"] == 1 and path.figures()["sealed_refused"] == 4
         stranger.close()
     finally:
         path.close()
