@@ -135,6 +135,7 @@ class Daemon:
         self.busy_poll = BusyPoll()
         self.local_shards = 0
         self.busy_cpus = self.busy_local = 0  # auto's figures: usable CPUs, the run's processes on this host
+        self.busy_host = ""  # this host's id (protocol/shm.py host_id), as the workers' hellos give theirs
         self.busy_seen = 0  # the workers it counted them among (a join or a leave: counted again at once)
         self.next_busy_poll_check = 0.0
         self.loop_wait: LoopWait | None = None  # the loop's wait, once it runs (its busy-poll figures)
@@ -206,7 +207,7 @@ class Daemon:
         self.evaluate()
         wait = self.transport.wait = self.loop_wait = LoopWait()  # one epoll, not zmq_poll
         if self.busy_poll.bound_us:
-            self.busy_cpus = usable_cpus()
+            self.busy_cpus, self.busy_host = usable_cpus(), host_id()
             self._adapt_busy_poll(self.clock())
         wait.add(self.sock)
         if self.hub is not None:
@@ -295,9 +296,9 @@ class Daemon:
         host leave the server no CPU of its own); again in a second, or as soon as a worker joins or leaves."""
         self.next_busy_poll_check = now + 1.0
         if self.busy_poll.auto:
-            me, workers = host_id(), self.core.workers
+            workers = self.core.workers
             self.busy_seen = len(workers)
-            self.busy_local = self.local_shards + sum(w.host_id == me for w in workers.values())
+            self.busy_local = self.local_shards + sum(w.host_id == self.busy_host for w in workers.values())
         self.loop_wait.set_bound(self.busy_poll.bound_s(self.busy_cpus, self.busy_local))
 
     def _progress(self, now: float) -> None:

@@ -165,3 +165,13 @@ def test_busy_poll_figures_in_status(procs):
     assert info["loop.busy_poll"] == "300" and info["loop.busy_poll_on"] is True
     server.send_signal(2)
     assert wait_exit(server, timeout=60) == 0
+
+
+def test_busy_poll_auto_counts_the_local_shards(procs, tmp_path):
+    """`serve --shards 2` starts its two shards on this host: with one worker that is three
+    processes beside the server, so auto does not poll on a machine of fewer than four CPUs."""
+    _, s = _lockstep_run(procs, tmp_path, "sharded", "--shards", "2", "--state", str(tmp_path / "state"))
+    loop = s["loop"]
+    assert loop["busy_poll"] == "auto" and loop["busy_poll_cpus"] == _cpus(), loop
+    assert loop["busy_poll_local_processes"] in (2, 3), loop  # the shards, and the worker until it left
+    assert loop["busy_poll_on"] is (1 + loop["busy_poll_local_processes"] <= _cpus()), loop
