@@ -96,7 +96,7 @@ class RunOutputs:
         if d.observers and events:
             d.observers.call("on_events", events, d.clock())
         if self.events_file and events:
-            self.events_file.write("".join(json.dumps(ev) + "\n" for ev in events))
+            self.events_file.write_events(list(events))  # observers get the list: theirs to change
             self.events_dirty = True  # flushed by the loop (flush_event_log)
 
     def flush_event_log(self) -> None:

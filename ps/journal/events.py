@@ -3,10 +3,24 @@ time, and never the reason a server stops (a full disk drops events, counted).""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
+
+try:  # json.dumps(ev) without building an encoder per call (what dumps does): the same text, in half the time
+    from json.encoder import c_make_encoder as _c_make_encoder
+    from json.encoder import encode_basestring_ascii as _ascii
+
+    _ENCODE = _c_make_encoder(None, None, _ascii, None, ": ", ", ", False, False, True)
+
+    def event_line(ev: dict[str, Any]) -> str:
+        """``json.dumps(ev)``, exactly (flat events: no circular check)."""
+        return "".join(_ENCODE(ev, 0))
+except ImportError:  # an interpreter without the C accelerator
+    event_line = json.dumps
 
 
 class EventLog:
@@ -17,17 +31,32 @@ class EventLog:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self.pending: list[str] = []
+        self.pending: list[str | list[dict[str, Any]]] = []  # text, or batches of events to serialize
         self.dropped = 0
         self.failing = False
 
     def write(self, text: str) -> None:
         self.pending.append(text)
 
+    def write_events(self, events: list[dict[str, Any]]) -> None:
+        """A batch of events, one JSON line each, serialized at the flush: in one go there, not
+        one at a time between two updates with the caches of the rest of the loop. The dicts
+        must not change meanwhile (the core makes a new one per event)."""
+        self.pending.append(events)
+
+    def _text(self) -> str:
+        line, out = event_line, []
+        for item in self.pending:
+            if isinstance(item, str):
+                out.append(item)
+            else:
+                out += [line(ev) + "\n" for ev in item]
+        return "".join(out)
+
     def flush(self) -> None:
         if not self.pending or self.fd < 0:
             return
-        data = "".join(self.pending).encode()
+        data = self._text().encode()
         self.pending = []
         start = -1
         try:

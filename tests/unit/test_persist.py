@@ -538,6 +538,32 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
     assert "cannot write the event log" in caplog.text and "written again (2 events were dropped)" in caplog.text
 
 
+def test_the_event_log_writes_each_event_as_json_dumps_would_in_the_order_given(tmp_path):
+    """Events are serialized at the flush, with one encoder kept (ps/journal/events.py): the same
+    text as ``json.dumps`` per event, text and batches in the order they were written."""
+    import json
+    import math
+
+    from ps.journal.events import EventLog, event_line
+
+    odd = [{"ev": "applied", "job_id": 19290, "worker_id": "b2", "age": 1, "seed": 8812420083799099457,
+            "t": 24916.63440611, "key": ""},
+           {"ev": "failed", "worker_id": "wé\n\"x\u2028", "message": "line\nbreak", "loss": math.nan,
+            "inf": -math.inf, "none": None, "flag": True, "ids": [1, 2], "t": 1e-300},
+           {}]
+    for ev in odd:
+        assert event_line(ev) == json.dumps(ev)
+    path = str(tmp_path / "events.jsonl")
+    log = EventLog(path)
+    log.write_events(odd[:1])
+    log.write('{"ev": "text"}\n')
+    log.write_events(odd[1:])
+    log.close()
+    want = "".join(json.dumps(e) + "\n" for e in odd[:1]) + '{"ev": "text"}\n' + \
+        "".join(json.dumps(e) + "\n" for e in odd[1:])
+    assert open(path, encoding="utf-8").read() == want
+
+
 def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
     from ps.journal.runfile import write_run
     from ps.ops.export import locate
