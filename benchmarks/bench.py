@@ -41,7 +41,8 @@ LATECOMER = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve",
              "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
-OPTIONAL = ("latecomer-busy", "latecomer-nopoll")  # backends --backends takes that the default plan leaves out
+# backends --backends takes that the default plan leaves out
+OPTIONAL = ("latecomer-busy", "latecomer-nopoll", "latecomer-curve-gcm")
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
@@ -49,7 +50,7 @@ WORKERS = (1, 2, 4)
 # top of the latecomer row, so one or two worker counts show it; the rest run 1, 2 and 4 workers.
 REDUCED_WORKERS = {"latecomer-relay": (1, 2), "latecomer-curve": (1, 2), "latecomer-curvezmq": (1,),
                    "latecomer-bf16": (1, 4), "latecomer-c4": (1, 2), "latecomer-busy": (1, 2),
-                   "latecomer-nopoll": (1, 2)}
+                   "latecomer-nopoll": (1, 2), "latecomer-curve-gcm": (1, 2)}
 SECONDS, QUICK_SECONDS, WARMUP = 2.0, 1.5, 0.5
 TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is 20 min)
 
@@ -59,11 +60,11 @@ TARGET_S = 17 * 60  # the default full run should fit in this (the hard limit is
 # the estimate printed at the start; a busier machine stretches it (a run at load average 5 took
 # about 2.5 times as long).
 OVERHEAD_S = {"raw-zmq": 1.0, "latecomer": 1.2, "latecomer-relay": 1.2, "latecomer-shm": 1.2, "latecomer-curve": 2.0,
-              "latecomer-curvezmq": 2.0,
+              "latecomer-curvezmq": 2.0, "latecomer-curve-gcm": 2.0,
               "latecomer-bf16": 1.2, "latecomer-c4": 1.2, "latecomer-busy": 1.2, "latecomer-nopoll": 1.2,
               "torch-rpc": 3.5, "ray": 1.0}
 PER_1E7_S = {"raw-zmq": 0.6, "latecomer": 1.0, "latecomer-relay": 1.0, "latecomer-shm": 1.0, "latecomer-curve": 1.5,
-             "latecomer-curvezmq": 3.0,
+             "latecomer-curvezmq": 3.0, "latecomer-curve-gcm": 1.5,
              "latecomer-bf16": 1.0, "latecomer-c4": 1.0, "latecomer-busy": 1.0, "latecomer-nopoll": 1.0,
              "torch-rpc": 2.5, "ray": 1.5}
 RAY_START_S = 8.0  # one Ray instance for the whole ray sweep
@@ -121,7 +122,9 @@ def median_rows(rows: list[Row]) -> list[Row]:
 
 PAIRED = (("latecomer", "raw-zmq"), ("latecomer-nopoll", "raw-zmq"), ("latecomer", "latecomer-nopoll"),
           ("latecomer-busy", "raw-zmq"), ("latecomer-busy", "latecomer"),
-          ("latecomer-curve", "latecomer"), ("latecomer-curvezmq", "latecomer"), ("latecomer-relay", "latecomer"),
+          ("latecomer-curve", "latecomer"), ("latecomer-curve-gcm", "latecomer"),
+          ("latecomer-curve", "latecomer-curve-gcm"),
+          ("latecomer-curvezmq", "latecomer"), ("latecomer-relay", "latecomer"),
           ("latecomer-shm", "latecomer"))
 
 

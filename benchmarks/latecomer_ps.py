@@ -8,7 +8,9 @@ The variants (bench backend names):
   from the server's shared memory and writes gradients into shared buffers; only headers cross
   the socket
 * ``latecomer-curve``: TCP under ``--keys`` (the default ``--seal auto``: the messages after the
-  welcome sealed with AES-256-GCM on a second connection, PROTOCOL.md §6.15), ``--shm off``
+  welcome sealed on a second connection, PROTOCOL.md §6.15, with AEGIS-256X4 where pyaegis is
+  installed, else AES-256-GCM: the default ``--seal-cipher auto``), ``--shm off``
+* ``latecomer-curve-gcm`` (not in the default plan): the same with ``--seal-cipher aes256gcm``
 * ``latecomer-curvezmq``: the same with ``--seal off`` (everything inside libzmq's CurveZMQ)
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16`` (2-byte frames), ``--shm off``
 * ``latecomer-c4``: TCP with ``work --credit 4``: each worker holds up to 4 jobs, so the next job
@@ -45,7 +47,7 @@ from benchmarks.common import LR, Row, peak_rss, reap_popen, server_cpu, skipped
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq", "latecomer-bf16",
-            "latecomer-c4", "latecomer-busy", "latecomer-nopoll")
+            "latecomer-c4", "latecomer-busy", "latecomer-nopoll", "latecomer-curve-gcm")
 BUSY_POLL_US = {"latecomer-busy": 400, "latecomer-nopoll": 0}  # their `serve --busy-poll-us`
 _EV = re.compile(r'"ev"\s*:\s*"(issued|applied)"')
 _SLOT = 7  # a shared-memory slot number, for the header sizes of the same-host path
@@ -77,6 +79,7 @@ def missing_flag(variant: str) -> str:
     """Why ``variant`` cannot run with this checkout's CLI ("" when it can)."""
     need = {"latecomer-shm": [("serve", "--shm"), ("work", "--shm")],
             "latecomer-bf16": [("serve", "--wire-dtype")], "latecomer-curvezmq": [("serve", "--seal")],
+            "latecomer-curve-gcm": [("serve", "--seal-cipher")],
             "latecomer-relay": [("serve", "--hand-over")],
             "latecomer-busy": [("serve", "--busy-poll-us")],
             "latecomer-nopoll": [("serve", "--busy-poll-us")]}.get(variant, [])
@@ -155,7 +158,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
     shm_flag = "--shm" in cli_options("serve") and "--shm" in cli_options("work")
     if variant == "latecomer-c4":
         credit = max(credit, 4)
-    curve = variant in ("latecomer-curve", "latecomer-curvezmq")
+    curve = variant in ("latecomer-curve", "latecomer-curvezmq", "latecomer-curve-gcm")
     with tempfile.TemporaryDirectory(prefix="latecomer-bench-") as tmp:
         events = os.path.join(tmp, "events.jsonl")
         args = ["serve", "--bind", "tcp://127.0.0.1:0", "--problem", "synthetic", "--problem-opt", f"d={d}",
@@ -182,6 +185,7 @@ def run(d: int, workers: int, seconds: float, warmup: float, *, variant: str = "
                 subprocess.run([sys.executable, "-m", "ps", "keys", "add-worker", name, "--keys", keys], cwd=REPO,
                                check=True, capture_output=True, timeout=60)
             args += ["--keys", keys] + (["--seal", "off"] if variant == "latecomer-curvezmq" else [])
+            args += ["--seal-cipher", "aes256gcm"] if variant == "latecomer-curve-gcm" else []
         server = _start(*args, stdout=subprocess.PIPE)
         procs = [server]
         try:

@@ -38,6 +38,7 @@ from protocol.messages import (
     MAX_PARTS,
     MAX_STR_LEN,
     PROTOCOL_VERSION,
+    SEAL_CIPHERS,
     SEAL_SESSION_BYTES,
     TYPE_NAMES,
     TYPES_BY_NAME,
@@ -234,11 +235,11 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
             "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool,
-            "shards": _bool, "seal": _bool, "seal_segments": _bool},
+            "shards": _bool, "seal": _bool, "seal_segments": _bool, "seal_ciphers": _names},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
               "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards,
-              "seal": _session, "seal_segments": _bool},
+              "seal": _session, "seal_segments": _bool, "seal_cipher": _choice(("", *SEAL_CIPHERS))},
     Ready: {"credit": _int(0, MAX_LIST_LEN), "holds": _IDS, "shm": _bool},
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
@@ -262,7 +263,7 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
                                    "in_shm": (False,), "parts": (False,), "xfer": (0,),
                                    "shards": ([], False), "seal": (False, ""),
-                                   "seal_segments": (False,)}
+                                   "seal_segments": (False,), "seal_ciphers": ([],), "seal_cipher": ("",)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }

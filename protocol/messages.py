@@ -58,6 +58,8 @@ CHUNK_BYTES = 4 << 20
 # d = 10^6; 256 KiB and 64 KiB parts cost more per part than they gain).
 # Welcome.seal (§6.15, protocol/seal.py): a session's two 32-byte keys and its 32-byte token.
 SEAL_SESSION_BYTES = 96
+# Welcome.seal_cipher's names (§6.15, protocol/seal.py): AES-256-GCM (also ""), AEGIS-256X4.
+SEAL_CIPHERS = ("aes256gcm", "aegis256x4")
 CURVE_CHUNK_THRESHOLD = 1 << 20
 CURVE_CHUNK_BYTES = 1 << 20
 CURVE_MAX_PARTS = 16
@@ -119,6 +121,7 @@ class Hello:
     shards: bool = False  # the worker follows Welcome.shards (§12): a sharded server refuses a hello without it
     seal: bool = False  # under CurveZMQ the worker can move to a sealed data connection (§6.15)
     seal_segments: bool = False  # ... and opens sealed frames in segments (§6.15)
+    seal_ciphers: tuple[str, ...] = ()  # ... and can seal with these besides AES-256-GCM (§6.15: "aegis256x4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,7 @@ class Welcome:
     # token (protocol/seal.py, §6.15), in hex (headers carry no binary); "": none offered.
     seal: str = ""
     seal_segments: bool = False  # with a session: the server opens sealed frames in segments (§6.15)
+    seal_cipher: str = ""  # with a session: its cipher, one the hello offered ("": AES-256-GCM; §6.15)
 
 
 @dataclass(frozen=True, slots=True)

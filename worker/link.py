@@ -39,6 +39,7 @@ from protocol.messages import (
     Job,
     Reply,
 )
+from protocol.seal import GCM, available_ciphers
 from protocol.shm import ShmReader, host_id, shm_dir_usable
 from worker.identity import claim_default_id
 from worker.intake import JobIntake
@@ -214,7 +215,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
                                 device=self.cfg.device, host_id=host_id(), holds=self.cache.ids(),
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
                                 shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True,
-                                seal=self.curve is not None, seal_segments=self.curve is not None))
+                                seal=self.curve is not None, seal_segments=self.curve is not None,
+                                seal_ciphers=tuple(c for c in available_ciphers() if c != GCM) if self.curve else ()))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:

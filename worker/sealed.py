@@ -21,7 +21,7 @@ from protocol.chunks import chunking
 from protocol.codec import encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_PARTS, RECONNECT_IVL_MAX_S, RECONNECT_IVL_S, Heartbeat
-from protocol.seal import BufferPool, Opener, Sealer, Session, sealer_opener
+from protocol.seal import GCM, BufferPool, Opener, Sealer, Session, available_ciphers, sealer_opener
 from worker.plainsock import ZmtpDealer
 from worker.sockio import recv_frames, send_frames
 
@@ -57,17 +57,21 @@ class SealedLink:
             return
         send_frames(self.sock, frames, _NOBLOCK)
 
-    def _open_seal(self, hexed: str, segments: bool = False) -> None:
+    def _open_seal(self, hexed: str, segments: bool = False, cipher: str = GCM) -> None:
         """A welcome's session (PROTOCOL.md §6.15): a NULL ZMTP connection to the same endpoint as
         a DEALER, its routing id the session's token, and a heartbeat sealed on it at once (it
         goes once the handshake is done): the server answers on it from that message on, and this
         worker sends there once something came. ``segments``: the server opens frames sealed in
-        segments (welcome.seal_segments)."""
+        segments (welcome.seal_segments); ``cipher``: the session's (welcome.seal_cipher, one the hello offered)."""
         self._close_seal()
         if not hexed or self.curve is None:
             return
+        if cipher not in available_ciphers():  # not one the hello offered: stay on CurveZMQ
+            log.warning("the server chose seal cipher %s, which this worker cannot use: staying on CurveZMQ", cipher)
+            return
         session = Session.unpack(bytes.fromhex(hexed))
-        self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool, segments=segments)
+        self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool, segments=segments,
+                                                 cipher=cipher)
         self.seal_token, self.seal_retry_s = session.token, RECONNECT_IVL_S
         self._connect_seal()
 

@@ -15,6 +15,7 @@ from problems.trust import worker_refusal
 from protocol.codec import decode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import ID_IN_USE, Bye, Cancel, Error, ErrorCode, Heartbeat, Job, Part, Ready, Welcome
+from protocol.seal import GCM
 from protocol.shm import ShmReader, shm_dir_usable
 from worker.identity import BASE_MAX
 from worker.runner import ComputeThread
@@ -98,7 +99,8 @@ class ServerSession:
         self.server_boot = w.server_boot
         self.wire = w.wire_dtype
         self.parts_ok = w.parts
-        self._open_seal(w.seal, w.seal_segments)  # under CurveZMQ: the sealed data connection (PROTOCOL.md §6.15)
+        # under CurveZMQ: the sealed data connection (PROTOCOL.md §6.15)
+        self._open_seal(w.seal, w.seal_segments, w.seal_cipher or GCM)
         self.shm = self._open_shm(w) if w.shm else None
         self._link_shards(w.shards)
         self.hb_interval = w.heartbeat_interval_s

@@ -132,7 +132,7 @@ class Conn:
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
                  "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
                  "status_auth", "source",
-                 "hb_raw", "hb_at", "hb_bucket", "seal_capable", "seal_segments")
+                 "hb_raw", "hb_at", "hb_bucket", "seal_capable", "seal_segments", "seal_ciphers")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -144,6 +144,7 @@ class Conn:
         self.shm_capable = False  # said hello from this host, asking for shared memory
         self.seal_capable = False  # its hello asked for the sealed data path (§6.15)
         self.seal_segments = False  # ... and said it opens sealed frames in segments
+        self.seal_ciphers: tuple[str, ...] = ()  # ... and the ciphers besides AES-256-GCM it can seal with
         self.shm_ready = False  # opened our shared memory (Ready.shm)
         self.xfer: Reassembler | None = None  # its unfinished transfer, if any
         self.xfer_at = 0.0  # when it last got a part
@@ -508,6 +509,7 @@ class Connections(_StatusQueue):
             del self.by_wid[c.wid]
         c.wid, c.key = None, ""
         c.parts = c.shm_capable = c.shm_ready = c.seal_capable = c.seal_segments = False
+        c.seal_ciphers = ()
         self.drop_transfer(c)
         if self.on_unbind is not None:
             self.on_unbind(c.rid)

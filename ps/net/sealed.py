@@ -33,6 +33,7 @@ from protocol.chunks import chunking
 from protocol.errors import RemoteProtocolError
 from protocol.seal import (
     DOWN,
+    GCM,
     SECRET_BYTES,
     UP,
     BufferPool,
@@ -41,6 +42,7 @@ from protocol.seal import (
     Sealer,
     SealError,
     Session,
+    choose_cipher,
     make_token,
     sealed_frame_bytes,
 )
@@ -64,10 +66,11 @@ class RidFrame(bytes):
 class _Session:
     __slots__ = ("rid", "token", "sealer", "opener", "bound", "rid_frame", "handed")
 
-    def __init__(self, rid: bytes, session: Session, key: str, alloc: Any, segments: bool = False) -> None:
+    def __init__(self, rid: bytes, session: Session, key: str, alloc: Any, segments: bool = False,
+                 cipher: str = GCM) -> None:
         self.rid, self.token = rid, session.token
-        self.sealer = Sealer(session.down, DOWN, alloc, segments)
-        self.opener = Opener(session.up, UP, {"key": key}, alloc)
+        self.sealer = Sealer(session.down, DOWN, alloc, segments, cipher)
+        self.opener = Opener(session.up, UP, {"key": key}, alloc, cipher)
         self.bound = False  # a sealed message came on the data connection: send there
         self.rid_frame = RidFrame(rid)
         self.handed = False  # its data connection is one the daemon was handed (else the ROUTER's)
@@ -90,14 +93,15 @@ def write_secret(directory: str) -> bytes:
     return secret
 
 
-def attach(transport: Any, endpoint: str, secret: bytes) -> None:
+def attach(transport: Any, endpoint: str, secret: bytes, ciphers: tuple[str, ...] = (GCM,)) -> None:
     """Under CurveZMQ, behind the front: bind the daemon transport's sealed data path at the private
-    ``endpoint``; workers whose hello asks get a session in their welcome (ServerTransport.send)."""
+    ``endpoint``; workers whose hello asks get a session in their welcome (ServerTransport.send),
+    under the first of ``ciphers`` (``serve --seal-cipher``) their hello can use."""
     if transport.security is None or transport.sealed is not None:
         return
     sock = transport.sock
     transport.sealed = path = SealedPath(sock.context, endpoint, secret, sock.getsockopt(zmq.MAXMSGSIZE),
-                                         sock.rcvhwm, transport.clock)
+                                         sock.rcvhwm, transport.clock, ciphers)
     transport.conns.on_unbind = path.forget
 
 
@@ -105,8 +109,10 @@ class SealedPath:
     """The data ROUTER and the sessions (at most one per CURVE connection that said hello)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, secret: bytes, max_frame_bytes: int, hwm: int,
-                 clock: Any) -> None:
+                 clock: Any, ciphers: tuple[str, ...] = (GCM,)) -> None:
         self.secret, self.clock = secret, clock
+        self.ciphers = ciphers  # what sessions may use, the first a worker can use taken (serve --seal-cipher)
+        self.by_cipher: dict[str, int] = {}  # sessions offered, per cipher (status, summary.json)
         self.pool = BufferPool()  # warm buffers for what is sealed and opened (reused once unreferenced)
         self.chunking = chunking(False)  # what goes sealed is split as plaintext is
         s = ctx.socket(zmq.ROUTER)
@@ -128,14 +134,20 @@ class SealedPath:
         self.refusals = RateLimitedLog(log)
         self.handed: Any = None  # the data connections the front hands over (ps/net/handover.py), if any
 
-    def offer(self, rid: bytes, key: str, segments: bool = False) -> str:
+    def offer(self, rid: bytes, key: str, segments: bool = False, offered: tuple[str, ...] = ()) -> tuple[str, str]:
         """A new session for the CURVE connection ``rid`` (its key's fingerprint ``key``), replacing
-        any it had; returns Welcome.seal. ``segments``: its worker opens sealed frames in segments
-        (hello.seal_segments), so large ones go that way (sealed on several threads)."""
+        any it had; returns Welcome.seal and the session's cipher (("", ""): none, when the worker
+        can use none of ``ciphers``: it stays on CurveZMQ). ``segments``: its worker opens sealed
+        frames in segments (hello.seal_segments), so large ones go that way (sealed on several
+        threads); ``offered``: the ciphers besides AES-256-GCM it can seal with (hello.seal_ciphers)."""
         self.forget(rid)
+        cipher = choose_cipher(offered, self.ciphers)
+        if cipher is None:
+            return "", ""
         session = Session.new(make_token(self.secret))
-        self.by_rid[rid] = self.by_token[session.token] = _Session(rid, session, key, self.pool, segments)
-        return session.pack().hex()
+        self.by_rid[rid] = self.by_token[session.token] = _Session(rid, session, key, self.pool, segments, cipher)
+        self.by_cipher[cipher] = self.by_cipher.get(cipher, 0) + 1
+        return session.pack().hex(), cipher
 
     def forget(self, rid: bytes) -> None:
         """The connection's worker is gone or said hello again: its session ends."""
@@ -235,7 +247,11 @@ class SealedPath:
                 "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
                 "sealed_stale": self.stale,
-                "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened}
+                "sealed_fallbacks": self.fallbacks, "sealed_bytes_live_out": sealed, "sealed_bytes_live_in": opened,
+                # per cipher: the sessions live now, and those offered since the start
+                **{f"sealed_sessions_{c}": sum(s.sealer.cipher == c for s in self.by_rid.values())
+                   for c in self.ciphers},
+                **{f"sealed_offered_{c}": n for c, n in self.by_cipher.items()}}
 
     def close(self) -> None:
         self.sock.close(linger=0)  # the handed connections are closed with the transport's HandedPath

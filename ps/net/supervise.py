@@ -95,9 +95,15 @@ class ServeCommand(click.Command):
             click.Option(["--seal"], type=click.Choice(["auto", "off"]), default="auto", show_default=True,
                          expose_value=False, callback=_store, is_eager=True,
                          help="Under --keys: auto moves what workers that ask send and receive after their "
-                              "welcome to a second connection, each frame sealed with AES-256-GCM under keys "
+                              "welcome to a second connection, each frame sealed (--seal-cipher) under keys "
                               "sent inside CurveZMQ (PROTOCOL.md 6.15; 2-3x CurveZMQ's speed on large "
                               "vectors); off: everything over CurveZMQ."),
+            click.Option(["--seal-cipher"], type=click.Choice(["auto", "aes256gcm", "aegis256x4"]), default="auto",
+                         show_default=True, expose_value=False, callback=_store_cipher, is_eager=True,
+                         help="The sealed data connection's cipher. auto: AEGIS-256X4 with each worker that can "
+                              "use it too (both ends with `pip install 'latecomer[aegis]'`; about 3x AES-GCM's "
+                              "speed), else AES-256-GCM; aes256gcm: AES-256-GCM only; aegis256x4: only it (a "
+                              "worker without it stays on CurveZMQ). PROTOCOL.md 6.15."),
             click.Option(["--hand-over"], type=click.Choice(["auto", "off"]), default="auto", show_default=True,
                          expose_value=False, callback=_store, is_eager=True,
                          help="auto has the front pass each plaintext connection (under --keys: each "
@@ -112,6 +118,28 @@ class ServeCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta.setdefault(META, {})["argv"] = list(args)
         return super().parse_args(ctx, args)
+
+
+def _store_cipher(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """``--seal-cipher``: one this process can use (AEGIS-256X4 needs ``pyaegis``), else a one-line error."""
+    if value == "aegis256x4":
+        from protocol.seal import AEGIS, available_ciphers
+
+        try:
+            here = available_ciphers()
+        except ValueError as e:  # LATECOMER_SEAL_CIPHERS
+            raise click.UsageError(str(e)) from None
+        if AEGIS not in here:
+            raise click.BadParameter("AEGIS-256X4 is not available here: pip install 'latecomer[aegis]' (pyaegis, "
+                                     "built from source: it needs a C compiler)")
+    return _store(ctx, param, value)
+
+
+def seal_ciphers(choice: str) -> tuple[str, ...]:
+    """``--seal-cipher``'s ciphers, the first a worker can use taken (protocol/seal.py choose_cipher)."""
+    from protocol.seal import GCM, available_ciphers
+
+    return available_ciphers() if choice == "auto" else (choice,) if choice != GCM else (GCM,)
 
 
 def _meta() -> dict[str, Any]:
@@ -231,7 +259,7 @@ def announce(daemon: Any) -> None:
             secret = b""
         if secret:
             seal = _endpoint.removesuffix(".sock") + "-seal.sock"
-            attach(daemon.transport, seal, secret)
+            attach(daemon.transport, seal, secret, seal_ciphers(_meta().get("seal_cipher", "auto")))
             info["seal_endpoint"] = seal.removeprefix("ipc://")
             if _meta().get("hand_over", "auto") != "off":  # the front hands the sealed data connections over
                 info["hand_endpoint"] = _accept_hand_overs(daemon, _endpoint, info, sealed=True)

@@ -62,6 +62,7 @@ from protocol.messages import (
     StatusRequest,
     Welcome,
 )
+from protocol.seal import GCM
 from protocol.wire import to_wire
 from ps.core.iterates import EvictionCursor
 from ps.journal.replies import reply_from_wire
@@ -521,11 +522,12 @@ class ServerTransport(_Outbound):
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
-            seal = (self.sealed.offer(conn.rid, conn.key, conn.seal_segments)
-                    if self.sealed is not None and conn.seal_capable else "")
+            seal, cipher = (self.sealed.offer(conn.rid, conn.key, conn.seal_segments, conn.seal_ciphers)
+                            if self.sealed is not None and conn.seal_capable else ("", ""))
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
                                       shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),
-                                      seal=seal, seal_segments=bool(seal))
+                                      seal=seal, seal_segments=bool(seal),
+                                      seal_cipher="" if cipher == GCM else cipher)
         return self.send_message(conn.rid, msg)
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:

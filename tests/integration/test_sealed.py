@@ -77,6 +77,56 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"
 
 
+REQUIRE_AEGIS = os.environ.get("LATECOMER_REQUIRE_AEGIS") == "1"  # CI: pyaegis is installed (make setup)
+
+
+def _aegis_here() -> bool:
+    from protocol.seal import AEGIS, available_ciphers
+
+    if AEGIS in available_ciphers():
+        return True
+    if REQUIRE_AEGIS:
+        pytest.fail("LATECOMER_REQUIRE_AEGIS=1 but AEGIS-256X4 is not available (pyaegis)")
+    return False
+
+
+@pytest.mark.parametrize("choice, worker_env, expect", [
+    ("auto", "", "aegis256x4"),  # both ends can: the faster cipher
+    ("aes256gcm", "", "aes256gcm"),  # the server keeps AES-256-GCM
+    ("auto", "aes256gcm", "aes256gcm"),  # a worker without AEGIS gets AES-256-GCM
+    ("aegis256x4", "aes256gcm", ""),  # the server takes AEGIS only: that worker stays on CurveZMQ
+])
+def test_the_sessions_cipher_is_the_first_both_ends_can_use_and_training_is_exact(procs, tmp_path, choice,
+                                                                                  worker_env, expect):
+    """``serve --seal-cipher`` and the worker's hello.seal_ciphers (PROTOCOL.md §6.15): whichever
+    cipher the session gets (or none), the same iterate as a plaintext run, and replay exact."""
+    from ps.drivers.replay import replay_run
+
+    if not _aegis_here():
+        pytest.skip("AEGIS-256X4 is not available here (pip install 'latecomer[aegis]')")
+    keys, state, d, steps = make_keys(tmp_path, "w"), str(tmp_path / "state"), 300_000, 12
+    server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
+                         "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
+                         str(steps), "--eval-every", "0", "--state", state, "--shm", "off", "--seal-cipher", choice)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    worker = procs.start("work", "--server", endpoint, "--worker-id", "w", "--shm", "off",
+                         "--key", f"{keys}/workers/w.key_secret", "--server-key", f"{keys}/server.key",
+                         env={"LATECOMER_SEAL_CIPHERS": worker_env} if worker_env else None)
+    assert wait_exit(server, timeout=180) == 0
+    assert wait_exit(worker, timeout=20) == 0
+    with open(os.path.join(state, "summary.json"), encoding="utf-8") as f:
+        t = json.load(f)["transport"]
+    offered = {k.removeprefix("sealed_offered_"): v for k, v in t.items() if k.startswith("sealed_offered_")}
+    if expect:  # one session, of that cipher; every reply after the first one or two came sealed
+        assert offered == {expect: 1}, t
+        assert t["sealed_messages_in"] >= steps and t["sealed_refused"] == 0, t
+    else:  # no session: everything over CurveZMQ
+        assert offered == {} and t.get("sealed_messages_in", 0) == 0, t
+    x = np.load(os.path.join(state, "final_x.npy"))
+    assert np.all(x == synthetic_after(steps, LR))
+    assert np.array_equal(replay_run(state).final_x, x), "the journal replays exactly"
+
+
 def test_a_replayed_tampered_or_tokenless_message_is_refused_and_training_goes_on(procs, tmp_path):
     """A client holding an allowed key (so it gets a session of its own) replays its own sealed
     heartbeat and sends a tampered one; a NULL client without a token sends a message. The server

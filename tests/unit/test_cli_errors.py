@@ -88,6 +88,20 @@ def test_cli_errors_bad_cipher_threads_from_the_environment(here, cmd, value):
     assert "LATECOMER_CIPHER_THREADS" in r.output
 
 
+@pytest.mark.parametrize("cmd", [["serve"], ["work", "--server", "tcp://127.0.0.1:5555"]], ids=["serve", "work"])
+def test_cli_errors_bad_seal_ciphers_from_the_environment(here, cmd):
+    """LATECOMER_SEAL_CIPHERS (protocol/seal.py) is checked before anything starts."""
+    r = CliRunner().invoke(main, cmd, env={"LATECOMER_SEAL_CIPHERS": "aes256gcm,chacha"})
+    assert_refused(r, "unknown cipher 'chacha'")
+    assert "LATECOMER_SEAL_CIPHERS" in r.output
+
+
+def test_cli_errors_seal_cipher_that_is_not_here(here):
+    """serve --seal-cipher aegis256x4 where AEGIS is not available: one line saying how to get it."""
+    r = CliRunner().invoke(main, ["serve", "--seal-cipher", "aegis256x4"], env={"LATECOMER_SEAL_CIPHERS": "aes256gcm"})
+    assert_refused(r, "AEGIS-256X4 is not available here")
+
+
 @pytest.mark.parametrize("value", ["-1", "100001", "abc", "1.5"])
 def test_cli_errors_bad_busy_poll(here, value):
     r = CliRunner().invoke(main, ["serve", "--busy-poll-us", value])

@@ -474,7 +474,7 @@ def test_a_sealed_data_connection_is_handed_over_once_its_token_checks_out_and_o
         path.service(clock())
 
     try:
-        hexed = sealed.offer(b"\x00curve-rid", "fp")
+        hexed, _ = sealed.offer(b"\x00curve-rid", "fp")
         session = Session.unpack(bytes.fromhex(hexed))
         up, down = sealer_opener(session, server=False)
         dealer = ctx.socket(zmq.DEALER)

@@ -10,16 +10,21 @@ import numpy as np
 import pytest
 import zmq
 
+import protocol.seal as seal_mod
 from protocol.codec import decode, encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import SEAL_SESSION_BYTES, Heartbeat, Job, JobKind, Welcome
 from protocol.seal import (
+    AEGIS,
+    GCM,
     SEGMENT_LOG2,
     TAG_BYTES,
     TOKEN_BYTES,
     BufferPool,
     SealError,
     Session,
+    available_ciphers,
+    choose_cipher,
     cipher_threads,
     make_token,
     sealer_opener,
@@ -29,6 +34,19 @@ from protocol.seal import (
 from ps.net.sealed import SealedPath
 
 SECRET = bytes(range(32))
+HAVE_AEGIS = AEGIS in available_ciphers()
+_sealer_opener = sealer_opener
+
+
+@pytest.fixture(autouse=True, params=[GCM, AEGIS])
+def cipher(request, monkeypatch):
+    """Every test here under each cipher a session can have (PROTOCOL.md §6.15): the format, the
+    refusals and the threads are the same for both."""
+    if request.param == AEGIS and not HAVE_AEGIS:
+        pytest.skip("AEGIS-256X4 is not available here (pyaegis)")
+    monkeypatch.setitem(globals(), "sealer_opener",
+                        lambda *a, **k: _sealer_opener(*a, **{"cipher": request.param, **k}))
+    return request.param
 
 
 def pair():
@@ -168,17 +186,17 @@ def test_forged_frames_never_make_the_pool_keep_a_buffer():
     assert pool.allocated == 1 and list(pool.lists) == [5000]
 
 
-def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path):
+def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path, cipher):
     """Real sockets: a DEALER whose routing id is a session's token. What opens comes out as the
     CURVE connection's message; an unknown token, a replay and a tampered message are refused and
     counted (a message of a session that ended is counted apart, late); the first message that
     opens binds the data connection (the path then sends sealed); once that connection is gone a
     send reports None (the transport sends over CURVE)."""
     ctx = zmq.Context()
-    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 1 << 20, 64, clock=lambda: 0.0)
+    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 1 << 20, 64, clock=lambda: 0.0, ciphers=(cipher,))
     try:
         rid = b"curve-rid"
-        session = Session.unpack(bytes.fromhex(path.offer(rid, "keyfp")))
+        session = Session.unpack(bytes.fromhex(path.offer(rid, "keyfp", False, (AEGIS,))[0]))
         assert path.send(rid, encode(Heartbeat(boot=1))) is None  # not bound yet: over CURVE
         w_seal, w_open = sealer_opener(session, server=False)
         dealer = ctx.socket(zmq.DEALER)
@@ -368,12 +386,13 @@ def test_hello_and_welcome_say_segments_and_leave_the_field_out_at_its_default()
     assert b"seal_segments" not in bytes(encode(Hello("w", 1, 1, seal=True))[0])
 
 
-def test_the_daemons_sealed_path_seals_in_segments_only_for_a_worker_that_said_so(tmp_path):
+def test_the_daemons_sealed_path_seals_in_segments_only_for_a_worker_that_said_so(tmp_path, cipher):
     ctx = zmq.Context()
-    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 16 << 20, 64, clock=lambda: 0.0)
+    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 16 << 20, 64, clock=lambda: 0.0,
+                      ciphers=(cipher,))
     try:
         for rid, segments in ((b"old", False), (b"new", True)):
-            session = Session.unpack(bytes.fromhex(path.offer(rid, "k", segments)))
+            session = Session.unpack(bytes.fromhex(path.offer(rid, "k", segments, (AEGIS,))[0]))
             assert path.by_rid[rid].sealer.segments is segments
             w_seal, _ = sealer_opener(session, server=False, segments=segments)
             msg = path._open([zmq.Frame(session.token), *(zmq.Frame(memoryview(f)) for f in
@@ -382,6 +401,98 @@ def test_the_daemons_sealed_path_seals_in_segments_only_for_a_worker_that_said_s
         f = path.figures()
         assert f["sealed_sessions_in_segments"] == 1 and f["sealed_segmented_live_in"] == 1
         assert path.sock.getsockopt(zmq.MAXMSGSIZE) >= (16 << 20) + 16 * 256  # tags of 64 KiB segments fit
+    finally:
+        path.close()
+        ctx.destroy(linger=0)
+
+
+# --------------------------------------------------------------------------- the cipher
+
+
+def test_aegis_gives_the_drafts_test_vectors_and_a_library_that_does_not_is_not_used(monkeypatch, cipher):
+    """AEGIS-256X4 is offered only if the library gives draft-irtf-cfrg-aegis-aead's test vectors."""
+    if cipher != AEGIS:
+        pytest.skip("about AEGIS")
+    assert seal_mod._aegis_passes()
+    real = seal_mod._lib
+
+    class Off:  # a library whose ciphertext is one bit off
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def aegis256x4_encrypt_detached(c, mac, maclen, m, mlen, ad, adlen, npub, k):
+            r = real.aegis256x4_encrypt_detached(c, mac, maclen, m, mlen, ad, adlen, npub, k)
+            tag = seal_mod._ffi.cast("uint8_t *", mac)
+            tag[0] ^= 1
+            return r
+
+    monkeypatch.setattr(seal_mod, "_lib", Off())
+    assert not seal_mod._aegis_passes()
+
+
+def test_the_two_ciphers_seal_the_same_frames_differently_and_neither_opens_the_other(cipher):
+    if not HAVE_AEGIS:
+        pytest.skip("needs AEGIS-256X4")
+    s = Session.new(make_token(SECRET))
+    frames = job_frames()
+    gcm, _ = _sealer_opener(s, server=True, cipher=GCM)
+    aegis, _ = _sealer_opener(s, server=True, cipher=AEGIS)
+    _, w_gcm = _sealer_opener(s, server=False, cipher=GCM)
+    _, w_aegis = _sealer_opener(s, server=False, cipher=AEGIS)
+    a, b = gcm.seal(frames), aegis.seal(frames)
+    assert bytes(memoryview(a[2]))[:64] != bytes(memoryview(b[2]))[:64]
+    with pytest.raises(SealError):
+        w_aegis.open(a)
+    with pytest.raises(SealError):
+        w_gcm.open(b)
+    assert plain(w_gcm.open(a)) == plain(w_aegis.open(b)) == plain(frames)
+
+
+def test_the_server_takes_the_first_of_its_ciphers_the_worker_can_use(monkeypatch, cipher):
+    assert choose_cipher((), (AEGIS, GCM)) == GCM  # a worker of an earlier revision: AES-256-GCM
+    assert choose_cipher(("aegis256x4", "future-cipher"), (AEGIS, GCM)) == AEGIS
+    assert choose_cipher(("future-cipher",), (AEGIS, GCM)) == GCM  # names it does not know are ignored
+    assert choose_cipher(("aegis256x4",), (GCM,)) == GCM  # serve --seal-cipher aes256gcm
+    assert choose_cipher((), (AEGIS,)) is None  # serve --seal-cipher aegis256x4, a worker without it
+    monkeypatch.setenv("LATECOMER_SEAL_CIPHERS", "aes256gcm")
+    assert available_ciphers() == (GCM,)
+    monkeypatch.setenv("LATECOMER_SEAL_CIPHERS", "aes256gcm,rot13")
+    with pytest.raises(ValueError, match="unknown cipher 'rot13'"):
+        available_ciphers()
+
+
+def test_hello_and_welcome_carry_the_cipher_and_leave_it_out_at_its_default(cipher):
+    from protocol.messages import SEAL_CIPHERS, Hello
+
+    assert set(SEAL_CIPHERS) == {GCM, AEGIS}
+    h = decode(encode(Hello("w", 1, 1, seal=True, seal_ciphers=("aegis256x4", "later-one"))))
+    assert h.seal_ciphers == ("aegis256x4", "later-one")
+    assert decode(encode(Welcome(1, 1, "quadratic", seal_cipher="aegis256x4"))).seal_cipher == "aegis256x4"
+    assert b"seal_ciphers" not in bytes(encode(Hello("w", 1, 1, seal=True))[0])
+    assert b"seal_cipher" not in bytes(encode(Welcome(1, 1, "quadratic"))[0])
+    with pytest.raises(RemoteProtocolError, match="seal_cipher"):  # a welcome naming a cipher nobody has
+        decode([bytes(encode(Welcome(1, 1, "quadratic", seal_cipher="aegis256x4"))[0]).replace(
+            b"aegis256x4", b"aegis999x4")])
+
+
+def test_the_daemons_sealed_path_offers_each_worker_the_cipher_it_can_use(tmp_path, cipher):
+    if not HAVE_AEGIS:
+        pytest.skip("needs AEGIS-256X4")
+    ctx = zmq.Context()
+    path = SealedPath(ctx, f"ipc://{tmp_path}/seal.sock", SECRET, 16 << 20, 64, clock=lambda: 0.0,
+                      ciphers=(AEGIS, GCM))
+    try:
+        for rid, offered, want in ((b"old", (), GCM), (b"new", (AEGIS,), AEGIS)):
+            hexed, got = path.offer(rid, "k", True, offered)
+            assert got == want and path.by_rid[rid].opener.cipher == want
+            w_seal, _ = _sealer_opener(Session.unpack(bytes.fromhex(hexed)), server=False, segments=True, cipher=got)
+            msg = path._open([zmq.Frame(path.by_rid[rid].token), *(zmq.Frame(memoryview(f)) for f in
+                                                                   w_seal.seal([b"h", np.ones(MiB, np.uint8)]))], True)
+            assert msg is not None and msg[0] == rid and np.all(np.asarray(msg[2]) == 1)
+        f = path.figures()
+        assert f["sealed_offered_aegis256x4"] == 1 and f["sealed_offered_aes256gcm"] == 1
+        assert f["sealed_sessions_aegis256x4"] == 1 and f["sealed_refused"] == 0
     finally:
         path.close()
         ctx.destroy(linger=0)
