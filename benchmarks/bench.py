@@ -37,12 +37,12 @@ from benchmarks.models import model_options
 from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LATECOMER = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curvezmq",
-             "latecomer-bf16", "latecomer-c4")
+LATECOMER = ("latecomer", "latecomer-relay", "latecomer-shm", "latecomer-curve", "latecomer-curve-gcm",
+             "latecomer-curvezmq", "latecomer-bf16", "latecomer-c4")
 SIM = "simulator"
 BACKENDS = ("raw-zmq", *LATECOMER, "torch-rpc", "ray", SIM)
 # backends --backends takes that the default plan leaves out
-OPTIONAL = ("latecomer-busy", "latecomer-nopoll", "latecomer-curve-gcm")
+OPTIONAL = ("latecomer-busy", "latecomer-nopoll")
 SIZES = (1000, 100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (1000, 100_000)
 WORKERS = (1, 2, 4)
@@ -241,52 +241,67 @@ def cipher_limit(seconds: float = 0.5, n: int = 4_000_000) -> dict[str, float]:
     """The ciphers' limits on this machine: GB of plaintext sealed per CPU second, one core, at
     ``n`` bytes (benchmarks/cipher.py): libsodium through pyzmq's own build (XSalsa20-Poly1305,
     the box CurveZMQ seals every frame with, and AES-256-GCM where the CPU has AES-NI), and
-    AES-256-GCM through OpenSSL (``aes256gcm-openssl``), the sealed data connection's."""
-    from benchmarks.cipher import cipher_gbps, constructions, openssl_gcm_gbps
+    AES-256-GCM through OpenSSL (``aes256gcm-openssl``) and, where pyaegis is installed,
+    AEGIS-256X4 through libaegis (``aegis256x4``): the sealed data connection's two."""
+    from benchmarks.cipher import cipher_gbps, constructions, openssl_gcm_gbps, session_cipher_gbps
+    from protocol.seal import AEGIS, available_ciphers
 
     out = {a.name: cipher_gbps(a, n, seconds) for a in constructions() if a.available}
     out["aes256gcm-openssl"] = openssl_gcm_gbps(n, seconds)
+    if AEGIS in available_ciphers():
+        out[AEGIS] = session_cipher_gbps(AEGIS, n, seconds)
     return out
 
 
 def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[str]:
     """The secure rows beside the plaintext ones: latecomer under ``--keys`` (``latecomer-curve``:
-    the sealed data connection, the default) and under ``--keys --seal off`` (``latecomer-curvezmq``:
-    libzmq's CurveZMQ carries the arrays) over latecomer in plaintext (TCP); the sealed rows'
-    payload bytes/s and what fraction of each cipher's one-core limit that is; and the updates/s a
-    lockstep worker would reach if sealing cost only AES-256-GCM's 4 passes over the arrays (x
-    sealed and opened, g sealed and opened, one after the other) on top of the plaintext round trip."""
+    the sealed data connection, the default, with the faster cipher both ends have; with
+    ``latecomer-curve-gcm``, the same on AES-256-GCM) and under ``--keys --seal off``
+    (``latecomer-curvezmq``: libzmq's CurveZMQ carries the arrays) over latecomer in plaintext
+    (TCP); the sealed rows' payload bytes/s and what fraction of XSalsa20's and the session
+    cipher's one-core limit that is; and the updates/s a lockstep worker would reach if sealing
+    cost only the cipher's 4 passes over the arrays (x sealed and opened, g sealed and opened, one
+    after the other) on top of the plaintext round trip."""
+    from protocol.seal import AEGIS
+
     by = {(r.backend, r.d, r.workers): r for r in rows}
     cells = sorted({(r.d, r.workers) for r in rows if r.backend == "latecomer-curve" and _ok(r)})
     if not cells:
         return []
-    xs = (cipher or {}).get("xsalsa20poly1305", math.nan)
-    gcm = (cipher or {}).get("aes256gcm-openssl", math.nan)
-    limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in (cipher or {}).items()) or "not measured"
+    cipher = cipher or {}
+    xs = cipher.get("xsalsa20poly1305", math.nan)
+    session = AEGIS if AEGIS in cipher else "aes256gcm-openssl"  # what latecomer-curve's sessions use here
+    name = "AEGIS-256X4 (libaegis)" if session == AEGIS else "AES-256-GCM (OpenSSL)"
+    lim = cipher.get(session, math.nan)
+    limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in cipher.items()) or "not measured"
     out = ["", "## The encrypted path", "",
            f"Cipher limits, one core, 4 MB messages (measured in this run): {limit}. *sealed*: `serve --keys` "
            "(the default `--seal auto`: after the welcome, every message on a second connection, each frame "
-           "sealed with AES-256-GCM through OpenSSL, a large frame in 1 MiB segments on up to 4 threads; "
-           "PROTOCOL.md 6.15); *CurveZMQ*: `--keys --seal off` (libzmq "
-           "seals every frame with XSalsa20-Poly1305). Targets (issue 32): the secure path >= 0.7x plaintext at "
-           "every d with 1 and 2 workers; payload bytes/s >= 50 % of the cipher limit at 1e6-1e7. *cipher bound*: "
-           "the updates/s of a lockstep worker if each update cost only AES-256-GCM's 4 passes over its arrays, "
-           "each at one core's limit, on top of the plaintext round trip (the segments' threads may pass it).", "",
-           "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | CurveZMQ upd/s | "
-           "CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | % of AES-GCM limit | "
-           "1-worker cipher bound upd/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           f"sealed with {name}, the faster cipher both ends have (`--seal-cipher auto`); a large frame in 1 MiB "
+           "segments, on up to 4 threads from 2 MiB (AES-GCM) or 8 MiB (AEGIS); PROTOCOL.md 6.15); *sealed, "
+           "AES-GCM*: the same with `--seal-cipher aes256gcm` (the `latecomer-curve-gcm` rows, where they ran); "
+           "*CurveZMQ*: `--keys --seal off` (libzmq seals every frame with XSalsa20-Poly1305). Targets (issue "
+           "32): the secure path >= 0.7x plaintext at every d with 1 and 2 workers; payload bytes/s >= 50 % of "
+           f"the cipher limit at 1e6-1e7. *cipher bound*: the updates/s of a lockstep worker if each update cost "
+           f"only {name}'s 4 passes over its arrays, each at one core's limit, on top of the plaintext round "
+           "trip (the segments' threads may pass it).", "",
+           "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | sealed, AES-GCM / plaintext | "
+           "CurveZMQ upd/s | CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | "
+           "% of its cipher's limit | 1-worker cipher bound upd/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, w in cells:
         c, p, z = by[("latecomer-curve", d, w)], by.get(("latecomer", d, w)), by.get(("latecomer-curvezmq", d, w))
+        g = by.get(("latecomer-curve-gcm", d, w))
         plain = p.updates_per_s if p is not None and _ok(p) else math.nan
         zq = z.updates_per_s if z is not None and _ok(z) else math.nan
+        gq = g.updates_per_s if g is not None and _ok(g) else math.nan
         mbps = c.updates_per_s * c.bytes_per_update / 1e6
         arrays = 4.0 * d  # bytes of one float32 array
-        bound = 1.0 / (1.0 / plain + 4 * arrays / (gcm * 1e9)) if w == 1 else math.nan
+        bound = 1.0 / (1.0 / plain + 4 * arrays / (lim * 1e9)) if w == 1 else math.nan
         out.append(f"| {d:,} | {w} | {_cell(plain, ',.1f')} | {c.updates_per_s:,.1f} | "
-                   f"{_f(c.updates_per_s / plain, '.2f')} | {_cell(zq, ',.1f')} | {_f(zq / plain, '.2f')} | "
-                   f"{mbps:,.0f} | {_f(100 * mbps / (xs * 1e3), '.0f')} | {_f(100 * mbps / (gcm * 1e3), '.0f')} | "
-                   f"{_f(bound, ',.0f')} |")
+                   f"{_f(c.updates_per_s / plain, '.2f')} | {_f(gq / plain, '.2f')} | {_cell(zq, ',.1f')} | "
+                   f"{_f(zq / plain, '.2f')} | {mbps:,.0f} | {_f(100 * mbps / (xs * 1e3), '.0f')} | "
+                   f"{_f(100 * mbps / (lim * 1e3), '.0f')} | {_f(bound, ',.0f')} |")
     return out
 
 

@@ -10,7 +10,7 @@ The variants (bench backend names):
 * ``latecomer-curve``: TCP under ``--keys`` (the default ``--seal auto``: the messages after the
   welcome sealed on a second connection, PROTOCOL.md §6.15, with AEGIS-256X4 where pyaegis is
   installed, else AES-256-GCM: the default ``--seal-cipher auto``), ``--shm off``
-* ``latecomer-curve-gcm`` (not in the default plan): the same with ``--seal-cipher aes256gcm``
+* ``latecomer-curve-gcm``: the same with ``--seal-cipher aes256gcm``
 * ``latecomer-curvezmq``: the same with ``--seal off`` (everything inside libzmq's CurveZMQ)
 * ``latecomer-bf16``: TCP with ``serve --wire-dtype bf16`` (2-byte frames), ``--shm off``
 * ``latecomer-c4``: TCP with ``work --credit 4``: each worker holds up to 4 jobs, so the next job

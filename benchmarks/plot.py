@@ -16,6 +16,7 @@ STYLE = {  # backend -> (colour, marker, line style)
     "latecomer-c4": ("tab:cyan", "^", "-"),
     "latecomer-bf16": ("tab:purple", "v", ":"),
     "latecomer-curve": ("tab:gray", "D", "-"),
+    "latecomer-curve-gcm": ("tab:gray", "D", ":"),
     "latecomer-curvezmq": ("tab:brown", "d", ":"),
     "torch-rpc": ("tab:orange", "x", "-."),
     "ray": ("tab:red", "+", "-."),
@@ -25,7 +26,8 @@ STYLE = {  # backend -> (colour, marker, line style)
 def plot(rows: list[dict], out: str, title: str = "", cipher_gbps: dict | None = None) -> None:
     """``cipher_gbps`` (construction -> GB/s per core): with it, each panel holding secure rows
     shows the updates/s at which their payload would move at each cipher's one-core limit
-    (XSalsa20-Poly1305: CurveZMQ's; AES-256-GCM through OpenSSL: the sealed data connection's)."""
+    (XSalsa20-Poly1305: CurveZMQ's; AES-256-GCM through OpenSSL and AEGIS-256X4 through libaegis:
+    the sealed data connection's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +44,8 @@ def plot(rows: list[dict], out: str, title: str = "", cipher_gbps: dict | None =
         secure = sorted((r["d"], r["bytes_per_update"]) for r in ok
                         if r["backend"] == "latecomer-curve" and r["workers"] == w)
         for name, colour, label in (("xsalsa20poly1305", "tab:brown", "XSalsa20 limit, 1 core"),
-                                    ("aes256gcm-openssl", "tab:gray", "AES-GCM limit, 1 core")):
+                                    ("aes256gcm-openssl", "tab:gray", "AES-GCM limit, 1 core"),
+                                    ("aegis256x4", "tab:olive", "AEGIS-256X4 limit, 1 core")):
             gbps = (cipher_gbps or {}).get(name)
             if gbps and secure:
                 ax.plot([d for d, _ in secure], [gbps * 1e9 / b for _, b in secure], color=colour, linestyle="-",
