@@ -134,34 +134,70 @@ _AEGIS_PAD = bytes(20)  # AEGIS-256's nonce is 32 bytes: the 12 of a frame's non
 class _Aegis256X4:
     """AEGIS-256X4 with AESGCM's ``encrypt_into`` / ``decrypt_into`` (the tag after the
     ciphertext; :class:`InvalidTag` when a frame does not authenticate), through libaegis's
-    detached calls (``pyaegis``; the GIL is let go inside them, as OpenSSL's are)."""
+    detached calls (``pyaegis``'s build). These keep the GIL (ctypes' PyDLL): letting go of it for
+    a few microseconds' work hands it to any other runnable thread (a worker's compute thread,
+    pyzmq's garbage collector) until that one lets go, and a 150-byte header frame then cost
+    20-200 µs instead of 2. The ``*_released`` twins (cffi) let go of it, for the segments of a
+    large message that several threads share (:func:`_spread`)."""
 
     __slots__ = ("key",)
+    in_place = True  # decrypt_into may write over its input (same start); OpenSSL's AES-GCM refuses overlap
 
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"AEGIS-256 takes a {KEY_BYTES}-byte key")
         self.key = bytes(key)
 
-    def encrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any) -> None:
+    def encrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any, lib: Any = None) -> None:
         src, dst = _ffi.from_buffer(data), _ffi.from_buffer(out, require_writable=True)
         n = len(src)
         if len(dst) != n + TAG_BYTES:
             raise ValueError(f"the output buffer must be {n + TAG_BYTES} bytes")
-        if _lib.aegis256x4_encrypt_detached(dst, dst + n, TAG_BYTES, src, n, aad, len(aad),
-                                            nonce + _AEGIS_PAD, self.key) != 0:
+        if lib is None:
+            p, q = _addr(dst), _addr(src)
+            rc = _held.aegis256x4_encrypt_detached(p, p + n, TAG_BYTES, q, n, aad, len(aad), nonce + _AEGIS_PAD,
+                                                   self.key)
+        else:
+            rc = lib.aegis256x4_encrypt_detached(dst, dst + n, TAG_BYTES, src, n, aad, len(aad), nonce + _AEGIS_PAD,
+                                                 self.key)
+        if rc != 0:
             raise ValueError("AEGIS-256X4 refused to seal")
 
-    def decrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any) -> None:
+    def decrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any, lib: Any = None) -> None:
         src, dst = _ffi.from_buffer(data), _ffi.from_buffer(out, require_writable=True)
         n = len(src) - TAG_BYTES
         if n < 0:
             raise InvalidTag()
         if len(dst) != n:
             raise ValueError(f"the output buffer must be {n} bytes")
-        if _lib.aegis256x4_decrypt_detached(dst, src, n, src + n, TAG_BYTES, aad, len(aad),
-                                            nonce + _AEGIS_PAD, self.key) != 0:
+        if lib is None:
+            p, q = _addr(dst), _addr(src)
+            rc = _held.aegis256x4_decrypt_detached(p, q, n, q + n, TAG_BYTES, aad, len(aad), nonce + _AEGIS_PAD,
+                                                   self.key)
+        else:
+            rc = lib.aegis256x4_decrypt_detached(dst, src, n, src + n, TAG_BYTES, aad, len(aad), nonce + _AEGIS_PAD,
+                                                 self.key)
+        if rc != 0:
             raise InvalidTag()
+
+    def encrypt_into_released(self, nonce: bytes, data: Any, aad: bytes, out: Any) -> None:
+        self.encrypt_into(nonce, data, aad, out, _lib)
+
+    def decrypt_into_released(self, nonce: bytes, data: Any, aad: bytes, out: Any) -> None:
+        self.decrypt_into(nonce, data, aad, out, _lib)
+
+
+def _held_calls(path: str) -> Any:
+    """libaegis's two detached calls through ctypes.PyDLL (the GIL held) from pyaegis's build."""
+    import ctypes
+
+    dll = ctypes.PyDLL(path)
+    for name in ("aegis256x4_encrypt_detached", "aegis256x4_decrypt_detached"):
+        fn = getattr(dll, name)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        fn.argtypes = [vp, vp, sz, vp, sz, ctypes.c_char_p, sz, ctypes.c_char_p, ctypes.c_char_p]
+        fn.restype = ctypes.c_int
+    return dll
 
 
 # draft-irtf-cfrg-aegis-aead, AEGIS-256X4 test vectors 1 and 2 (key, nonce, ad, msg, ct, tag128):
@@ -180,31 +216,42 @@ _AEGIS_KAT = (
 
 
 def _aegis_passes() -> bool:
-    """Whether the library gives the draft's test vectors (sealed and opened, and a changed tag refused)."""
+    """Whether the library gives the draft's test vectors through both ways of calling it (cffi,
+    the GIL let go; ctypes, the GIL held): sealed, opened, and a changed tag refused."""
     for key, nonce, ad, msg, ct, tag in _AEGIS_KAT:
         k, n, a, m = (bytes.fromhex(x) for x in (key, nonce, ad, msg))
-        out = bytearray(len(m) + TAG_BYTES)
-        if _lib.aegis256x4_encrypt_detached(_ffi.from_buffer(out), _ffi.from_buffer(out) + len(m), TAG_BYTES, m,
-                                            len(m), a, len(a), n, k) != 0:
-            return False
-        if bytes(out) != bytes.fromhex(ct + tag):
-            return False
-        back = bytearray(len(m))
-        if _lib.aegis256x4_decrypt_detached(_ffi.from_buffer(back), bytes(out), len(m), bytes(out[len(m):]),
-                                            TAG_BYTES, a, len(a), n, k) != 0 or bytes(back) != m:
-            return False
-        out[-1] ^= 1
-        if _lib.aegis256x4_decrypt_detached(_ffi.from_buffer(back), bytes(out), len(m), bytes(out[len(m):]),
-                                            TAG_BYTES, a, len(a), n, k) == 0:
-            return False
+        for released in (True, False):
+            out, back = bytearray(len(m) + TAG_BYTES), bytearray(len(m))
+            o, b, src = _ffi.from_buffer(out), _ffi.from_buffer(back), _ffi.from_buffer(m)
+            if released:
+                enc, dec = _lib.aegis256x4_encrypt_detached, _lib.aegis256x4_decrypt_detached
+            else:
+                enc, dec = _held.aegis256x4_encrypt_detached, _held.aegis256x4_decrypt_detached
+                o, b, src = _addr(o), _addr(b), _addr(src)
+            if enc(o, o + len(m), TAG_BYTES, src, len(m), a, len(a), n, k) != 0:
+                return False
+            if bytes(out) != bytes.fromhex(ct + tag):
+                return False
+            if dec(b, o, len(m), o + len(m), TAG_BYTES, a, len(a), n, k) != 0 or bytes(back) != m:
+                return False
+            out[-1] ^= 1
+            if dec(b, o, len(m), o + len(m), TAG_BYTES, a, len(a), n, k) == 0:
+                return False
     return True
 
 
+def _addr(buf: Any) -> int:
+    """The address of a cdata buffer (for the ctypes calls)."""
+    return int(_ffi.cast("uintptr_t", buf))
+
+
 try:  # optional (``pip install latecomer[aegis]``): without it every session is AES-256-GCM
+    import pyaegis._aegis_ffi as _aegis_module
     from pyaegis._aegis_ffi import ffi as _ffi
     from pyaegis._aegis_ffi import lib as _lib
 
     _lib.aegis_init()  # picks the code for this CPU's instructions (vector AES, AVX-512, ARM crypto)
+    _held = _held_calls(_aegis_module.__file__)
     _AEGIS_OK = _aegis_passes()
 except (ImportError, AttributeError, OSError):
     _AEGIS_OK = False
@@ -366,6 +413,7 @@ def _spread(fn: Callable, tasks: list, nbytes: int, parallel_min: int = PARALLEL
     pool = _pool() if nbytes >= parallel_min and len(tasks) > 1 else False
     if not pool:
         return _run(fn, tasks)
+    fn = getattr(fn.__self__, fn.__name__ + "_released", fn)  # AEGIS: the calls that let go of the GIL
     shared = iter(tasks)
     futures = [pool.submit(_run, fn, shared) for _ in range(min(pool._max_workers, len(tasks) - 1))]
     try:
@@ -470,7 +518,7 @@ class Opener:
     segments (the prefix says which)."""
 
     __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes", "segmented", "cipher",
-                 "parallel_min")
+                 "parallel_min", "in_place", "opened_in_place")
 
     def __init__(self, key: bytes, direction: bytes, props: dict | None = None, alloc: Alloc = _empty,
                  cipher: str = GCM) -> None:
@@ -486,6 +534,24 @@ class Opener:
         self.opened_bytes = 0
         self.segmented = 0  # messages that came in segments
         self.props = props or {}  # what OpenFrame.get answers (the CURVE connection's User-Id)
+        # Set by an owner whose large frames are buffers of its own, read once (the daemon's handed
+        # connections, the worker's data connection): a frame of one segment in a writable uint8
+        # array is then opened where it lies, its plaintext a view of it, when the cipher can
+        # (AEGIS: libaegis opens in place). The buffer was just filled by the read, so the pass
+        # stays in the cache, where a fresh destination costs a trip to memory: in place, a
+        # 400 KB frame opened in 20 µs against 50-70 in another buffer (benchmarks/PROFILE.md).
+        self.in_place = False
+        self.opened_in_place = 0  # frames opened so
+
+    def _own(self, f: Any, size: int) -> np.ndarray | None:
+        """``f``'s first ``size`` bytes as the opened frame, if it may be opened in place (see in_place)."""
+        if (self.in_place and type(f) is np.ndarray and f.dtype == np.uint8 and f.ndim == 1 and f.flags.writeable
+                and f.flags.c_contiguous and getattr(self.aead, "in_place", False)):
+            out = f[:size].view(OpenFrame)
+            out.props = self.props
+            self.opened_in_place += 1
+            return out
+        return None
 
     def _frame(self, size: int) -> np.ndarray:
         out = (self.alloc if size in self.sizes else _empty)(size).view(OpenFrame)
@@ -533,7 +599,9 @@ class Opener:
             size = buf.nbytes - TAG_BYTES
             if size < 0:
                 raise SealError("a sealed frame shorter than its tag")
-            out = self._frame(size)
+            out = self._own(f, size)
+            if out is None:
+                out = self._frame(size)
             try:
                 dec(d + (c + i).to_bytes(8, "big"), buf, prefix, out)
             except InvalidTag:
@@ -559,7 +627,9 @@ class Opener:
             size = sealed - m * TAG_BYTES
             if g + m > _NONCES:
                 raise SealError(f"message counter {c}: past the last nonce")
-            out = self._frame(size)
+            out = self._own(f, size) if m == 1 else None  # one segment: its plaintext starts where it does
+            if out is None:
+                out = self._frame(size)
             dst = memoryview(out).cast("B") if size else memoryview(out)
             for j in range(m):
                 at = j * step

@@ -72,6 +72,7 @@ class SealedLink:
         session = Session.unpack(bytes.fromhex(hexed))
         self.sealer, self.opener = sealer_opener(session, server=False, alloc=self.seal_pool, segments=segments,
                                                  cipher=cipher)
+        self.opener.in_place = True  # the data connection reads large frames into buffers of our own, once
         self.seal_token, self.seal_retry_s = session.token, RECONNECT_IVL_S
         self._connect_seal()
 

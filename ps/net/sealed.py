@@ -71,6 +71,7 @@ class _Session:
         self.rid, self.token = rid, session.token
         self.sealer = Sealer(session.down, DOWN, alloc, segments, cipher)
         self.opener = Opener(session.up, UP, {"key": key}, alloc, cipher)
+        self.opener.in_place = True  # a handed connection's large frames are the daemon's own buffers, read once
         self.bound = False  # a sealed message came on the data connection: send there
         self.rid_frame = RidFrame(rid)
         self.handed = False  # its data connection is one the daemon was handed (else the ROUTER's)
@@ -244,6 +245,7 @@ class SealedPath:
         return {"sealed_sessions": len(self.by_rid),
                 "sealed_sessions_in_segments": sum(s.sealer.segments for s in self.by_rid.values()),
                 "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()),
+                "sealed_in_place_live_in": sum(s.opener.opened_in_place for s in self.by_rid.values()),
                 "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
                 "sealed_stale": self.stale,

@@ -294,20 +294,36 @@ def test_frames_sealed_in_segments_open_to_the_same_bytes_on_any_number_of_threa
     assert np.array_equal(job.points[0], np.arange(2_000_000, dtype=np.float32))
 
 
-def test_threads_seal_exactly_the_bytes_one_thread_seals():
-    """The helper threads only share the work out: the same key and counter give the same bytes."""
+def test_threads_seal_exactly_the_bytes_one_thread_seals(monkeypatch):
+    """The helper threads only share the work out: the same key and counter give the same bytes,
+    and what threads sealed, threads open (10 MB: past either cipher's threshold for threads, so
+    they do share it; AEGIS then calls the library through the twin that lets go of the GIL)."""
     s = Session.new(make_token(SECRET))
-    frames = [b"h", np.random.default_rng(1).random(1_500_000).astype(np.float32)]
+    frames = [b"h", np.random.default_rng(1).random(2_500_000).astype(np.float32)]
+    spread, real = [], seal_mod._pool
+    monkeypatch.setattr(seal_mod, "_pool", lambda: spread.append(1) or real())
+    released = []
+    if HAVE_AEGIS:
+        for name in ("encrypt_into_released", "decrypt_into_released"):
+            twin = getattr(seal_mod._Aegis256X4, name)
+            monkeypatch.setattr(seal_mod._Aegis256X4, name,
+                                lambda self, *a, _t=twin, _n=name: released.append(_n) or _t(self, *a))
     out = []
     for n in (1, 3):
         set_cipher_threads(n)
         try:
             assert cipher_threads() == n
-            seal, _ = sealer_opener(s, server=True, segments=True)
-            out.append(plain(seal.seal(frames)))
+            (seal, _), (_, w_open) = sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False)
+            sealed = seal.seal(frames)
+            out.append(plain(sealed))
+            assert plain(w_open.open(sealed)) == plain(frames)
         finally:
             set_cipher_threads(None)
-    assert out[0] == out[1]
+    assert out[0] == out[1] and len(spread) >= 4  # the pool was asked for each seal and open
+    if seal.cipher == AEGIS:  # 11 segments each way (the header, 10 of 1 MiB), shared through the GIL-free twins
+        assert released.count("encrypt_into_released") == released.count("decrypt_into_released") == 11
+    else:
+        assert not released
 
 
 def test_a_worker_that_did_not_say_segments_gets_whole_frames_and_an_opener_takes_both():
@@ -496,3 +512,54 @@ def test_the_daemons_sealed_path_offers_each_worker_the_cipher_it_can_use(tmp_pa
     finally:
         path.close()
         ctx.destroy(linger=0)
+
+
+def test_aegis_opens_a_frame_of_its_own_where_it_lies_and_nothing_else(cipher):
+    """Opener.in_place (the daemon's handed connections, the worker's data connection): a
+    one-segment frame in a writable uint8 array of the caller's is opened over itself (AEGIS),
+    its plaintext a view of it; bytes, read-only buffers, frames of several segments and AES-GCM
+    (which refuses overlap) go into a buffer of their own. A frame that does not authenticate is
+    refused as ever, and the opener is left as it was."""
+    s = Session.new(make_token(SECRET))
+    seal, _ = sealer_opener(s, server=True, segments=True)
+    _, w_open = sealer_opener(s, server=False)
+    w_open.in_place = True
+    x = np.random.default_rng(3).random(100_000).astype(np.float32)
+    big = np.zeros(3 * MiB, np.uint8)
+
+    def own(frames):  # as a connection's reader hands them over: large frames in arrays of its own
+        views = [memoryview(f).cast("B") for f in frames]
+        return [bytes(v) if v.nbytes < 1024 else np.array(v, np.uint8) for v in views]
+
+    sealed = own(seal.seal([b"header", x, big]))
+    opened = w_open.open(sealed)
+    assert plain(opened) == plain([b"header", x, big])
+    shared = [np.shares_memory(o, f) for o, f in zip(opened, sealed[1:], strict=True)]
+    assert shared == [False, cipher == AEGIS, False]  # bytes, one segment, three segments
+    assert w_open.opened_in_place == (1 if cipher == AEGIS else 0)
+    ro = own(seal.seal([b"h", x]))
+    ro[2].setflags(write=False)
+    assert not np.shares_memory(w_open.open(ro)[1], ro[2])
+    bad = own(seal.seal([b"h", x]))
+    bad[2][5] ^= 1
+    before = (w_open.next, w_open.opened_bytes)
+    with pytest.raises(SealError):
+        w_open.open(bad)
+    assert (w_open.next, w_open.opened_bytes) == before
+
+
+def test_aegis_keeps_the_gil_for_a_message_it_seals_on_one_thread(monkeypatch, cipher):
+    """Below the threads' threshold AEGIS is called through the GIL-holding calls only (letting go
+    of the GIL for microseconds hands it to any runnable thread for up to the switch interval)."""
+    if cipher != AEGIS:
+        pytest.skip("about AEGIS")
+
+    class NoCffi:
+        def __getattr__(self, name):
+            raise AssertionError(f"cffi's {name} called for a message sealed on one thread")
+
+    monkeypatch.setattr(seal_mod, "_lib", NoCffi())
+    s = Session.new(make_token(SECRET))
+    (seal, _), (_, w_open) = sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False)
+    frames = [b"header", np.ones(3 * MiB, np.uint8)]
+    assert plain(w_open.open(seal.seal(frames))) == plain(frames)
