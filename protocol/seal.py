@@ -276,9 +276,17 @@ def available_ciphers() -> tuple[str, ...]:
     return tuple(c for c in have if c in want or c == GCM)
 
 
-def choose_cipher(offered: Any, allowed: tuple[str, ...]) -> str | None:
+AEGIS_MIN_BYTES = 64 << 10  # under auto, AEGIS for runs whose arrays are at least this large
+
+
+def choose_cipher(offered: Any, allowed: tuple[str, ...], array_bytes: int | None = None) -> str | None:
     """The server's pick for a worker that offered ``offered`` (hello.seal_ciphers, besides GCM):
-    the first of ``allowed`` (the server's, fastest first) the worker can use too; None if none."""
+    the first of ``allowed`` (the server's, fastest first) the worker can use too; None if none.
+    ``array_bytes`` (an iterate's bytes on the wire), when the server may pick either: below
+    AEGIS_MIN_BYTES AES-256-GCM, whose calls cost a third of AEGIS's on small frames (OpenSSL's C
+    entry against ctypes'), where AEGIS's speed per byte buys nothing."""
+    if array_bytes is not None and array_bytes < AEGIS_MIN_BYTES and GCM in allowed:
+        allowed = (GCM,)
     for c in allowed:
         if c == GCM or c in offered:
             return c

@@ -135,14 +135,16 @@ class SealedPath:
         self.refusals = RateLimitedLog(log)
         self.handed: Any = None  # the data connections the front hands over (ps/net/handover.py), if any
 
-    def offer(self, rid: bytes, key: str, segments: bool = False, offered: tuple[str, ...] = ()) -> tuple[str, str]:
+    def offer(self, rid: bytes, key: str, segments: bool = False, offered: tuple[str, ...] = (),
+              array_bytes: int | None = None) -> tuple[str, str]:
         """A new session for the CURVE connection ``rid`` (its key's fingerprint ``key``), replacing
         any it had; returns Welcome.seal and the session's cipher (("", ""): none, when the worker
         can use none of ``ciphers``: it stays on CurveZMQ). ``segments``: its worker opens sealed
         frames in segments (hello.seal_segments), so large ones go that way (sealed on several
-        threads); ``offered``: the ciphers besides AES-256-GCM it can seal with (hello.seal_ciphers)."""
+        threads); ``offered``: the ciphers besides AES-256-GCM it can seal with (hello.seal_ciphers);
+        ``array_bytes``: an iterate's bytes on the wire (small ones: AES-256-GCM, :func:`choose_cipher`)."""
         self.forget(rid)
-        cipher = choose_cipher(offered, self.ciphers)
+        cipher = choose_cipher(offered, self.ciphers, array_bytes)
         if cipher is None:
             return "", ""
         session = Session.new(make_token(self.secret))

@@ -102,8 +102,9 @@ class ServeCommand(click.Command):
                          show_default=True, expose_value=False, callback=_store_cipher, is_eager=True,
                          help="The sealed data connection's cipher. auto: AEGIS-256X4 with each worker that can "
                               "use it too (both ends with `pip install 'latecomer[aegis]'`; about 3x AES-GCM's "
-                              "speed), else AES-256-GCM; aes256gcm: AES-256-GCM only; aegis256x4: only it (a "
-                              "worker without it stays on CurveZMQ). PROTOCOL.md 6.15."),
+                              "speed) when the iterate is at least 64 KiB on the wire, else AES-256-GCM; "
+                              "aes256gcm: AES-256-GCM only; aegis256x4: only it, whatever the size (a worker "
+                              "without it stays on CurveZMQ). PROTOCOL.md 6.15."),
             click.Option(["--hand-over"], type=click.Choice(["auto", "off"]), default="auto", show_default=True,
                          expose_value=False, callback=_store, is_eager=True,
                          help="auto has the front pass each plaintext connection (under --keys: each "

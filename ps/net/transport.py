@@ -63,7 +63,7 @@ from protocol.messages import (
     Welcome,
 )
 from protocol.seal import GCM
-from protocol.wire import to_wire
+from protocol.wire import WIRE_NUMPY, to_wire
 from ps.core.iterates import EvictionCursor
 from ps.journal.replies import reply_from_wire
 from ps.net.admission import Admission
@@ -522,7 +522,8 @@ class ServerTransport(_Outbound):
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
-            seal, cipher = (self.sealed.offer(conn.rid, conn.key, conn.seal_segments, conn.seal_ciphers)
+            seal, cipher = (self.sealed.offer(conn.rid, conn.key, conn.seal_segments, conn.seal_ciphers,
+                                              self.core.dim * WIRE_NUMPY[self.wire_dtype].itemsize)
                             if self.sealed is not None and conn.seal_capable else ("", ""))
             msg = dataclasses.replace(msg, wire_dtype=self.wire_dtype, parts=conn.parts,
                                       shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),

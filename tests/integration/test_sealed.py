@@ -90,21 +90,22 @@ def _aegis_here() -> bool:
     return False
 
 
-@pytest.mark.parametrize("choice, worker_env, expect", [
-    ("auto", "", "aegis256x4"),  # both ends can: the faster cipher
-    ("aes256gcm", "", "aes256gcm"),  # the server keeps AES-256-GCM
-    ("auto", "aes256gcm", "aes256gcm"),  # a worker without AEGIS gets AES-256-GCM
-    ("aegis256x4", "aes256gcm", ""),  # the server takes AEGIS only: that worker stays on CurveZMQ
+@pytest.mark.parametrize("choice, worker_env, d, expect", [
+    ("auto", "", 200_000, "aegis256x4"),  # both ends can: the faster cipher
+    ("auto", "", 1_000, "aes256gcm"),  # ... but for 4 KB arrays AES-GCM's cheaper calls
+    ("aes256gcm", "", 200_000, "aes256gcm"),  # the server keeps AES-256-GCM
+    ("auto", "aes256gcm", 200_000, "aes256gcm"),  # a worker without AEGIS gets AES-256-GCM
+    ("aegis256x4", "aes256gcm", 200_000, ""),  # the server takes AEGIS only: that worker stays on CurveZMQ
 ])
 def test_the_sessions_cipher_is_the_first_both_ends_can_use_and_training_is_exact(procs, tmp_path, choice,
-                                                                                  worker_env, expect):
+                                                                                  worker_env, d, expect):
     """``serve --seal-cipher`` and the worker's hello.seal_ciphers (PROTOCOL.md §6.15): whichever
     cipher the session gets (or none), the same iterate as a plaintext run, and replay exact."""
     from ps.drivers.replay import replay_run
 
     if not _aegis_here():
         pytest.skip("AEGIS-256X4 is not available here (pip install 'latecomer[aegis]')")
-    keys, state, d, steps = make_keys(tmp_path, "w"), str(tmp_path / "state"), 200_000, 12
+    keys, state, steps = make_keys(tmp_path, "w"), str(tmp_path / "state"), 12
     server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--keys", keys, "--problem", "synthetic",
                          "--problem-opt", f"d={d}", "--algorithm", "asgd", "--set", f"lr={LR}", "--max-steps",
                          str(steps), "--eval-every", "0", "--state", state, "--shm", "off", "--seal-cipher", choice)
@@ -123,7 +124,7 @@ def test_the_sessions_cipher_is_the_first_both_ends_can_use_and_training_is_exac
         # AEGIS opens each reply's gradient (800 KB: one segment) where the handed connection read it;
         # OpenSSL's AES-GCM cannot (it refuses overlapping buffers): into a buffer of the pool
         in_place = t["sealed_in_place_live_in"]
-        assert (in_place >= steps - 2 if expect == "aegis256x4" else in_place == 0), t
+        assert (in_place >= steps - 2 if expect == "aegis256x4" and d >= 100_000 else in_place == 0), t
     else:  # no session: everything over CurveZMQ
         assert offered == {} and t.get("sealed_messages_in", 0) == 0, t
     x = np.load(os.path.join(state, "final_x.npy"))

@@ -471,6 +471,10 @@ def test_the_server_takes_the_first_of_its_ciphers_the_worker_can_use(monkeypatc
     assert choose_cipher(("future-cipher",), (AEGIS, GCM)) == GCM  # names it does not know are ignored
     assert choose_cipher(("aegis256x4",), (GCM,)) == GCM  # serve --seal-cipher aes256gcm
     assert choose_cipher((), (AEGIS,)) is None  # serve --seal-cipher aegis256x4, a worker without it
+    # auto (both allowed) for a run whose arrays are small: AES-GCM, whose calls cost less per frame
+    assert choose_cipher((AEGIS,), (AEGIS, GCM), seal_mod.AEGIS_MIN_BYTES - 1) == GCM
+    assert choose_cipher((AEGIS,), (AEGIS, GCM), seal_mod.AEGIS_MIN_BYTES) == AEGIS
+    assert choose_cipher((AEGIS,), (AEGIS,), 4_000) == AEGIS  # asked for by name: AEGIS whatever the size
     monkeypatch.setenv("LATECOMER_SEAL_CIPHERS", "aes256gcm")
     assert available_ciphers() == (GCM,)
     monkeypatch.setenv("LATECOMER_SEAL_CIPHERS", "aes256gcm,rot13")
