@@ -262,7 +262,7 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
     cipher's one-core limit that is; and the updates/s a lockstep worker would reach if sealing
     cost only the cipher's 4 passes over the arrays (x sealed and opened, g sealed and opened, one
     after the other) on top of the plaintext round trip."""
-    from protocol.seal import AEGIS
+    from protocol.seal import AEGIS, AEGIS_MIN_BYTES
 
     by = {(r.backend, r.d, r.workers): r for r in rows}
     cells = sorted({(r.d, r.workers) for r in rows if r.backend == "latecomer-curve" and _ok(r)})
@@ -270,9 +270,12 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
         return []
     cipher = cipher or {}
     xs = cipher.get("xsalsa20poly1305", math.nan)
-    session = AEGIS if AEGIS in cipher else "aes256gcm-openssl"  # what latecomer-curve's sessions use here
-    name = "AEGIS-256X4 (libaegis)" if session == AEGIS else "AES-256-GCM (OpenSSL)"
-    lim = cipher.get(session, math.nan)
+    aegis = AEGIS in cipher  # latecomer-curve's sessions here: AEGIS for iterates of 64 KiB and more, else AES-GCM
+
+    def session(d: int) -> str:
+        return AEGIS if aegis and 4 * d >= AEGIS_MIN_BYTES else "aes256gcm-openssl"
+    name = ("AEGIS-256X4 (libaegis) where the iterate is at least 64 KiB, AES-256-GCM (OpenSSL) below"
+            if aegis else "AES-256-GCM (OpenSSL)")
     limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in cipher.items()) or "not measured"
     out = ["", "## The encrypted path", "",
            f"Cipher limits, one core, 4 MB messages (measured in this run): {limit}. *sealed*: `serve --keys` "
@@ -282,9 +285,9 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
            "AES-GCM*: the same with `--seal-cipher aes256gcm` (the `latecomer-curve-gcm` rows, where they ran); "
            "*CurveZMQ*: `--keys --seal off` (libzmq seals every frame with XSalsa20-Poly1305). Targets (issue "
            "32): the secure path >= 0.7x plaintext at every d with 1 and 2 workers; payload bytes/s >= 50 % of "
-           f"the cipher limit at 1e6-1e7. *cipher bound*: the updates/s of a lockstep worker if each update cost "
-           f"only {name}'s 4 passes over its arrays, each at one core's limit, on top of the plaintext round "
-           "trip (the segments' threads may pass it).", "",
+           "the cipher limit at 1e6-1e7. *cipher bound*: the updates/s of a lockstep worker if each update cost "
+           "only its session cipher's 4 passes over its arrays, each at one core's limit, on top of the plaintext "
+           "round trip (the segments' threads may pass it).", "",
            "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | sealed, AES-GCM / plaintext | "
            "CurveZMQ upd/s | CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | "
            "% of its cipher's limit | 1-worker cipher bound upd/s |",
@@ -297,6 +300,7 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
         gq = g.updates_per_s if g is not None and _ok(g) else math.nan
         mbps = c.updates_per_s * c.bytes_per_update / 1e6
         arrays = 4.0 * d  # bytes of one float32 array
+        lim = cipher.get(session(d), math.nan)
         bound = 1.0 / (1.0 / plain + 4 * arrays / (lim * 1e9)) if w == 1 else math.nan
         out.append(f"| {d:,} | {w} | {_cell(plain, ',.1f')} | {c.updates_per_s:,.1f} | "
                    f"{_f(c.updates_per_s / plain, '.2f')} | {_f(gq / plain, '.2f')} | {_cell(zq, ',.1f')} | "
