@@ -160,14 +160,12 @@ def cipher_threads_env() -> None:
     """``LATECOMER_CIPHER_THREADS`` and ``LATECOMER_SEAL_CIPHERS`` (protocol/seal.py) checked before
     anything starts: a bad value is a one-line usage error here, not a failure at the first large
     sealed message (or the first hello)."""
-    from protocol.seal import CIPHER_THREADS_ENV, threads_from_env
+    from protocol.seal import CIPHER_THREADS_ENV, available_ciphers, threads_from_env
 
     try:
         threads_from_env()
     except ValueError as e:
         raise click.UsageError(f"{e} (the environment variable {CIPHER_THREADS_ENV})") from None
-    from protocol.seal import available_ciphers
-
     try:
         available_ciphers()  # LATECOMER_SEAL_CIPHERS
     except ValueError as e:

@@ -138,9 +138,9 @@ def _store_cipher(ctx: click.Context, param: click.Parameter, value: Any) -> Any
 
 def seal_ciphers(choice: str) -> tuple[str, ...]:
     """``--seal-cipher``'s ciphers, the first a worker can use taken (protocol/seal.py choose_cipher)."""
-    from protocol.seal import GCM, available_ciphers
+    from protocol.seal import available_ciphers
 
-    return available_ciphers() if choice == "auto" else (choice,) if choice != GCM else (GCM,)
+    return available_ciphers() if choice == "auto" else (choice,)
 
 
 def _meta() -> dict[str, Any]:

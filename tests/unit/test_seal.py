@@ -570,3 +570,34 @@ def test_aegis_keeps_the_gil_for_a_message_it_seals_on_one_thread(monkeypatch, c
     (seal, _), (_, w_open) = sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False)
     frames = [b"header", np.ones(3 * MiB, np.uint8)]
     assert plain(w_open.open(seal.seal(frames))) == plain(frames)
+
+
+def test_a_process_whose_aegis_library_misses_the_test_vectors_seals_with_aes_gcm_only(cipher):
+    """The gate at import (protocol/seal.py): a libaegis whose output is one bit off is not used,
+    in a fresh interpreter where that library is the one ``pyaegis`` gives."""
+    import subprocess
+    import sys
+
+    if cipher != AEGIS:
+        pytest.skip("about AEGIS")
+    code = """
+import sys, types
+import pyaegis._aegis_ffi as real
+class Lib:
+    def __getattr__(self, name):
+        return getattr(real.lib, name)
+    @staticmethod
+    def aegis256x4_encrypt_detached(c, mac, maclen, *rest):
+        rc = real.lib.aegis256x4_encrypt_detached(c, mac, maclen, *rest)
+        real.ffi.cast("uint8_t *", mac)[0] ^= 1
+        return rc
+fake = types.ModuleType("pyaegis._aegis_ffi")
+fake.ffi, fake.lib, fake.__file__ = real.ffi, Lib(), real.__file__
+sys.modules["pyaegis._aegis_ffi"] = fake
+import protocol.seal as s
+print(",".join(s.available_ciphers()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == GCM
