@@ -87,6 +87,8 @@ class RunOutputs:
                     self.lifecycle.info(text.format_map(collections.defaultdict(str, ev)), extra={"event": ev})
                 else:
                     self.lifecycle.info("%s %s", kind, ev.get("worker_id", ""), extra={"event": ev})
+                if kind == "ready" and not core.started:
+                    self.log_waiting(core)
             elif kind in FAILURE_LINES and (kind != "failed" or ev.get("worker_failed") == 1):
                 self.lifecycle.warning(FAILURE_LINES[kind].format_map(ev), extra={"event": ev})
         if events:
@@ -98,6 +100,13 @@ class RunOutputs:
         if self.events_file and events:
             self.events_file.write_events(list(events))  # observers get the list: theirs to change
             self.events_dirty = True  # flushed by the loop (flush_event_log)
+
+    def log_waiting(self, core: Any) -> None:
+        """A worker is ready before the first job: say how many more ``--min-workers`` waits for."""
+        more = core.cfg.min_workers - len(core._eligible)
+        if more > 0:
+            self.lifecycle.info("waiting for %d more worker%s before the first job (--min-workers %d)",
+                                more, "s" if more > 1 else "", core.cfg.min_workers)
 
     def flush_event_log(self) -> None:
         """After a pass of the loop (a batch of messages), at most every EVENTS_FLUSH_S: in lockstep a

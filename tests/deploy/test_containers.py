@@ -211,6 +211,8 @@ def test_compose_trains_with_keys_and_two_workers(image, tmp_path, scope):
     assert summary["counters"]["lost"] == 0 and summary["counters"]["workers_joined"] == 2, summary["counters"]
     assert len(set(joined)) == 2, f"2 workers, 2 distinct ids: {joined}"
     assert set(applied) == set(joined), f"both workers trained: {applied}"
+    order = [e["ev"] for e in events if e["ev"] in ("ready", "applied")]
+    assert order[:2] == ["ready", "ready"], f"--min-workers ${{LATECOMER_WORKERS}}: both in before a step: {order[:5]}"
     assert last["accuracy"] >= 0.9, last
     assert f"stopped (reached {MAX_STEPS} steps)" in server_log
 

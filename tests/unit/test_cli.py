@@ -260,6 +260,36 @@ def test_a_late_reply_is_logged_with_what_it_means(caplog):
         "frozen worker whose job was written off or cancelled, or a repeat)"]
 
 
+def test_a_ready_worker_before_the_first_job_hears_how_many_more_min_workers_waits_for(caplog):
+    """A compose run whose LATECOMER_WORKERS (the server's --min-workers) exceeds the workers started
+    made no step and said nothing about why: each ready worker before the first job now logs how
+    many more the server waits for; the line stops once jobs are handed out."""
+    import logging
+
+    from protocol.messages import Hello, Ready
+    from ps.cli.options import training_spec
+    from ps.drivers.server import ServeOptions, make_daemon
+
+    spec = training_spec("quadratic", (), "asgd", ("lr=0.1",), None, default_problem="quadratic",
+                         default_algorithm="asgd")
+    daemon = make_daemon(spec, "tcp://127.0.0.1:0", ServeOptions(max_steps=10, min_workers=3))
+    lines = []
+    try:
+        for wid in ("w1", "w2", "w3", "w4"):
+            caplog.clear()
+            with caplog.at_level(logging.INFO, "latecomer.events"):
+                daemon.core.handle(wid, Hello(worker_id=wid, boot=1, credit=1), 0.0)
+                daemon.core.handle(wid, Ready(credit=1), 0.0)
+                daemon._flush_events()
+            lines.append([r.getMessage() for r in caplog.records if r.name == "latecomer.events"])
+    finally:
+        daemon.close()
+    wait = "waiting for {} before the first job (--min-workers 3)"
+    assert lines == [["joined w1", "ready w1", wait.format("2 more workers")],
+                     ["joined w2", "ready w2", wait.format("1 more worker")],
+                     ["joined w3", "ready w3"], ["joined w4", "ready w4"]]
+
+
 def test_the_server_says_which_blocks_get_muon_and_in_what_arithmetic():
     from types import SimpleNamespace as NS
 
