@@ -89,7 +89,9 @@ def test_the_readme_recipe_trains_and_every_unit_ends_clean(host):
         with C.timed("systemd: every host (useradd, venv, pip install)"):
             host.sh(substitute(every_host, **{"/path/to/latecomer": S.SRC}), timeout=900)
         with C.timed("systemd: server host, to listening"):
-            host.sh(substitute(server, **{"--max-steps 20000": f"--max-steps {MAX_STEPS}"}), timeout=120)
+            # --min-workers: both workers are in before the first job, so both train (1,000 steps are soon over)
+            host.sh(substitute(server, **{"--max-steps 20000": f"--max-steps {MAX_STEPS} --min-workers {WORKERS}"}),
+                    timeout=120)
             host.wait_journal("latecomer-server", "listening on", timeout=90)
         # a worker host added while the server runs (no worker has joined yet: it is waiting)
         host.sh(added_host, timeout=120)
