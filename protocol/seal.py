@@ -76,7 +76,7 @@ _PREFIX = struct.Struct(">QH")
 _PREFIX_SEGMENTS = struct.Struct(">QHB")
 _SEGMENT_AAD = struct.Struct(">HII")  # frame index, segment index in the frame, the frame's segment count
 MAX_FRAMES = 0xFFFF
-SEGMENT_LOG2 = 20  # this sender's segments: 1 MiB
+SEGMENT_LOG2 = 20  # this sender's segments: 1 MiB (larger under AEGIS for messages no thread shares)
 SEGMENT_LOG2_MIN, SEGMENT_LOG2_MAX = 16, 24  # what a receiver accepts
 PARALLEL_MIN_BYTES = 2 << 20  # a message's sealed bytes from which its segments are spread over threads
 MAX_CIPHER_THREADS = 4  # the calling thread and up to 3 helpers
@@ -479,8 +479,21 @@ class Sealer:
         self.counter = c + n
         return out
 
+    def _segment_log2(self, frames: list) -> int:
+        """The segments' size for this message: 1 MiB, except where the peer opens in place (AEGIS)
+        and no helper thread would share the work (under the cipher's PARALLEL_MIN): then each frame
+        is one segment, which the receiver opens over itself where its read left it, rather than
+        into another buffer (a 4 MB frame cut in four cannot be: the tags between the segments
+        shift each plaintext). The receiver reads the size from the prefix."""
+        if not getattr(self.aead, "in_place", False):
+            return SEGMENT_LOG2
+        sizes = [_nbytes(f) for f in frames]
+        if sum(sizes) >= self.parallel_min:
+            return SEGMENT_LOG2
+        return min(SEGMENT_LOG2_MAX, max(SEGMENT_LOG2, (max(sizes) - 1).bit_length()))
+
     def _seal_segments(self, frames: list) -> list:
-        c, n, p = self.counter, len(frames), SEGMENT_LOG2
+        c, n, p = self.counter, len(frames), self._segment_log2(frames)
         seg = 1 << p
         prefix = _PREFIX_SEGMENTS.pack(c, n, p)
         out: list = [prefix]

@@ -67,6 +67,13 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
         assert t["handed_reads"] >= t["handed_messages_in"], t  # a read or more per message (PROFILE.md)
     else:
         assert "handed_in_all" not in t, t
+    # AEGIS (where both ends have it) seals a message below 8 MiB a segment per frame, and the
+    # daemon opens each reply's gradient (2 MB; a 4 MiB part) where its handed connection read it;
+    # relayed (a ROUTER's frames) or under AES-GCM, into a buffer of its own
+    aegis = t.get("sealed_offered_aegis256x4", 0) == 1
+    assert aegis or not _aegis_here()
+    in_place = t["sealed_in_place_live_in"]
+    assert in_place >= (steps - 2) * (5 if parts else 1) if aegis and hand_over == "auto" else in_place == 0, t
     if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message
         assert t["parts_in"] >= 5 * steps and t["parts_out"] >= 5 * (steps - 2), t
     else:  # 2 MB: below the plaintext threshold, one message each way sealed; CurveZMQ splits it in 2

@@ -278,17 +278,20 @@ def plain(frames: list) -> list:
     return [bytes(memoryview(f).cast("B")) for f in frames]
 
 
-def test_frames_sealed_in_segments_open_to_the_same_bytes_on_any_number_of_threads(threads):
+def test_frames_sealed_in_segments_open_to_the_same_bytes_on_any_number_of_threads(threads, cipher):
     (s_seal, _), (_, w_open) = seg_pair()
     rng = np.random.default_rng(0)
     sizes = [0, 1, MiB - 1, MiB, MiB + 1, 3 * MiB + 5, 17]
     frames = [b"header", *(rng.integers(0, 256, n, dtype=np.uint8) for n in sizes)]
     sealed = s_seal.seal(frames)
-    segs = [max(1, -(-memoryview(f).cast("B").nbytes // MiB)) for f in frames]
-    assert len(sealed[0]) == 11 and sealed[0][10] == SEGMENT_LOG2 == 20  # prefix: counter, count, log2 of 1 MiB
+    # AES-GCM: 1 MiB segments. AEGIS (opened in place) below its threshold for threads (5 MiB < 8 MiB):
+    # one segment per frame, of the power of two that holds the largest (3 MiB + 5: 2^22)
+    log2 = 22 if cipher == AEGIS else SEGMENT_LOG2
+    segs = [max(1, -(-memoryview(f).cast("B").nbytes // (1 << log2))) for f in frames]
+    assert len(sealed[0]) == 11 and sealed[0][10] == log2 and SEGMENT_LOG2 == 20  # prefix: counter, count, log2
     assert [memoryview(f).nbytes for f in sealed[1:]] == [
         memoryview(f).cast("B").nbytes + m * TAG_BYTES for f, m in zip(frames, segs, strict=True)]
-    assert s_seal.counter == sum(segs) == 1 + 1 + 1 + 1 + 1 + 2 + 4 + 1  # a nonce per segment
+    assert s_seal.counter == sum(segs) == (1 + 1 + 1 + 1 + 1 + 2 + 4 + 1 if cipher == GCM else 8)  # a nonce a segment
     opened = w_open.open(sealed)
     assert [f.tobytes() for f in opened] == plain(frames)
     assert w_open.next == s_seal.counter and w_open.segmented == 1
@@ -329,7 +332,7 @@ def test_threads_seal_exactly_the_bytes_one_thread_seals(monkeypatch):
         assert not released
 
 
-def test_a_worker_that_did_not_say_segments_gets_whole_frames_and_an_opener_takes_both():
+def test_a_worker_that_did_not_say_segments_gets_whole_frames_and_an_opener_takes_both(cipher):
     s = Session.new(make_token(SECRET))
     whole, _ = sealer_opener(s, server=True)
     parted, _ = sealer_opener(s, server=True, segments=True)
@@ -340,7 +343,8 @@ def test_a_worker_that_did_not_say_segments_gets_whole_frames_and_an_opener_take
     assert plain(w_open.open(a)) == plain(frames) and w_open.next == 2 and w_open.segmented == 0
     parted.counter = whole.counter  # one session's sender changing format: the counter goes on
     b = parted.seal(frames)
-    assert plain(w_open.open(b)) == plain(frames) and w_open.next == 2 + 1 + 3 and w_open.segmented == 1
+    segments = 3 if cipher == GCM else 1  # AEGIS: a segment per frame below its threads' threshold
+    assert plain(w_open.open(b)) == plain(frames) and w_open.next == 2 + 1 + segments and w_open.segmented == 1
 
 
 def _segments_of(frame) -> list[bytes]:
@@ -351,7 +355,9 @@ def _segments_of(frame) -> list[bytes]:
 
 @pytest.mark.parametrize("attack", ["segment moved to the next frame", "last segment cut", "segments swapped",
                                     "segment size changed", "a byte of a middle segment", "tag shortened"])
-def test_a_segment_moved_cut_swapped_or_changed_refuses_the_whole_message(attack, threads):
+def test_a_segment_moved_cut_swapped_or_changed_refuses_the_whole_message(attack, threads, monkeypatch):
+    # 1 MiB segments under either cipher (AEGIS cuts a message this small a segment per frame)
+    monkeypatch.setattr(seal_mod.Sealer, "_segment_log2", lambda self, frames: SEGMENT_LOG2)
     (s_seal, _), (_, w_open) = seg_pair()
     frames = [b"h", np.full(3 * MiB, 7, np.uint8), np.full(2 * MiB, 9, np.uint8)]
     sealed = [bytes(memoryview(f).cast("B")) for f in s_seal.seal(frames)]
@@ -525,8 +531,10 @@ def test_aegis_opens_a_frame_of_its_own_where_it_lies_and_nothing_else(cipher):
     """Opener.in_place (the daemon's handed connections, the worker's data connection): a
     one-segment frame in a writable uint8 array of the caller's is opened over itself (AEGIS),
     its plaintext a view of it; bytes, read-only buffers, frames of several segments and AES-GCM
-    (which refuses overlap) go into a buffer of their own. A frame that does not authenticate is
-    refused as ever, and the opener is left as it was."""
+    (which refuses overlap) go into a buffer of their own. Under AEGIS a message below the threads'
+    threshold is sealed a segment per frame, so a 3 MiB frame opens in place too; past it (9 MiB)
+    it comes in 1 MiB segments. A frame that does not authenticate is refused as ever, and the
+    opener is left as it was."""
     s = Session.new(make_token(SECRET))
     seal, _ = sealer_opener(s, server=True, segments=True)
     _, w_open = sealer_opener(s, server=False)
@@ -542,8 +550,14 @@ def test_aegis_opens_a_frame_of_its_own_where_it_lies_and_nothing_else(cipher):
     opened = w_open.open(sealed)
     assert plain(opened) == plain([b"header", x, big])
     shared = [np.shares_memory(o, f) for o, f in zip(opened, sealed[1:], strict=True)]
-    assert shared == [False, cipher == AEGIS, False]  # bytes, one segment, three segments
-    assert w_open.opened_in_place == (1 if cipher == AEGIS else 0)
+    assert shared == [False, cipher == AEGIS, cipher == AEGIS]  # bytes; one segment; AES-GCM: three segments
+    assert w_open.opened_in_place == (2 if cipher == AEGIS else 0)
+    huge = np.arange(9 * MiB, dtype=np.uint8)
+    sealed = own(seal.seal([b"h", huge]))
+    assert len(sealed[2]) == huge.nbytes + 9 * TAG_BYTES  # 1 MiB segments (shared by the threads)
+    opened = w_open.open(sealed)
+    assert np.array_equal(opened[1], huge) and not np.shares_memory(opened[1], sealed[2])
+    assert w_open.opened_in_place == (2 if cipher == AEGIS else 0)
     ro = own(seal.seal([b"h", x]))
     ro[2].setflags(write=False)
     assert not np.shares_memory(w_open.open(ro)[1], ro[2])
