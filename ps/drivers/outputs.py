@@ -106,7 +106,8 @@ class RunOutputs:
         more = core.cfg.min_workers - len(core._eligible)
         if more > 0:
             self.lifecycle.info("waiting for %d more worker%s before the first job (--min-workers %d)",
-                                more, "s" if more > 1 else "", core.cfg.min_workers)
+                                more, "s" if more > 1 else "", core.cfg.min_workers,
+                                extra={"event": {"ev": "waiting", "more": more, "min_workers": core.cfg.min_workers}})
 
     def flush_event_log(self) -> None:
         """After a pass of the loop (a batch of messages), at most every EVENTS_FLUSH_S: in lockstep a
