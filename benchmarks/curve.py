@@ -34,8 +34,10 @@ def _applied(events: str) -> list[float]:
     out = []
     with open(events, encoding="utf-8") as f:
         for line in f:
-            if line.endswith("\n") and '"ev": "applied"' in line:
-                out.append(json.loads(line)["t"])
+            if line.endswith("\n") and '"applied"' in line:
+                ev = json.loads(line)
+                if ev.get("ev") == "applied":
+                    out.append(ev["t"])
     return out
 
 

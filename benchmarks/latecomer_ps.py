@@ -24,7 +24,7 @@ The variants (bench backend names):
 
 Updates are the daemon's ``applied`` events; a round trip is a job's ``issued`` -> ``applied``
 time (both stamped by the daemon, monotonic clock, the same clock as the bench's windows). The
-events file costs the daemon a ``json.dumps`` per event (two per update): that is included in
+events file costs the daemon two events per update, serialized at each flush: that is included in
 its CPU figure. Start-up readiness is asked over the protocol (a ``StatusRequest``), so it does
 not depend on when the daemon flushes its events file.
 """

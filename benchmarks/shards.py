@@ -228,9 +228,11 @@ def _applied(events: Path) -> list[tuple[float, int]]:
     try:
         with open(events, encoding="utf-8") as f:
             for line in f:
-                if '"ev": "applied"' not in line or not line.endswith("\n"):
+                if '"applied"' not in line or not line.endswith("\n"):
                     continue
                 ev = json.loads(line)
+                if ev.get("ev") != "applied":
+                    continue
                 out.append((float(ev["t"]), int(ev.get("version", 0))))
     except OSError:
         return []

@@ -8,19 +8,42 @@ import logging
 import os
 from typing import Any
 
+import msgspec
+
 log = logging.getLogger("latecomer.persist")  # one logger for the state directory (its name predates the split)
 
 try:  # json.dumps(ev) without building an encoder per call (what dumps does): the same text, in half the time
     from json.encoder import c_make_encoder as _c_make_encoder
     from json.encoder import encode_basestring_ascii as _ascii
 
-    _ENCODE = _c_make_encoder(None, None, _ascii, None, ": ", ", ", False, False, True)
+    _ENCODE = _c_make_encoder(None, None, _ascii, None, ":", ",", False, False, True)
 
     def event_line(ev: dict[str, Any]) -> str:
-        """``json.dumps(ev)``, exactly (flat events: no circular check)."""
+        """``json.dumps(ev, separators=(",", ":"))``, exactly (flat events: no circular check)."""
         return "".join(_ENCODE(ev, 0))
 except ImportError:  # an interpreter without the C accelerator
-    event_line = json.dumps
+    def event_line(ev: dict[str, Any]) -> str:
+        return json.dumps(ev, separators=(",", ":"))
+
+_LINES = msgspec.json.Encoder().encode_lines
+
+
+def event_lines(events: list[dict[str, Any]]) -> bytes:
+    """The events as JSON lines (compact: no spaces after ``:`` and ``,``), each of which
+    ``json.loads`` reads back to the event. msgspec writes a batch in one call, about a tenth of
+    the json module's time (0.3 against 3.7 µs for an update's two events); a batch it cannot
+    write as the json module would goes through that module instead: one holding NaN or an
+    infinity (msgspec writes ``null``; json ``NaN``, which Python reads back), None (the same
+    text either way, not worth telling apart from a NaN), anything outside ASCII (json escapes
+    it, so no line holds a byte that a reader splitting lines might take for a line break, such
+    as U+2028), or a value msgspec refuses (a float or int subclass of numpy's)."""
+    try:
+        data = _LINES(events)
+    except Exception:  # noqa: BLE001 (whatever msgspec refuses, json decides: it may refuse too, as before)
+        data = None
+    if data is None or b"null" in data or not data.isascii():
+        return "".join([event_line(ev) + "\n" for ev in events]).encode()
+    return data
 
 
 class EventLog:
@@ -44,19 +67,25 @@ class EventLog:
         must not change meanwhile (the core makes a new one per event)."""
         self.pending.append(events)
 
-    def _text(self) -> str:
-        line, out = event_line, []
+    def _data(self) -> bytes:
+        out: list[bytes] = []
+        run: list[dict[str, Any]] = []  # the events since the last text: one call for them all
         for item in self.pending:
             if isinstance(item, str):
-                out.append(item)
+                if run:
+                    out.append(event_lines(run))
+                    run = []
+                out.append(item.encode())
             else:
-                out += [line(ev) + "\n" for ev in item]
-        return "".join(out)
+                run += item
+        if run:
+            out.append(event_lines(run))
+        return b"".join(out)
 
     def flush(self) -> None:
         if not self.pending or self.fd < 0:
             return
-        data = self._text().encode()
+        data = self._data()
         self.pending = []
         start = -1
         try:

@@ -538,30 +538,60 @@ def test_the_event_log_drops_what_the_disk_refuses_and_goes_on(tmp_path, monkeyp
     assert "cannot write the event log" in caplog.text and "written again (2 events were dropped)" in caplog.text
 
 
-def test_the_event_log_writes_each_event_as_json_dumps_would_in_the_order_given(tmp_path):
-    """Events are serialized at the flush, with one encoder kept (ps/journal/events.py): the same
-    text as ``json.dumps`` per event, text and batches in the order they were written."""
+def test_the_event_log_writes_each_event_as_a_json_line_that_reads_back_to_it_in_the_order_given(tmp_path,
+                                                                                                  monkeypatch):
+    """Events are serialized at the flush (ps/journal/events.py): a batch of plain events by
+    msgspec in one call, compact; a batch holding NaN, an infinity, None, a non-ASCII string or a
+    value msgspec refuses by the json module, as ``json.dumps(ev, separators=(",", ":"))``, so
+    that NaN stays NaN and no line holds a byte other than ASCII (a raw U+2028 would break
+    ``str.splitlines``). Either way each line reads back to its event; text and batches keep the
+    order they were written in."""
     import json
     import math
 
-    from ps.journal.events import EventLog, event_line
+    import ps.journal.events as events_mod
+    from ps.journal.events import EventLog, event_line, event_lines
 
-    odd = [{"ev": "applied", "job_id": 19290, "worker_id": "b2", "age": 1, "seed": 8812420083799099457,
-            "t": 24916.63440611, "key": ""},
-           {"ev": "failed", "worker_id": "wé\n\"x\u2028", "message": "line\nbreak", "loss": math.nan,
-            "inf": -math.inf, "none": None, "flag": True, "ids": [1, 2], "t": 1e-300},
-           {}]
-    for ev in odd:
-        assert event_line(ev) == json.dumps(ev)
+    plain = [{"ev": "issued", "job_id": 19291, "worker_id": "b2", "kind": 1, "created_at": 19290,
+              "seed": 366194951714635779, "t": 24916.63440611},
+             {"ev": "applied", "job_id": 19290, "worker_id": "b2", "age": 1, "seed": 8812420083799099457,
+              "t": 24916.63440611, "key": "", "flag": True, "ids": [1, 2], "tiny": 1e-300, "big": 1e22}, {}]
+    odd = [{"ev": "failed", "worker_id": "wé\n\"x\u2028", "message": "line\nbreak", "loss": math.nan,
+            "inf": -math.inf, "none": None, "t": 1e-300},
+           {"ev": "evaluated", "loss": math.nan}, {"ev": "x", "none": None}, {"ev": "x", "s": "\udc80"},
+           {"ev": "x", "v": np.float64(0.5)}, {"ev": "x", "w": "é"}]
+
+    def same(a, b):  # == with NaN equal to NaN
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+    calls = []
+    monkeypatch.setattr(events_mod, "event_line", lambda ev: calls.append(ev) or event_line(ev))
+    data = event_lines(plain)
+    assert not calls, "plain events: msgspec, in one call"
+    assert data.isascii() and data.count(b"\n") == 3 and b": " not in data
+    assert [json.loads(x) for x in data.splitlines()] == plain
+    for ev in odd:  # each alone, and beside the plain ones: the whole batch through json
+        for batch in ([ev], [*plain, ev]):
+            calls.clear()
+            data = event_lines(batch)
+            assert calls == batch and data.isascii(), ev
+            assert data == "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in batch).encode()
+            back = [json.loads(x) for x in data.decode().splitlines()]
+            assert len(back) == len(batch) and all(same(a, b) for a, b in zip(back, batch, strict=True))
+    assert b"NaN" in event_lines([odd[1]]) and b"Infinity" in event_lines([odd[0]])
+    monkeypatch.undo()
     path = str(tmp_path / "events.jsonl")
     log = EventLog(path)
-    log.write_events(odd[:1])
+    log.write_events(plain[:1])
+    log.write_events(plain[1:])
     log.write('{"ev": "text"}\n')
-    log.write_events(odd[1:])
+    log.write_events(odd[:1])
+    log.write_events(plain)
     log.close()
-    want = "".join(json.dumps(e) + "\n" for e in odd[:1]) + '{"ev": "text"}\n' + \
-        "".join(json.dumps(e) + "\n" for e in odd[1:])
-    assert open(path, encoding="utf-8").read() == want
+    lines = open(path, encoding="ascii").read().splitlines()
+    got = [json.loads(x) for x in lines]
+    want = [*plain, {"ev": "text"}, odd[0], *plain]
+    assert len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_export_of_a_checkpoint_that_does_not_restore_is_one_line(tmp_path):
