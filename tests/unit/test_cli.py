@@ -282,7 +282,8 @@ def test_a_ready_worker_before_the_first_job_hears_how_many_more_min_workers_wai
                 daemon.core.handle(wid, Ready(credit=1), 0.0)
                 daemon._flush_events()
             lines.append([r.getMessage() for r in caplog.records if r.name == "latecomer.events"])
-            waiting = [r.event for r in caplog.records if getattr(r, "event", {}).get("ev") == "waiting"]  # --log-format json's fields
+            # the fields --log-format json writes beside the line
+            waiting = [r.event for r in caplog.records if getattr(r, "event", {}).get("ev") == "waiting"]
             assert waiting == ([{"ev": "waiting", "more": 3 - len(lines), "min_workers": 3}] if len(lines) < 3 else [])
     finally:
         daemon.close()
