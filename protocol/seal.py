@@ -149,14 +149,19 @@ class _Aegis256X4:
         self.key = bytes(key)
 
     def encrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any, lib: Any = None) -> None:
-        src, dst = _ffi.from_buffer(data), _ffi.from_buffer(out, require_writable=True)
-        n = len(src)
+        if lib is None and type(data) is bytes:  # ctypes passes a bytes object's own memory (a header frame)
+            src: Any = data
+            n = len(data)
+        else:
+            src = _ffi.from_buffer(data)
+            n = len(src)
+        dst = _ffi.from_buffer(out, require_writable=True)
         if len(dst) != n + TAG_BYTES:
             raise ValueError(f"the output buffer must be {n + TAG_BYTES} bytes")
         if lib is None:
-            p, q = _addr(dst), _addr(src)
-            rc = _held.aegis256x4_encrypt_detached(p, p + n, TAG_BYTES, q, n, aad, len(aad), nonce + _AEGIS_PAD,
-                                                   self.key)
+            p = _addr(dst)
+            rc = _held.aegis256x4_encrypt_detached(p, p + n, TAG_BYTES, src if src is data else _addr(src), n, aad,
+                                                   len(aad), nonce + _AEGIS_PAD, self.key)
         else:
             rc = lib.aegis256x4_encrypt_detached(dst, dst + n, TAG_BYTES, src, n, aad, len(aad), nonce + _AEGIS_PAD,
                                                  self.key)
@@ -164,16 +169,17 @@ class _Aegis256X4:
             raise ValueError("AEGIS-256X4 refused to seal")
 
     def decrypt_into(self, nonce: bytes, data: Any, aad: bytes, out: Any, lib: Any = None) -> None:
-        src, dst = _ffi.from_buffer(data), _ffi.from_buffer(out, require_writable=True)
+        src = _ffi.from_buffer(data)
         n = len(src) - TAG_BYTES
         if n < 0:
             raise InvalidTag()
+        dst = _ffi.from_buffer(out, require_writable=True)
         if len(dst) != n:
             raise ValueError(f"the output buffer must be {n} bytes")
         if lib is None:
-            p, q = _addr(dst), _addr(src)
-            rc = _held.aegis256x4_decrypt_detached(p, q, n, q + n, TAG_BYTES, aad, len(aad), nonce + _AEGIS_PAD,
-                                                   self.key)
+            q = _addr(src)
+            rc = _held.aegis256x4_decrypt_detached(_addr(dst), q, n, q + n, TAG_BYTES, aad, len(aad),
+                                                   nonce + _AEGIS_PAD, self.key)
         else:
             rc = lib.aegis256x4_decrypt_detached(dst, src, n, src + n, TAG_BYTES, aad, len(aad), nonce + _AEGIS_PAD,
                                                  self.key)
@@ -353,6 +359,12 @@ def _nbytes(f: Any) -> int:
     return f.nbytes if hasattr(f, "nbytes") else len(f)
 
 
+def _view(f: Any) -> memoryview:
+    """A received frame's bytes: ``bytes``, a numpy array or a buffer as they are, a ``zmq.Frame``'s buffer."""
+    t = type(f)
+    return memoryview(f) if t is bytes or t is np.ndarray or not hasattr(f, "buffer") else f.buffer
+
+
 _helpers: Any = None  # the cipher's helper threads (a ThreadPoolExecutor), False for none
 _helpers_pid = 0
 _helpers_wanted: int | None = None  # set_cipher_threads: None, as many as the CPUs allow
@@ -479,23 +491,24 @@ class Sealer:
         self.counter = c + n
         return out
 
-    def _segment_log2(self, frames: list) -> int:
+    def _segment_log2(self, sizes: list, total: int) -> int:
         """The segments' size for this message: 1 MiB, except where the peer opens in place (AEGIS)
         and no helper thread would share the work (under the cipher's PARALLEL_MIN): then each frame
         is one segment, which the receiver opens over itself where its read left it, rather than
         into another buffer (a 4 MB frame cut in four cannot be: the tags between the segments
         shift each plaintext). The receiver reads the size from the prefix."""
-        if not getattr(self.aead, "in_place", False):
-            return SEGMENT_LOG2
-        sizes = [_nbytes(f) for f in frames]
-        if sum(sizes) >= self.parallel_min:
+        if not getattr(self.aead, "in_place", False) or total >= self.parallel_min:
             return SEGMENT_LOG2
         return min(SEGMENT_LOG2_MAX, max(SEGMENT_LOG2, (max(sizes) - 1).bit_length()))
 
     def _seal_segments(self, frames: list) -> list:
-        c, n, p = self.counter, len(frames), self._segment_log2(frames)
+        sizes = [_nbytes(f) for f in frames]
+        total = sum(sizes)
+        c, n, p = self.counter, len(frames), self._segment_log2(sizes, total)
         seg = 1 << p
         prefix = _PREFIX_SEGMENTS.pack(c, n, p)
+        if total < self.parallel_min and max(sizes) <= seg:
+            return self._seal_each(frames, sizes, prefix, total)
         out: list = [prefix]
         tasks, d, g, total = [], self.direction, c, 0
         aad = _SEGMENT_AAD.pack
@@ -519,6 +532,22 @@ class Sealer:
         self.counter = g
         return out
 
+
+    def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int) -> list:
+        """:meth:`_seal_segments` where each frame is one segment and no helper thread shares the
+        message (every job and reply under 2 MiB, and under AEGIS under 8 MiB): the same bytes,
+        one cipher call a frame on this thread, without the segment bookkeeping."""
+        out: list = [prefix]
+        seal, d, alloc, aad, g = self.aead.encrypt_into, self.direction, self.alloc, _SEGMENT_AAD.pack, self.counter
+        for i, f in enumerate(frames):
+            buf = alloc(sizes[i] + TAG_BYTES)
+            seal(d + g.to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"), prefix + aad(i, 0, 1),
+                 buf)
+            out.append(buf)
+            g += 1
+        self.sealed_bytes += total
+        self.counter = g
+        return out
 
 class OpenFrame(np.ndarray):
     """A frame opened by :meth:`Opener.open`: a uint8 array with ``zmq.Frame``'s ``bytes`` and
@@ -584,7 +613,8 @@ class Opener:
         it does not open whole. Nothing changes when it raises."""
         if len(frames) < 2:
             raise SealError("a sealed message has a prefix and at least one frame")
-        prefix = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+        f0 = frames[0]
+        prefix = f0 if type(f0) is bytes else f0.bytes if hasattr(f0, "bytes") else bytes(f0)
         if len(prefix) == _PREFIX_SEGMENTS.size:
             c, n, p = _PREFIX_SEGMENTS.unpack(prefix)
         elif len(prefix) == _PREFIX.size:
@@ -602,12 +632,14 @@ class Opener:
             opened, end = self._open_segments(frames, prefix, c, p)
             self.segmented += 1
         self.next = end
-        self.opened_bytes += sum(f.nbytes for f in opened)
+        sizes = self.sizes
         for f in opened:
-            if f.nbytes not in self.sizes:
-                self.sizes[f.nbytes] = None
-                if len(self.sizes) > MAX_SIZES:
-                    del self.sizes[next(iter(self.sizes))]
+            size = f.nbytes
+            self.opened_bytes += size
+            if size not in sizes:
+                sizes[size] = None
+                if len(sizes) > MAX_SIZES:
+                    del sizes[next(iter(sizes))]
         return opened
 
     def _open_whole(self, frames: list, prefix: bytes, c: int, n: int) -> tuple[list, int]:
@@ -635,10 +667,14 @@ class Opener:
             raise SealError(f"segments of 2^{p} bytes: a receiver takes 2^{SEGMENT_LOG2_MIN} to 2^{SEGMENT_LOG2_MAX}")
         seg = 1 << p
         step = seg + TAG_BYTES
+        bufs = [_view(f) for f in frames[1:]]
+        sealed = [b.nbytes for b in bufs]
+        if max(sealed) <= step and sum(sealed) < self.parallel_min:
+            return self._open_each(frames, bufs, sealed, prefix, c)
         opened, tasks, d, g, total = [], [], self.direction, c, 0
         aad = _SEGMENT_AAD.pack
         for i, f in enumerate(frames[1:]):
-            buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
+            buf = bufs[i]
             if buf.ndim != 1 or buf.itemsize != 1:
                 buf = buf.cast("B")
             sealed = buf.nbytes
@@ -665,6 +701,30 @@ class Opener:
             raise SealError("a segment of a sealed message does not authenticate")
         return opened, g
 
+
+    def _open_each(self, frames: list, bufs: list, sealed: list, prefix: bytes, c: int) -> tuple[list, int]:
+        """:meth:`_open_segments` where each frame is one segment and no helper thread shares the
+        message: the same checks and errors, one cipher call a frame on this thread."""
+        n = len(bufs)
+        if min(sealed) < TAG_BYTES:
+            i = next(i for i, size in enumerate(sealed) if size < TAG_BYTES)
+            raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag")
+        if c + n > _NONCES:
+            raise SealError(f"message counter {c}: past the last nonce")
+        opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
+        for i, f in enumerate(frames[1:]):
+            buf = bufs[i]
+            size = sealed[i] - TAG_BYTES
+            out = self._own(f, size)
+            if out is None:
+                out = self._frame(size)
+            try:
+                dec(d + (c + i).to_bytes(8, "big"), buf if buf.ndim == 1 and buf.itemsize == 1 else buf.cast("B"),
+                    prefix + aad(i, 0, 1), out)
+            except InvalidTag:
+                raise SealError("a segment of a sealed message does not authenticate") from None
+            opened.append(out)
+        return opened, c + n
 
 def sealer_opener(session: Session, *, server: bool, props: dict | None = None,
                   alloc: Alloc = _empty, segments: bool = False, cipher: str = GCM) -> tuple[Sealer, Opener]:

@@ -357,7 +357,7 @@ def _segments_of(frame) -> list[bytes]:
                                     "segment size changed", "a byte of a middle segment", "tag shortened"])
 def test_a_segment_moved_cut_swapped_or_changed_refuses_the_whole_message(attack, threads, monkeypatch):
     # 1 MiB segments under either cipher (AEGIS cuts a message this small a segment per frame)
-    monkeypatch.setattr(seal_mod.Sealer, "_segment_log2", lambda self, frames: SEGMENT_LOG2)
+    monkeypatch.setattr(seal_mod.Sealer, "_segment_log2", lambda self, sizes, total: SEGMENT_LOG2)
     (s_seal, _), (_, w_open) = seg_pair()
     frames = [b"h", np.full(3 * MiB, 7, np.uint8), np.full(2 * MiB, 9, np.uint8)]
     sealed = [bytes(memoryview(f).cast("B")) for f in s_seal.seal(frames)]
@@ -401,6 +401,39 @@ def test_a_hostile_prefix_is_a_seal_error_not_a_crash(prefix, error):
     with pytest.raises(SealError, match="shorter than its tag"):
         w_open.open([bytes(8) + (1).to_bytes(2, "big") + bytes([16]), bytes((1 << 16) + TAG_BYTES + 5)])
     assert w_open.next == 0 and w_open.opened_bytes == 0
+
+
+def test_a_small_message_takes_the_one_segment_path_with_the_very_bytes_and_refusals_of_the_other(monkeypatch):
+    """A message every frame of which is one segment and that no thread shares (every job and
+    reply below 2 MiB; under AEGIS below 8 MiB) is sealed and opened by one cipher call a frame
+    (Sealer._seal_each, Opener._open_each): the same bytes as the segment-by-segment path, which
+    a sealer or opener whose threshold for threads is 0 takes, and the same refusals."""
+    s = Session.new(make_token(SECRET))
+    frames = [b"header", np.arange(1000, dtype=np.float32), b"", np.zeros(3, np.uint8)]
+    (short, _), (_, short_open) = sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False)
+    (general, _), (_, general_open) = sealer_opener(s, server=True, segments=True), sealer_opener(s, server=False)
+    general.parallel_min = general_open.parallel_min = 0
+    calls = []
+    for cls, name in ((seal_mod.Sealer, "_seal_each"), (seal_mod.Opener, "_open_each")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _r=real, _n=name: calls.append(_n) or _r(self, *a))
+    a, b = plain(short.seal(frames)), plain(general.seal(frames))
+    assert a == b and short.counter == general.counter == 4 and a[0][10] == SEGMENT_LOG2
+    assert calls == ["_seal_each"]  # the general sealer did not take the short path
+    assert plain(short_open.open(a)) == plain(frames) and calls[-1] == "_open_each"
+    assert plain(general_open.open(b)) == plain(frames) and calls.count("_open_each") == 1
+    assert (short_open.next, short_open.opened_bytes) == (general_open.next, general_open.opened_bytes) == (4, 4009)
+    for i in range(1, 5):  # a flipped bit in any frame (the tag of the empty one) refuses the message whole
+        bad = [bytearray(f) for f in short.seal(frames)]
+        bad[i][0] ^= 1
+        before = (short_open.next, short_open.opened_bytes)
+        with pytest.raises(SealError, match="does not authenticate"):
+            short_open.open([bytes(f) for f in bad])
+        assert (short_open.next, short_open.opened_bytes) == before
+    cut = [bytes(f) for f in short.seal(frames)]
+    with pytest.raises(SealError, match="frame 2 of a sealed message: a segment shorter than its tag"):
+        short_open.open([*cut[:3], cut[3][:TAG_BYTES - 1], cut[4]])
+    assert plain(short_open.open(cut)) == plain(frames)  # the original still opens
 
 
 def test_hello_and_welcome_say_segments_and_leave_the_field_out_at_its_default():
