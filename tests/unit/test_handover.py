@@ -448,12 +448,14 @@ def test_the_cap_per_source_counts_connections_handed_over(tmp_path):
 def test_a_sealed_data_connection_is_handed_over_once_its_token_checks_out_and_opens_as_its_sessions(tmp_path):
     """Under CurveZMQ the front hands over a NULL data connection whose READY names a token of this
     server (PROTOCOL.md §6.15): the daemon reads it itself and its sealed path opens what comes and
-    seals what goes under the session; a token the server never made is cut by the front, and
-    once the data connection is gone a message falls back to CurveZMQ (None)."""
+    seals what goes under the session; a CURVE routing id named after the token gets nothing on
+    the data connection in clear; a token the server never made is cut by the front, and once the
+    data connection is gone a message falls back to CurveZMQ (None)."""
     import dataclasses
 
     from protocol.seal import Session, make_token, sealer_opener
     from ps.net.sealed import SealedPath
+    from ps.net.transport import _Outbound
 
     secret = b"k" * 32
     clock = time.monotonic
@@ -492,6 +494,19 @@ def test_a_sealed_data_connection_is_handed_over_once_its_token_checks_out_and_o
         wait_until(lambda: dealer.poll(0), step)
         assert decode(down.open(dealer.recv_multipart(copy=False))) == hb
         assert path.messages_out == sealed.messages_out == 1
+
+        # A keyed worker may name its CURVE connection after a token it saw on the wire (a data
+        # connection's READY carries it in clear). What the transport sends to that routing id
+        # never takes the handed data connection unsealed: sealed to a session's CURVE routing
+        # id, or over the ROUTER, which has no such peer.
+        router = ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        out = _Outbound.__new__(_Outbound)
+        out.handed, out.sealed, out.sock, out.send_failures = path, sealed, router, 0
+        assert out.send_frames(session.token, encode(hb)) is True and out.send_failures == 0
+        step()
+        assert path.messages_out == 1 and not dealer.poll(200)
+        router.close()
 
         stranger = ctx.socket(zmq.DEALER)  # a token of another secret: the front cuts it
         stranger.linger = 0
