@@ -532,7 +532,6 @@ class Sealer:
         self.counter = g
         return out
 
-
     def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int) -> list:
         """:meth:`_seal_segments` where each frame is one segment and no helper thread shares the
         message (every job and reply under 2 MiB, and under AEGIS under 8 MiB): the same bytes,
@@ -548,6 +547,7 @@ class Sealer:
         self.sealed_bytes += total
         self.counter = g
         return out
+
 
 class OpenFrame(np.ndarray):
     """A frame opened by :meth:`Opener.open`: a uint8 array with ``zmq.Frame``'s ``bytes`` and
@@ -668,9 +668,9 @@ class Opener:
         seg = 1 << p
         step = seg + TAG_BYTES
         bufs = [_view(f) for f in frames[1:]]
-        sealed = [b.nbytes for b in bufs]
-        if max(sealed) <= step and sum(sealed) < self.parallel_min:
-            return self._open_each(frames, bufs, sealed, prefix, c)
+        lengths = [b.nbytes for b in bufs]
+        if max(lengths) <= step and sum(lengths) < self.parallel_min:
+            return self._open_each(frames, bufs, lengths, prefix, c)
         opened, tasks, d, g, total = [], [], self.direction, c, 0
         aad = _SEGMENT_AAD.pack
         for i, f in enumerate(frames[1:]):
@@ -701,7 +701,6 @@ class Opener:
             raise SealError("a segment of a sealed message does not authenticate")
         return opened, g
 
-
     def _open_each(self, frames: list, bufs: list, sealed: list, prefix: bytes, c: int) -> tuple[list, int]:
         """:meth:`_open_segments` where each frame is one segment and no helper thread shares the
         message: the same checks and errors, one cipher call a frame on this thread."""
@@ -725,6 +724,7 @@ class Opener:
                 raise SealError("a segment of a sealed message does not authenticate") from None
             opened.append(out)
         return opened, c + n
+
 
 def sealer_opener(session: Session, *, server: bool, props: dict | None = None,
                   alloc: Alloc = _empty, segments: bool = False, cipher: str = GCM) -> tuple[Sealer, Opener]:
