@@ -478,18 +478,8 @@ class Sealer:
             raise ValueError(f"a sealed message has 1..{MAX_FRAMES} frames, got {n}")
         if self.segments:
             return self._seal_segments(frames)
-        c = self.counter
-        prefix = _PREFIX.pack(c, n)
-        out: list = [prefix]
-        seal, d = self.aead.encrypt_into, self.direction
-        for i, f in enumerate(frames):
-            size = _nbytes(f)
-            buf = self.alloc(size + TAG_BYTES)
-            seal(d + (c + i).to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"), prefix, buf)
-            out.append(buf)
-            self.sealed_bytes += size
-        self.counter = c + n
-        return out
+        sizes = [_nbytes(f) for f in frames]
+        return self._seal_each(frames, sizes, _PREFIX.pack(self.counter, n), sum(sizes), segments=False)
 
     def _segment_log2(self, sizes: list, total: int) -> int:
         """The segments' size for this message: 1 MiB, except where the peer opens in place (AEGIS)
@@ -532,16 +522,17 @@ class Sealer:
         self.counter = g
         return out
 
-    def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int) -> list:
-        """:meth:`_seal_segments` where each frame is one segment and no helper thread shares the
-        message (every job and reply under 2 MiB, and under AEGIS under 8 MiB): the same bytes,
-        one cipher call a frame on this thread, without the segment bookkeeping."""
+    def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int, segments: bool = True) -> list:
+        """One cipher call a frame on this thread: the whole format (``segments`` False: the AAD is
+        the prefix), or :meth:`_seal_segments` where each frame is one segment and no helper
+        thread shares the message (every job and reply under 2 MiB, and under AEGIS under 8 MiB):
+        the same bytes, without the segment bookkeeping."""
         out: list = [prefix]
         seal, d, alloc, aad, g = self.aead.encrypt_into, self.direction, self.alloc, _SEGMENT_AAD.pack, self.counter
         for i, f in enumerate(frames):
             buf = alloc(sizes[i] + TAG_BYTES)
-            seal(d + g.to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"), prefix + aad(i, 0, 1),
-                 buf)
+            seal(d + g.to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"),
+                 prefix + aad(i, 0, 1) if segments else prefix, buf)
             out.append(buf)
             g += 1
         self.sealed_bytes += total
@@ -643,24 +634,8 @@ class Opener:
         return opened
 
     def _open_whole(self, frames: list, prefix: bytes, c: int, n: int) -> tuple[list, int]:
-        if c + n > _NONCES:
-            raise SealError(f"message counter {c}: past the last nonce")
-        opened = []
-        dec, d = self.aead.decrypt_into, self.direction
-        for i, f in enumerate(frames[1:]):
-            buf = f.buffer if hasattr(f, "buffer") else memoryview(f)
-            size = buf.nbytes - TAG_BYTES
-            if size < 0:
-                raise SealError("a sealed frame shorter than its tag")
-            out = self._own(f, size)
-            if out is None:
-                out = self._frame(size)
-            try:
-                dec(d + (c + i).to_bytes(8, "big"), buf, prefix, out)
-            except InvalidTag:
-                raise SealError(f"frame {i} of a sealed message does not authenticate") from None
-            opened.append(out)
-        return opened, c + n
+        bufs = [_view(f) for f in frames[1:]]
+        return self._open_each(frames, bufs, [b.nbytes for b in bufs], prefix, c, segments=False)
 
     def _open_segments(self, frames: list, prefix: bytes, c: int, p: int) -> tuple[list, int]:
         if not SEGMENT_LOG2_MIN <= p <= SEGMENT_LOG2_MAX:
@@ -701,13 +676,18 @@ class Opener:
             raise SealError("a segment of a sealed message does not authenticate")
         return opened, g
 
-    def _open_each(self, frames: list, bufs: list, sealed: list, prefix: bytes, c: int) -> tuple[list, int]:
-        """:meth:`_open_segments` where each frame is one segment and no helper thread shares the
-        message: the same checks and errors, one cipher call a frame on this thread."""
+    def _open_each(self, frames: list, bufs: list, sealed: list, prefix: bytes, c: int,
+                   segments: bool = True) -> tuple[list, int]:
+        """One cipher call a frame on this thread: the whole format (``segments`` False: the AAD
+        is the prefix), or :meth:`_open_segments` where each frame is one segment and no helper
+        thread shares the message, with that path's checks and errors."""
         n = len(bufs)
+        if not segments and c + n > _NONCES:
+            raise SealError(f"message counter {c}: past the last nonce")
         if min(sealed) < TAG_BYTES:
             i = next(i for i, size in enumerate(sealed) if size < TAG_BYTES)
-            raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag")
+            raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag" if segments
+                            else "a sealed frame shorter than its tag")
         if c + n > _NONCES:
             raise SealError(f"message counter {c}: past the last nonce")
         opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
@@ -719,9 +699,10 @@ class Opener:
                 out = self._frame(size)
             try:
                 dec(d + (c + i).to_bytes(8, "big"), buf if buf.ndim == 1 and buf.itemsize == 1 else buf.cast("B"),
-                    prefix + aad(i, 0, 1), out)
+                    prefix + aad(i, 0, 1) if segments else prefix, out)
             except InvalidTag:
-                raise SealError("a segment of a sealed message does not authenticate") from None
+                raise SealError("a segment of a sealed message does not authenticate" if segments
+                                else f"frame {i} of a sealed message does not authenticate") from None
             opened.append(out)
         return opened, c + n
 
