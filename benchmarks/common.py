@@ -224,8 +224,36 @@ def run_mp_cell(backend: str, server_target, server_args: tuple, worker_target, 
         reap_mp(procs[:1], grace=server_grace)
 
 
+CPUIDLE = "/sys/devices/system/cpu/cpuidle"
+HALTPOLL_NS = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+
+
+def idle_policy(cpuidle: str = CPUIDLE, haltpoll_ns: str = HALTPOLL_NS) -> str:
+    """How this machine's idle CPUs wait, which sets the cost of every wake-up in a lockstep round
+    trip: the cpuidle driver and governor, and on a KVM guest with the ``haltpoll`` driver how long
+    the guest polls before it halts (``guest_halt_poll_ns``; 0: it halts at once, and the next
+    wake-up goes through the host). On this project's VMs that setting alone moved raw pyzmq's
+    small-message rate 2.8x (benchmarks/PROFILE.md, "The VM's idle policy"). "" where none is readable."""
+    def read(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    driver, governor = read(f"{cpuidle}/current_driver"), read(f"{cpuidle}/current_governor")
+    if not driver and not governor:
+        return ""
+    text = f"cpuidle {driver or '?'}/{governor or '?'}"
+    ns = read(haltpoll_ns)
+    if ns:
+        text += f", guest halt polling {ns} ns" + (" (off)" if ns == "0" else "")
+    return text
+
+
 def machine() -> str:
-    """The machine in one line: CPU, cores, memory, OS, the versions that matter, the load at start."""
+    """The machine in one line: CPU, cores, memory, OS, its idle policy, the versions that matter,
+    the load at start."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -243,8 +271,10 @@ def machine() -> str:
         rv = ray.__version__
     except Exception:  # noqa: BLE001
         rv = "not installed"
+    idle = idle_policy()
+    idle = f" ({idle})" if idle else ""
     return (f"{cpu}, {os.cpu_count()} logical cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, "
-            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, pyzmq {zmq.__version__} "
-            f"(libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, torch {torch.__version__} "
-            f"({torch.get_num_threads()} intra-op threads by default), ray {rv}; "
+            f"{platform.system()} {platform.release()}{idle}; Python {platform.python_version()}, "
+            f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), numpy {numpy.__version__}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} intra-op threads by default), ray {rv}; "
             f"load average at start {os.getloadavg()[0]:.2f}")
