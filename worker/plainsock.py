@@ -84,7 +84,7 @@ class ZmtpDealer:
         self.clock = clock
         self.deadline = clock() + handshake_s  # the handshake (greetings, READYs) done by then, or lost
         limits = zmtp.ZmtpLimits(max_frame_bytes=1 << 40, max_message_bytes=1 << 40, max_frames=max_frames)
-        self.conn = zmtp.Connection(limits, alloc=alloc)
+        self.conn = zmtp.Connection(limits, alloc=alloc, idle_read=zmtp.IDLE_READ)
         self.out: deque = deque()  # buffers not yet written, in order
         self.pushed = self.popped = 0  # buffers put in ``out`` and written whole, ever
         self.ends: deque = deque()  # for each message in ``out``: the ``pushed`` count at its last buffer

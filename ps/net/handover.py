@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from protocol.zmtp import Connection, ZmtpError, ZmtpLimits, frames_out, pong
+from protocol.zmtp import IDLE_READ, Connection, ZmtpError, ZmtpLimits, frames_out, pong
 
 log = logging.getLogger("latecomer.server")
 
@@ -429,7 +429,7 @@ class HandedPath(_Writing):
         if len(self.by_fd) >= self.limits.max_connections and not self._shed():
             self._refuse(sock, cid, f"the server's {self.limits.max_connections} connections are taken")
             return
-        codec = Connection(self.limits.zmtp, self.alloc, Frame, FIRST_READ)
+        codec = Connection(self.limits.zmtp, self.alloc, Frame, FIRST_READ, IDLE_READ)
         try:
             msgs = feed(codec, read)  # the greeting and READY at least (the front saw them whole)
             if codec.peer is None:

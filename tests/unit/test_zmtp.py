@@ -19,6 +19,7 @@ import zmq
 from protocol.zmtp import (
     COMMAND,
     COPY_BELOW,
+    IDLE_READ,
     LONG,
     MORE,
     Connection,
@@ -71,13 +72,14 @@ def test_writer_headers_short_long_and_commands():
     assert parse_properties(r[2 + 6:]) == {"Socket-Type": b"ROUTER", "Identity": b"abc"}
 
 
+@pytest.mark.parametrize("idle_read", [0, IDLE_READ, 100])
 @pytest.mark.parametrize("seed", range(6))
-def test_messages_are_the_same_however_the_bytes_are_cut(seed):
+def test_messages_are_the_same_however_the_bytes_are_cut(seed, idle_read):
     msgs = [[b"head", BIG], [b""], [b"a", b"b", b"c"], [BIG[:COPY_BELOW]], [b"x" * (COPY_BELOW - 1)]]
     data = _wire(*msgs, pings=(b"ctx1",))
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(data)), 40)) if seed else list(range(1, len(data)))[:3000]
-    c = Connection(LIM)
+    c = Connection(LIM, idle_read=idle_read)
     assert _feed(c, data, cuts) == msgs
     assert c.peer == {"Socket-Type": b"DEALER", "Identity": b"w1"}
     assert c.pings == [b"ctx1"] and c.parts == [] and c.unfinished == 0 and c.big is None
@@ -95,6 +97,33 @@ def test_small_frames_are_bytes_and_large_ones_their_own_buffers():
     nxt = c.buffer()  # the next read does not touch what was handed out
     nxt[:8] = b"\xff" * 8
     assert m[1].tobytes() == BIG
+
+
+def test_idle_read_takes_a_large_frames_header_and_leaves_its_body_to_its_own_buffer():
+    """With ``idle_read`` a read with nothing unparsed held is offered at most that much, so a
+    large frame's body past it is read straight into the frame's own buffer (no copy through the
+    read buffer); with part of a frame held, the whole read buffer is offered."""
+    body = bytes(range(256)) * 1024  # 262,144 bytes
+    frames = [b"h" * 150, body]
+    wire = b"".join(bytes(b) for b in frames_out(frames))
+    c = Connection(LIM, idle_read=IDLE_READ)
+    hello = greeting() + ready(b"DEALER")
+    c.buffer()[:len(hello)] = hello
+    assert c.advance(len(hello)) == [] and c.peer is not None
+    room = c.buffer()
+    assert room.nbytes == IDLE_READ  # nothing held: the bound
+    room[:] = wire[:IDLE_READ]
+    assert c.advance(IDLE_READ) == []
+    rest = c.buffer()  # the frame's own buffer, from where the read left it
+    assert c.big is not None and c.big_at == IDLE_READ - (len(wire) - len(body)) and rest.nbytes == len(body) - c.big_at
+    rest[:] = wire[IDLE_READ:]
+    (m,) = c.advance(rest.nbytes)
+    assert m[0] == frames[0] and bytes(m[1]) == body
+    partial = b"".join(bytes(b) for b in frames_out([b"x" * 100]))[:50]  # half a small frame held
+    c.buffer()[:50] = partial
+    assert c.advance(50) == [] and c.buffer().nbytes > IDLE_READ
+    unbounded = Connection(LIM)
+    assert unbounded.buffer().nbytes > IDLE_READ
 
 
 @pytest.mark.parametrize("wire,why", [
