@@ -682,14 +682,12 @@ class Opener:
         is the prefix), or :meth:`_open_segments` where each frame is one segment and no helper
         thread shares the message, with that path's checks and errors."""
         n = len(bufs)
-        if not segments and c + n > _NONCES:
+        if c + n > _NONCES:
             raise SealError(f"message counter {c}: past the last nonce")
         if min(sealed) < TAG_BYTES:
             i = next(i for i, size in enumerate(sealed) if size < TAG_BYTES)
             raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag" if segments
                             else "a sealed frame shorter than its tag")
-        if c + n > _NONCES:
-            raise SealError(f"message counter {c}: past the last nonce")
         opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
         for i, f in enumerate(frames[1:]):
             buf = bufs[i]
