@@ -36,6 +36,7 @@ from protocol.messages import (
     MAX_MAP_LEN,
     MAX_NDIM,
     MAX_PARTS,
+    MAX_SPIN_US,
     MAX_STR_LEN,
     PROTOCOL_VERSION,
     SEAL_CIPHERS,
@@ -235,7 +236,8 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Hello: {"worker_id": _ID, "boot": _U64, "credit": _CREDIT, "vmin": _VER, "vmax": _VER,
             "device": _str(MAX_ID_LEN), "host_id": _str(MAX_STR_LEN), "holds": _IDS, "busy": _IDS,
             "seen": _int(-1, I64_MAX), "run_id": _U64, "shm": _bool, "parts": _bool,
-            "shards": _bool, "seal": _bool, "seal_segments": _bool, "seal_ciphers": _names},
+            "shards": _bool, "seal": _bool, "seal_segments": _bool, "seal_ciphers": _names,
+            "cpus": _int(0, 0xFFFF)},
     Welcome: {"server_boot": _U64, "run_id": _U64, "version": _VER, "problem": _str(MAX_STR_LEN, nonempty=True),
               "problem_options": _options, "heartbeat_interval_s": _float, "liveness_timeout_s": _float,
               "wire_dtype": _choice(WIRE_DTYPES), "shm": _str(MAX_ID_LEN), "parts": _bool, "shards": _shards,
@@ -244,7 +246,8 @@ _SCHEMA: dict[type, dict[str, Callable[[Any], Any]]] = {
     Job: {"job_id": _NAT, "kind": _enum(JobKind), "created_at": _NAT, "iterate_ids": _int_tuple(0, I64_MAX, 2),
           "seed": _U64, "batch_size": _int(1, 1 << 30), "shard": _optional(_pair),
           "deadline": _optional(_NAT), "point_ids": _int_tuple(0, I64_MAX, 2),
-          "refs": _int_tuple(0, I64_MAX, 2), "grad_slots": _int_tuple(0, I64_MAX, 2), "xfer": _U64},
+          "refs": _int_tuple(0, I64_MAX, 2), "grad_slots": _int_tuple(0, I64_MAX, 2), "xfer": _U64,
+          "spin_us": _int(0, MAX_SPIN_US)},
     Reply: {"job_id": _NAT, "created_at": _NAT, "loss": _optional(_number), "count": _NAT,
             "compute_s": _float, "holds": _IDS, "in_shm": _bool, "xfer": _U64},
     Part: {"xfer": _int(1, U64_MAX), "index": _int(0, MAX_PARTS - 1), "count": _int(1, MAX_PARTS)},
@@ -263,7 +266,8 @@ _ARRAY_FIELD: dict[type, str] = {Job: "points", Reply: "grads"}
 _OMIT_DEFAULT: dict[str, tuple] = {"shm": (False, ""), "wire_dtype": ("f32",), "refs": ([],), "grad_slots": ([],),
                                    "in_shm": (False,), "parts": (False,), "xfer": (0,),
                                    "shards": ([], False), "seal": (False, ""),
-                                   "seal_segments": (False,), "seal_ciphers": ([],), "seal_cipher": ("",)}
+                                   "seal_segments": (False,), "seal_ciphers": ([],), "seal_cipher": ("",),
+                                   "cpus": (0,), "spin_us": (0,)}
 _DEFAULTS: dict[type, dict[str, Any]] = {
     cls: {f.name: f for f in fields(cls)} for cls in _SCHEMA
 }

@@ -32,6 +32,7 @@ from protocol.messages import (
     MAX_HEADER_BYTES,
     MAX_LIST_LEN,
     MAX_NDIM,
+    MAX_SPIN_US,
     PROTOCOL_VERSION,
     Heartbeat,
     Job,
@@ -50,6 +51,7 @@ Ids2 = Annotated[tuple[Nat, ...], msgspec.Meta(max_length=2)]
 Credit0 = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIST_LEN)]
 Seen = Annotated[int, msgspec.Meta(ge=-1, le=_I64_MAX)]
 BatchSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+SpinUs = Annotated[int, msgspec.Meta(ge=0, le=MAX_SPIN_US)]
 Number = Union[float, int]  # noqa: UP007  (msgspec reads the typing form)
 
 
@@ -88,6 +90,7 @@ class _JobH(msgspec.Struct, tag="job", tag_field="t", forbid_unknown_fields=True
     refs: Ids2 = ()
     grad_slots: Ids2 = ()
     xfer: U64 = 0
+    spin_us: SpinUs = 0
     arrays: _Arrays = []
 
 
@@ -198,7 +201,7 @@ def decode_fast(frames: Any, max_array_bytes: int) -> Any:
         if points is None:
             return None
         return Job(h.job_id, h.kind, h.created_at, h.iterate_ids, h.seed, h.batch_size, h.shard, h.deadline,
-                   h.point_ids, points, h.refs, h.grad_slots, 0)
+                   h.point_ids, points, h.refs, h.grad_slots, 0, h.spin_us)
     if n != 1:
         return None
     if cls is _HeartbeatH:
@@ -238,6 +241,8 @@ def _header(msg: Any) -> dict | None:
                 h[name] = v
         if msg.xfer not in (0,):
             h["xfer"] = msg.xfer
+        if msg.spin_us not in (0,):
+            h["spin_us"] = msg.spin_us
         return h
     if cls is Heartbeat:
         return {"v": PROTOCOL_VERSION, "t": "hb", "boot": msg.boot, "credit": msg.credit, "busy": _w(msg.busy),

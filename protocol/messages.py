@@ -64,6 +64,7 @@ CURVE_CHUNK_THRESHOLD = 1 << 20
 CURVE_CHUNK_BYTES = 1 << 20
 CURVE_MAX_PARTS = 16
 MAX_PARTS = 64
+MAX_SPIN_US = 100_000  # Job.spin_us's largest value (§6.4)
 
 # How iterates and gradients may travel in frames (Welcome.wire_dtype; protocol/wire.py converts).
 WIRE_DTYPES = ("f32", "f16", "bf16")
@@ -122,6 +123,7 @@ class Hello:
     seal: bool = False  # under CurveZMQ the worker can move to a sealed data connection (§6.15)
     seal_segments: bool = False  # ... and opens sealed frames in segments (§6.15)
     seal_ciphers: tuple[str, ...] = ()  # ... and can seal with these besides AES-256-GCM (§6.15: "aegis256x4")
+    cpus: int = 0  # the CPUs the worker may run on (affinity, cgroup quota); 0: not said (§6.1, busy polling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +181,7 @@ class Job:
     refs: tuple[int, ...] = ()  # same-host path: shared-memory slot of each iterate id, same order
     grad_slots: tuple[int, ...] = ()  # same-host path: slots the gradients are to be written into
     xfer: int = 0  # the array bytes came before, in the `part` messages of this transfer (0: in frames)
+    spin_us: int = 0  # the server's advice: busy-poll up to this long for the next message (§6.4; 0: do not)
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from protocol.messages import (
 )
 from protocol.seal import GCM, available_ciphers
 from protocol.shm import ShmReader, host_id, shm_dir_usable
+from protocol.spin import SpinWindow, usable_cpus
 from worker.identity import claim_default_id
 from worker.intake import JobIntake
 from worker.replies import ReplySender, printable
@@ -72,6 +73,9 @@ class WorkerConfig:
         max_jobs: exit after this many replies (None: never); for tests.
         threads: torch intra-op threads (None: leave torch's default).
         shm: "auto" asks a server on this host for the shared-memory path; "off" never does.
+        busy_poll: "auto" busy-polls the wait for the next job for as long as the server's jobs
+            advise (``Job.spin_us``: where this host has a CPU for each of the run's processes on
+            it); "off" never does.
         problem_overrides: ``(key, value)`` pairs laid over the options of the server's problem
             (``--problem-opt``); only options its factory declares worker-local are accepted.
         allow_problems: patterns of the user problems (``module:callable``) this worker loads
@@ -96,6 +100,7 @@ class WorkerConfig:
     key_secret: str | None = None  # CurveZMQ: this worker's NAME.key_secret file
     server_key: str | None = None  # CurveZMQ: the server's server.key file
     shm: str = "auto"  # same-host path: "auto" (use it when the server offers it) or "off"
+    busy_poll: str = "auto"  # busy-poll the wait for a job as the server advises ("auto") or never ("off")
     problem_overrides: tuple[tuple[str, str], ...] = ()  # worker-local problem options (problems.loader)
     allow_problems: tuple[str, ...] = ()  # user problems this worker trusts (problems.trust patterns)
     local_problems: tuple[str, ...] = ()  # local names (<local>:NAME#N) of the forking process it trusts exactly
@@ -165,6 +170,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
         self.poller: zmq.Poller | None = None
         self.poller_for: tuple | None = None  # (socket, compute thread) the poller watches
         self.shards = None  # a sharded server's shards (worker/shards.py), from Welcome.shards
+        # its CPUs (for the hello), and its busy polling as the server's jobs advise (Job.spin_us, §6.4)
+        self.cpus, self.spin_us, self.spin = usable_cpus(), 0, SpinWindow(0.0, time.perf_counter)
 
     # ------------------------------------------------------------------ socket
     def _connect(self) -> None:
@@ -216,7 +223,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
                                 busy=self._busy(recent=True), seen=self.seen, run_id=self.run_id,
                                 shm=self.cfg.shm == "auto" and shm_dir_usable(), parts=True, shards=True,
                                 seal=self.curve is not None, seal_segments=self.curve is not None,
-                                seal_ciphers=tuple(c for c in available_ciphers() if c != GCM) if self.curve else ()))
+                                seal_ciphers=tuple(c for c in available_ciphers() if c != GCM) if self.curve else (),
+                                cpus=self.cpus))
 
     # ------------------------------------------------------------------ main loop
     def install_signal_handlers(self) -> None:
@@ -285,9 +293,22 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
 
     def _receive_one(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for one message and handle it."""
-        frames, self.rcvtimeo = recv_within(self.sock, timeout_ms, self.rcvtimeo)
+        spin = self.spin
+        if spin.bound:  # busy polling, as the server's jobs advise (protocol/spin.py)
+            frames = spin.spin(self._take_now, timeout_ms / 1000.0) or spin.block(lambda: self._recv_wait(timeout_ms))
+        else:
+            frames = self._recv_wait(timeout_ms)
         if frames is not None:
             self._on_message(frames)
+
+    def _take_now(self) -> list | None:
+        """The message the socket holds now, without waiting (None: none)."""
+        sock = self.sock
+        return recv_frames(sock, _NOBLOCK) if sock.get(_EVENTS) & _POLLIN else None
+
+    def _recv_wait(self, timeout_ms: int) -> list | None:
+        frames, self.rcvtimeo = recv_within(self.sock, timeout_ms, self.rcvtimeo)
+        return frames
 
     def _poll(self, timeout_ms: int) -> None:
         """Wait for the socket or the compute thread's wake-up pipe; handle what is ready."""
@@ -340,6 +361,8 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
             self.backoff = self.cfg.backoff_s
 
     def _close(self) -> None:
+        if self.spin.spins or self.spin.bound:
+            log.info("busy polls: %d, %d of them took a message", self.spin.spins, self.spin.hits)
         if self.sock is not None:
             if self.welcomed:  # our own leaving, or the acknowledgement of the server's bye
                 self._send(Bye(printable(self.stopping or "exit")[:1000]))

@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any, Callable
 
 from protocol import zmtp
+from protocol.spin import SpinWindow
 
 log = logging.getLogger("latecomer.worker")
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
@@ -276,9 +277,10 @@ class ZmtpDealer:
                 return
             self.lowat = want
 
-    def recv(self, timeout_ms: int) -> list | None:
+    def recv(self, timeout_ms: int, spin: SpinWindow | None = None) -> list | None:
         """One whole message within ``timeout_ms`` (None: none came, or the connection was lost),
-        writing what is queued while it waits."""
+        writing what is queued while it waits. With ``spin`` (a bound set), each wait with nothing
+        left to write first reads without blocking for up to its window (protocol/spin.py)."""
         if self.inbox:
             return self.inbox.popleft()
         end = None
@@ -295,14 +297,34 @@ class ZmtpDealer:
             if left <= 0 or self.lost is not None:
                 break
             self.check()
-            events = select.POLLIN | (select.POLLOUT if self.out else 0)
-            if events != self.poll_events:
-                self.poller.modify(self.sock, events)
-                self.poll_events = events
-            ready = self.poller.poll(max(1, int(left * 1000 + 0.999)))
+            if spin is None or not spin.bound or self.out:
+                ready = self._wait(left)
+            else:
+                spin.spin(self._read_now, left)
+                if self.inbox:
+                    return self.inbox.popleft()
+                if self.lost is not None:
+                    break
+                if self.conn.big is not None or self.lowat > 1:
+                    self._lowat()
+                ready = spin.block(lambda left=left: self._wait(left))
             if ready and ready[0][1] & select.POLLOUT:
                 self.flush()
         return None
+
+    def _read_now(self) -> bool:
+        """A busy poll's look: read what the socket holds; whether a whole message came (or the
+        connection dropped)."""
+        self._read_some()
+        return bool(self.inbox) or self.lost is not None
+
+    def _wait(self, left: float) -> list:
+        """Poll the socket for up to ``left`` seconds: to read, and to write while anything is queued."""
+        events = select.POLLIN | (select.POLLOUT if self.out else 0)
+        if events != self.poll_events:
+            self.poller.modify(self.sock, events)
+            self.poll_events = events
+        return self.poller.poll(max(1, int(left * 1000 + 0.999)))
 
 
 __all__ = ["Full", "ZmtpDealer", "parse_endpoint"]

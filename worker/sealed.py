@@ -156,7 +156,7 @@ class SealedLink:
             except zmq.Again:
                 pass
             return
-        frames = self.seal_sock.recv(timeout_ms)
+        frames = self.seal_sock.recv(timeout_ms, self.spin)
         if frames is not None:
             self._on_sealed(frames)
 

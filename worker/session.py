@@ -38,6 +38,8 @@ class ServerSession:
             log.warning("undecodable message from server: %s", e)
             return
         if kind is Job:  # the common case first
+            if msg.spin_us != self.spin_us:
+                self._advised(msg.spin_us)
             self._on_job(msg)
         elif kind is Welcome:
             self._on_welcome(msg)
@@ -67,6 +69,12 @@ class ServerSession:
                 log.warning("server refused: %s", msg.message)
             else:
                 log.info("server error %s: %s (job %s)", msg.code.name, msg.message, msg.job_id)
+
+    def _advised(self, spin_us: int) -> None:
+        """The server's busy-poll advice changed (Job.spin_us): followed unless ``busy_poll`` is off."""
+        self.spin_us = spin_us
+        self.spin.set_bound(spin_us / 1e6 if self.cfg.busy_poll == "auto" else 0.0)
+        log.info("busy polling %s", f"up to {spin_us} µs, as the server advises" if self.spin.bound else "off")
 
     def _id_in_use(self, text: str) -> None:
         """Another live process has our worker id (two hosts or containers of one name sharing a

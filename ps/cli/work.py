@@ -61,6 +61,9 @@ from ps.observe.log_setup import setup_logging
               envvar="LATECOMER_SERVER_KEY", help="CurveZMQ: the server's public server.key.")
 @click.option("--shm", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
               help="Same-host path: use the server's shared memory when it offers it (auto) or never (off).")
+@click.option("--busy-poll", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Busy-poll the wait for the next job for as long as the server advises (auto: where this "
+                   "host has a CPU for each of the run's processes on it; serve --busy-poll-us), or never (off).")
 @click.option("--problem-opt", multiple=True, metavar="KEY=VALUE",
               help="Override a worker-local option of the server's problem here, e.g. a data path on this host "
                    "(repeatable; options the problem does not declare worker-local are refused).")
@@ -71,7 +74,7 @@ from ps.observe.log_setup import setup_logging
                    "imports anything else a server names (SECURITY.md, trust model).")
 @click.option("--log-level", default="warning", type=click.Choice(["debug", "info", "warning", "error"]))
 def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay, cache_size, give_up, max_jobs,
-         threads, seed, key_secret, server_key, shm, problem_opt, allow_problem, log_level) -> None:
+         threads, seed, key_secret, server_key, shm, busy_poll, problem_opt, allow_problem, log_level) -> None:
     """Run one worker: connect to a server and compute the jobs it hands out."""
     setup_logging(log_level)
     cipher_threads_env()
@@ -94,7 +97,7 @@ def work(server, worker_id, credit, device, delay, jitter, slowdown, data_delay,
         raise click.UsageError("CurveZMQ needs both --key and --server-key")
     cfg = WorkerConfig(server=server, worker_id=worker_id, credit=credit, device=device, cache_size=cache_size,
                        give_up_s=give_up, max_jobs=max_jobs, threads=threads, key_secret=key_secret,
-                       server_key=server_key, shm=shm,
+                       server_key=server_key, shm=shm, busy_poll=busy_poll,
                        problem_overrides=tuple(parse_pairs(problem_opt, "--problem-opt").items()),
                        allow_problems=allow_problem,
                        delay=DelaySpec(delay_s=delay, jitter_s=jitter, slowdown=slowdown, data_dependent=data_delay,

@@ -17,6 +17,7 @@ import logging
 import math
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ import zmq
 from problems.base import Problem
 from protocol.messages import Bye
 from protocol.shm import host_id
+from protocol.wire import WIRE_NUMPY
 from ps.core.commands import Disconnect, Send
 from ps.core.server_core import ServerCore
 from ps.drivers.coordinator import ShardedRun
@@ -39,7 +41,7 @@ from ps.net.connections import (
     DEFAULT_MAX_WORKERS_PER_KEY,
     ConnectionLimits,
 )
-from ps.net.loopwait import BusyPoll, LoopWait, usable_cpus
+from ps.net.loopwait import SMALL_JOB_BYTES, BusyPoll, LoopWait, usable_cpus
 from ps.net.transport import Count, ServerTransport
 from ps.observe.observer import TICK_S, Observers, snapshot
 from worker.compute import describe_layout
@@ -131,7 +133,8 @@ class Daemon:
         # `serve --busy-poll-us`: the loop polls without blocking for up to a bound before it
         # sleeps, the window adapted to how soon messages come (ps/net/loopwait.py); off here, auto
         # from the command line: the bound while the host has a CPU for the server and each of the
-        # run's processes on it (its workers, `local_shards`), checked every second (_adapt_busy_poll)
+        # run's processes on it (its workers, `local_shards`), checked every second (_adapt_busy_poll);
+        # each worker is advised by the same rule for its own host (its jobs' spin_us)
         self.busy_poll = BusyPoll()
         self.local_shards = 0
         self.busy_cpus = self.busy_local = 0  # auto's figures: usable CPUs, the run's processes on this host
@@ -278,7 +281,7 @@ class Daemon:
         for hook in self.hooks:
             hook(now)
         self.outputs.publish_due(now)
-        if self.busy_poll.auto and (now >= self.next_busy_poll_check or len(self.core.workers) != self.busy_seen):
+        if self.busy_poll.bound_us and (now >= self.next_busy_poll_check or len(self.core.workers) != self.busy_seen):
             self._adapt_busy_poll(now)
         if now >= self.next_hb:
             self.transport.start_heartbeats()
@@ -292,14 +295,24 @@ class Daemon:
         self.outputs.flush_event_log()
 
     def _adapt_busy_poll(self, now: float) -> None:
-        """The busy poll's bound now (``auto``: none while the workers and local shards on this
-        host leave the server no CPU of its own); again in a second, or as soon as a worker joins or leaves."""
+        """The busy poll's bound now, the daemon's and the one each worker's jobs advise (``auto``:
+        none on a host whose CPUs do not cover the run's processes there: the daemon and its
+        local shards on this host, the workers by their hellos' ``host_id``, each worker's host
+        by its hello's ``cpus``); again in a second, or as soon as a worker joins or leaves."""
         self.next_busy_poll_check = now + 1.0
-        if self.busy_poll.auto:
-            workers = self.core.workers
-            self.busy_seen = len(workers)
-            self.busy_local = self.local_shards + sum(w.host_id == self.busy_host for w in workers.values())
-        self.loop_wait.set_bound(self.busy_poll.bound_s(self.busy_cpus, self.busy_local))
+        workers, poll, here = self.core.workers, self.busy_poll, self.busy_host
+        self.busy_seen = len(workers)
+        per_host = Counter(w.host_id for w in workers.values())
+        self.busy_local = self.local_shards + (per_host[here] if here else 0)
+        self.loop_wait.set_bound(poll.bound_s(self.busy_cpus, self.busy_local))
+        t = self.transport
+        large = t.core.dim * WIRE_NUMPY[t.wire_dtype].itemsize > SMALL_JOB_BYTES
+        for wid, w in workers.items():
+            conn = t.conns.by_wid.get(wid)
+            if conn is not None:  # an unknown host (no host_id) counts as crowded
+                n = (per_host[w.host_id] + (1 + self.local_shards if w.host_id == here else 0)) if w.host_id else 0
+                own_reads = conn.shm_ready or (t.sealed is not None and conn.seal_capable)  # no libzmq hop
+                conn.spin_us = poll.advice_us(conn.cpus, n, large and not own_reads)
 
     def _progress(self, now: float) -> None:
         if self.evals.collect():

@@ -59,6 +59,7 @@ class Admission:
             conn.seal_capable = msg.seal and bool(key)
             conn.seal_segments = msg.seal_segments
             conn.seal_ciphers = msg.seal_ciphers
+            conn.cpus = msg.cpus
             if t.arena is not None:
                 t.arena.forget_worker(msg.worker_id)
                 conn.shm_capable = t.offers_shm(msg)

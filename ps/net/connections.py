@@ -132,7 +132,7 @@ class Conn:
     __slots__ = ("rid", "wid", "key", "live", "last_heard", "parts", "shm_capable", "shm_ready", "xfer",
                  "xfer_at", "error_next", "status_bucket", "status_token", "status_seq", "status_last", "status_asks",
                  "status_auth", "source",
-                 "hb_raw", "hb_at", "hb_bucket", "seal_capable", "seal_segments", "seal_ciphers")
+                 "hb_raw", "hb_at", "hb_bucket", "seal_capable", "seal_segments", "seal_ciphers", "cpus", "spin_us")
 
     def __init__(self, rid: bytes, now: float, limits: ConnectionLimits) -> None:
         self.rid = rid
@@ -146,6 +146,8 @@ class Conn:
         self.seal_segments = False  # ... and said it opens sealed frames in segments
         self.seal_ciphers: tuple[str, ...] = ()  # ... and the ciphers besides AES-256-GCM it can seal with
         self.shm_ready = False  # opened our shared memory (Ready.shm)
+        self.cpus = 0  # the CPUs its hello said the worker may run on (0: not said)
+        self.spin_us = 0  # the busy polling its jobs advise (Job.spin_us; the daemon's _adapt_busy_poll)
         self.xfer: Reassembler | None = None  # its unfinished transfer, if any
         self.xfer_at = 0.0  # when it last got a part
         self.error_next = 0.0  # when it may get its next error answer
@@ -510,6 +512,7 @@ class Connections(_StatusQueue):
         c.wid, c.key = None, ""
         c.parts = c.shm_capable = c.shm_ready = c.seal_capable = c.seal_segments = False
         c.seal_ciphers = ()
+        c.cpus = c.spin_us = 0
         self.drop_transfer(c)
         if self.on_unbind is not None:
             self.on_unbind(c.rid)

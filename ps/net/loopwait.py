@@ -20,7 +20,8 @@ the loop waits.
 messages of a fast lockstep worker pays, per message, the wake-up of an idle CPU (on a VM, a
 halted vCPU) and caches the other processes have used meanwhile: in place its Python ran at a
 third of its hot-loop speed (benchmarks/PROFILE.md). With a bound ``spin_max`` the wait first
-polls without blocking for up to a window, adapted as KVM's halt polling adapts its own: a wait
+polls without blocking for up to a window (protocol/spin.py SpinWindow, which the worker's wait
+uses too), adapted as KVM's halt polling adapts its own: a wait
 that ended within the bound (counted from the start of a poll that missed) doubles the window,
 one that lasted longer halves it, down to none. Messages that come within the bound are then
 taken without sleeping; messages that come later cost no polling once the window is gone. The
@@ -28,12 +29,12 @@ price is that CPU time, and a CPU the workers on the same host do not get meanwh
 default (:class:`BusyPoll` ``auto``) the bound is 400 µs while the host has a CPU for the server
 and for each process of the run on it (its workers, its local shards), and 0 otherwise: one
 worker beside the server on two cores gains 1.3x at d = 10^3, two lose 10 % (benchmarks/PROFILE.md).
+The same rule, per worker host, is the advice the daemon's jobs give each worker (``Job.spin_us``,
+PROTOCOL.md §6.4; ``ps/drivers/daemon.py`` ``_adapt_busy_poll``).
 """
 
 from __future__ import annotations
 
-import math
-import os
 import select
 import time
 from dataclasses import dataclass
@@ -41,16 +42,22 @@ from typing import Any, Callable
 
 import zmq
 
+from protocol.spin import AUTO_BOUND_US, MAX_BOUND_US, SPIN_MIN_S, SpinWindow, spare_cpu, usable_cpus
+
 _EVENTS, _POLLIN, _FD = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.FD)
-SPIN_MIN_S = 10e-6  # the smallest busy-poll window; below it, none
-AUTO_BOUND_US = 400  # ``--busy-poll-us auto``'s bound, while the host has a CPU to spare for it
+# A job's arrays up to this size cost libzmq's I/O thread little to move; a worker that receives
+# larger ones through libzmq (the plaintext path) keeps that thread busy while it would poll: at
+# d = 10^5 (400 KB) on two CPUs its polling cost 0.69x (benchmarks/PROFILE.md, the worker's wait).
+SMALL_JOB_BYTES = 64 << 10
+__all__ = ["AUTO_BOUND_US", "SMALL_JOB_BYTES", "SPIN_MIN_S", "BusyPoll", "LoopWait", "usable_cpus"]
 
 
 @dataclass(frozen=True, slots=True)
 class BusyPoll:
     """``serve --busy-poll-us``: a bound in microseconds (0: never poll), or ``auto``: the bound
-    :data:`AUTO_BOUND_US` while the host has a CPU for the server and each process of the run on
-    it, else none (:meth:`bound_s`)."""
+    :data:`AUTO_BOUND_US` where the host has a CPU for each process of the run on it, else none
+    (:meth:`bound_s`). The daemon applies it to itself and advises each worker with it (its
+    jobs' ``spin_us``, PROTOCOL.md §6.4)."""
 
     bound_us: int = 0
     auto: bool = False
@@ -61,44 +68,39 @@ class BusyPoll:
         if text.strip().lower() == "auto":
             return cls(AUTO_BOUND_US, True)
         us = int(text)  # ValueError: not a number
-        if not 0 <= us <= 100_000:
-            raise ValueError(f"{us} is not in 0..100000")
+        if not 0 <= us <= MAX_BOUND_US:
+            raise ValueError(f"{us} is not in 0..{MAX_BOUND_US}")
         return cls(us, False)
 
     def bound_s(self, cpus: int, local_processes: int) -> float:
-        """The bound now, in seconds: ``auto`` polls while ``1 + local_processes <= cpus`` (the
-        server, and the run's workers and shards on its host, one CPU each)."""
-        if self.auto and 1 + local_processes > cpus:
-            return 0.0
-        return self.bound_us / 1e6
+        """The daemon's bound now, in seconds: ``auto`` polls while ``1 + local_processes <= cpus``
+        (the server, and the run's workers and shards on its host, one CPU each)."""
+        return self.bound_us_for(cpus, 1 + local_processes) / 1e6
+
+    def bound_us_for(self, cpus: int, processes: int) -> int:
+        """The bound in microseconds for a process on a host with ``cpus`` usable CPUs (0: not
+        known) and ``processes`` processes of the run on it: ``auto`` polls only where each has
+        a CPU (protocol/spin.py spare_cpu)."""
+        if self.auto and not spare_cpu(cpus, processes):
+            return 0
+        return self.bound_us
+
+    def advice_us(self, cpus: int, processes: int, io_thread: bool) -> int:
+        """The bound a worker's jobs advise (Job.spin_us), for a worker whose hello said ``cpus``
+        on a host where the run has ``processes`` processes. ``io_thread``: its jobs reach it
+        through libzmq with arrays larger than :data:`SMALL_JOB_BYTES`, which libzmq's I/O thread
+        moves while the worker would poll: ``auto`` counts that thread as one more process."""
+        return self.bound_us_for(cpus, processes + io_thread)
 
     def __str__(self) -> str:
         return "auto" if self.auto else str(self.bound_us)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity, and its cgroup's CPU quota where one is set
-    (a container's ``--cpus``: cgroup v2 ``cpu.max``)."""
-    n = len(os.sched_getaffinity(0))
-    try:
-        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
 
 
 class LoopWait:
     """Wait for any of the ZeroMQ sockets and descriptors added, up to a timeout."""
 
     def __init__(self, spin_max_s: float = 0.0, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.spin_max = spin_max_s  # the longest busy poll before a blocking wait (0: never; see :meth:`wait`)
-        self.spin = 0.0  # the busy poll's window now, adapted to how soon the waits end
-        self.clock = clock
-        self.spins = self.spin_hits = 0  # busy polls, and those that ended with something ready
-        self.spun_from = -1.0  # when the busy poll that just missed began (-1: none)
+        self.window = SpinWindow(spin_max_s, clock)  # the busy poll before a blocking wait (protocol/spin.py)
         self.ep = select.epoll()
         self.socks: list[Any] = []  # the ZeroMQ sockets
         self.quiet: set[Any] = set()  # the sockets known to hold nothing now
@@ -123,49 +125,38 @@ class LoopWait:
                 self.quiet.clear()  # no wait: every receive asks for itself
                 return True
             self.quiet.add(sock)
-        events = self._spin(timeout_ms) if self.spin_max and timeout_ms else None
+        w = self.window
+        timeout_s = timeout_ms / 1000.0
+        events = w.spin(self._poll0, timeout_s) if w.bound and timeout_ms else None
         if not events:
-            events = self._block(timeout_ms)
+            events = w.block(lambda: self.ep.poll(timeout_s))
         for fd, _ in events:
             sock = self.by_fd.get(fd)
             if sock is not None:
                 self.quiet.discard(sock)
         return bool(events)
 
-    def _spin(self, timeout_ms: int) -> list:
-        """Poll without blocking for up to the window (never past ``timeout_ms``): what is ready, or []."""
-        if not self.spin:
-            return []
-        self.spins += 1
-        clock, poll = self.clock, self.ep.poll
-        t0 = clock()
-        end = t0 + min(self.spin, timeout_ms / 1000.0)
-        self.spun_from = t0
-        while True:
-            events = poll(0)
-            if events:
-                self.spin_hits += 1
-                self.spun_from = -1.0
-                return events
-            if clock() >= end:  # missed: the blocking wait that follows decides the window (_block)
-                return []
+    def _poll0(self) -> list:
+        return self.ep.poll(0)
 
-    def _block(self, timeout_ms: int) -> list:
-        """The blocking wait; with busy polling on, the window adapts to it as KVM's halt polling
-        does: a wait that ended within ``spin_max`` (counted from the start of a busy poll that
-        just missed) doubles the window, so that the next one ends in the poll; a longer one halves it."""
-        if not self.spin_max:
-            return self.ep.poll(timeout_ms / 1000.0)
-        t0 = self.clock()
-        start = self.spun_from if 0.0 <= self.spun_from <= t0 else t0
-        events = self.ep.poll(timeout_ms / 1000.0)
-        waited = self.clock() - start
-        if events and waited <= self.spin_max:
-            self.spin = min(max(2 * self.spin, SPIN_MIN_S), self.spin_max)
-        elif waited > self.spin_max:
-            self.spin = self.spin / 2 if self.spin >= 2 * SPIN_MIN_S else 0.0
-        self.spun_from = -1.0
-        return events
+    # the busy poll's figures, as the daemon's status reports them
+    @property
+    def spin_max(self) -> float:
+        """The longest busy poll before a blocking wait, in seconds (0: never)."""
+        return self.window.bound
+
+    @property
+    def spin(self) -> float:
+        """The busy poll's window now, adapted to how soon the waits end."""
+        return self.window.window
+
+    @property
+    def spins(self) -> int:
+        return self.window.spins
+
+    @property
+    def spin_hits(self) -> int:
+        return self.window.hits
 
     def take_quiet(self, sock: Any) -> bool:
         """True (once) if ``sock`` held nothing before the last wait and its descriptor did not
@@ -177,11 +168,7 @@ class LoopWait:
 
     def set_bound(self, spin_max_s: float) -> None:
         """A new bound for the busy poll (0: none from now on, and the window with it)."""
-        self.spin_max = spin_max_s
-        if not spin_max_s:
-            self.spin, self.spun_from = 0.0, -1.0
-        else:
-            self.spin = min(self.spin, spin_max_s)
+        self.window.set_bound(spin_max_s)
 
     def close(self) -> None:
         self.ep.close()

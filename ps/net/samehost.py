@@ -66,7 +66,7 @@ def lend_job(arena: Any, wid: str, job: Job, store: Any) -> Job:
     refs = tuple(arena.iterate_slot(i, store[i]) for i in job.iterate_ids)
     n = 1 if job.kind == JobKind.FULL_GRAD else len(job.iterate_ids)
     return Job(job.job_id, job.kind, job.created_at, job.iterate_ids, job.seed, job.batch_size, job.shard,
-               job.deadline, (), (), refs, arena.lend(wid, job.job_id, n), job.xfer)
+               job.deadline, (), (), refs, arena.lend(wid, job.job_id, n), job.xfer, job.spin_us)
 
 
 class LiveRoutingIds:

@@ -518,6 +518,8 @@ class ServerTransport(_Outbound):
             return True
         if isinstance(msg, Job):
             msg = self._job_arrays(conn, msg)
+            if conn.spin_us != msg.spin_us:  # the daemon's advice to this worker (PROTOCOL.md §6.4)
+                msg = dataclasses.replace(msg, spin_us=conn.spin_us)
             if conn.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)

@@ -176,7 +176,7 @@ option_values = (text(MAX_STR_LEN) | st.integers(I64_MIN, U64_MAX) | finite | st
 
 hellos = st.builds(Hello, worker_id=ascii_ids, boot=u64, credit=credit, vmin=st.integers(0, 0xFFFF),
                    vmax=st.integers(0, 0xFFFF), device=text(MAX_ID_LEN), host_id=text(MAX_STR_LEN), holds=id_list,
-                   busy=id_list, seen=st.integers(-1, I64_MAX), run_id=u64)
+                   busy=id_list, seen=st.integers(-1, I64_MAX), run_id=u64, cpus=st.integers(0, 0xFFFF))
 welcomes = st.builds(Welcome, server_boot=u64, run_id=u64, version=st.integers(0, 0xFFFF), problem=text(MAX_STR_LEN, 1),
                      problem_options=st.dictionaries(text(MAX_ID_LEN, 1), option_values, max_size=8),
                      heartbeat_interval_s=finite, liveness_timeout_s=finite)
@@ -194,7 +194,8 @@ def jobs(draw: Any, points: st.SearchStrategy = SOME_POINTS) -> Job:
     return Job(job_id=draw(nat), kind=draw(st.sampled_from(JobKind)), created_at=draw(nat),
                iterate_ids=tuple(draw(st.lists(nat, max_size=2))), seed=draw(u64),
                batch_size=draw(st.integers(1, 1 << 30)), shard=shard, deadline=draw(st.none() | nat),
-               point_ids=tuple(draw(st.lists(nat, min_size=len(points), max_size=len(points)))), points=points)
+               point_ids=tuple(draw(st.lists(nat, min_size=len(points), max_size=len(points)))), points=points,
+               spin_us=draw(st.sampled_from([0, 0, 1, 400, 100_000])))
 
 
 def replies(grads: st.SearchStrategy = SOME_GRADS) -> st.SearchStrategy[Reply]:
@@ -284,6 +285,25 @@ def test_defaults_fill_absent_optional_fields() -> None:
     assert (j.batch_size, j.shard, j.deadline, j.point_ids, j.points) == (1, None, None, (), ())
     r = decode([pack({"v": 1, "t": "reply", "job_id": 3, "created_at": 0})])
     assert (r.grads, r.loss, r.count, r.compute_s, r.holds) == ((), None, 0, 0.0, ())
+
+
+def test_busy_poll_fields_travel_only_when_set_and_refuse_past_their_range() -> None:
+    """Job.spin_us (the server's busy-poll advice) and Hello.cpus came after version 1's first
+    release: at 0 they are left out, so an older peer sees the bytes it always saw, and a worker
+    or server that does not know them ignores them as unknown keys (§9)."""
+    job = Job(job_id=3, kind=JobKind.GRAD, created_at=0, iterate_ids=(5,), seed=9)
+    assert "spin_us" not in header_of(job) and decode(encode(job)).spin_us == 0
+    advised = Job(job_id=3, kind=JobKind.GRAD, created_at=0, iterate_ids=(5,), seed=9, spin_us=400)
+    assert header_of(advised)["spin_us"] == 400 and decode(encode(advised)) == advised
+    hello = Hello(worker_id="w", boot=1, credit=1)
+    assert "cpus" not in header_of(hello) and decode(encode(Hello("w", 1, 1, cpus=8))).cpus == 8
+    for bad in (-1, 100_001, 1.5, True, "400"):
+        with pytest.raises(RemoteProtocolError, match="job.spin_us"):
+            decode([pack({**header_of(job), "spin_us": bad})])
+        with pytest.raises(LocalProtocolError, match="Job.spin_us"):
+            encode(Job(job_id=3, kind=JobKind.GRAD, created_at=0, iterate_ids=(5,), seed=9, spin_us=bad))
+    with pytest.raises(RemoteProtocolError, match="hello.cpus"):
+        decode([pack({**header_of(hello), "cpus": 1 << 16})])
 
 
 def test_numbers_decode_to_the_field_types() -> None:

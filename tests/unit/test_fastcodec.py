@@ -38,8 +38,8 @@ hot_messages = st.one_of(*HOT.values())
 CASES = settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # Values at and past the schema's edges, and of the wrong kind, for the fields of the hot types.
-edge_ints = st.sampled_from([-2, -1, 0, 1, 2, 3, 255, 256, 257, 1 << 30, (1 << 30) + 1, I64_MAX, I64_MAX + 1,
-                             U64_MAX])
+edge_ints = st.sampled_from([-2, -1, 0, 1, 2, 3, 255, 256, 257, 100_000, 100_001, 1 << 30, (1 << 30) + 1, I64_MAX,
+                             I64_MAX + 1, U64_MAX])
 edge_values = (edge_ints | st.booleans() | st.none() | st.sampled_from([0.0, -0.0, 1.5, float("nan"), float("inf")])
                | st.lists(edge_ints, max_size=3) | st.sampled_from(["", "x", "<f4", "f4"])
                | st.lists(st.fixed_dictionaries({"dtype": st.sampled_from(["<f4", "<f8", ">f4", "<i4"]),
@@ -178,8 +178,9 @@ def test_a_job_and_a_reply_with_arrays_round_trip_through_zmq_frames() -> None:
     assert decode(encode(Ready(2, (1,)))) == Ready(2, (1,))
 
 
-EDGES = [-2, -1, 0, 1, 2, 3, 255, 256, 257, 1 << 30, (1 << 30) + 1, I64_MAX, I64_MAX + 1, U64_MAX, True, False, None,
-         0.0, 1.5, -1.5, float("nan"), float("inf"), float("-inf"), "", "x", "<f4", b"", [], [0], [1], [5, 3], [3, 5],
+EDGES = [-2, -1, 0, 1, 2, 3, 255, 256, 257, 100_000, 100_001, 1 << 30, (1 << 30) + 1, I64_MAX, I64_MAX + 1, U64_MAX,
+         True, False, None, 0.0, 1.5, -1.5, float("nan"), float("inf"), float("-inf"), "", "x", "<f4", b"", [], [0],
+         [1], [5, 3], [3, 5],
          [1, 2, 3], [-1], [0.5], [None], [True], {}, {"dtype": "<f4", "shape": [2]},
          [{"dtype": "<f4", "shape": [2]}], [{"dtype": "<f4", "shape": [-1]}], [{"dtype": ">f4", "shape": [2]}],
          [{"dtype": "<f4", "shape": [2], "x": 1}], [{"dtype": "<f4", "shape": [1, 1, 1, 1, 2]}]]
@@ -231,7 +232,7 @@ def test_the_field_orders_that_positional_constructions_rely_on() -> None:
 
     assert [f.name for f in dataclasses.fields(Job)] == [
         "job_id", "kind", "created_at", "iterate_ids", "seed", "batch_size", "shard", "deadline", "point_ids",
-        "points", "refs", "grad_slots", "xfer"]
+        "points", "refs", "grad_slots", "xfer", "spin_us"]
     assert [f.name for f in dataclasses.fields(Reply)] == [
         "job_id", "created_at", "grads", "loss", "count", "compute_s", "holds", "in_shm", "xfer", "block_sq",
         "step_sq"]
