@@ -171,3 +171,17 @@ def test_the_data_connection_reports_a_drop_during_a_busy_poll(bound):
         assert d.lost in ("closed by the peer", "receive: Connection reset by peer")  # it had unread bytes
     finally:
         d.close()
+
+
+def test_the_advice_is_set_on_a_job_with_every_other_field_kept():
+    import dataclasses
+
+    import numpy as np
+
+    from protocol.messages import Job, JobKind
+    from ps.net.transport import with_spin
+
+    job = Job(job_id=7, kind=JobKind.FULL_GRAD, created_at=3, iterate_ids=(4,), seed=5, batch_size=8, shard=(0, 9),
+              deadline=6, point_ids=(4,), points=(np.ones(3, np.float32),), refs=(1,), grad_slots=(2,), xfer=11)
+    advised = with_spin(job, 400)
+    assert advised.spin_us == 400 and dataclasses.replace(advised, spin_us=0) == job
