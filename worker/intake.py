@@ -27,6 +27,8 @@ class JobIntake:
         for what, x in self.shards.receive(i):
             if what == "gone":  # settled at the server (written off, cancelled): drop it
                 self.jobs.pop(x, None)
+            elif what == "resend":  # its block went through slots a restarted shard never lent
+                self._resend_block(i, x)
             elif x.job_id in self.jobs:
                 self._on_job(x, whole=True)
 
@@ -66,6 +68,13 @@ class JobIntake:
         self._run(job, points)
         if len(cache.items) > cache.capacity:
             cache.evict({i for j in self.jobs.values() for i in j.iterate_ids})
+
+    def _resend_block(self, i: int, jid: int) -> None:
+        """Job ``jid``'s block to shard ``i`` again, as frames, from the reply kept for a resend
+        (a reply no longer kept is not sent again: the coordinator writes the job off in time)."""
+        r = next((r for _, r in reversed(self.recent) if r.job_id == jid), None)
+        if r is not None and r.grads and not self.shards.send_block(i, r):
+            log.warning("shard %d: job %d's block could not be sent again (its pipe is full)", i, jid)
 
     def _on_shm_job(self, job: Job) -> None:
         self.jobs[job.job_id] = job

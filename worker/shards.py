@@ -181,7 +181,9 @@ class ShardLinks:
 
     def receive(self, i: int) -> list[tuple[str, Any]]:
         """Messages waiting on shard ``i``: ("job", Job with the whole iterates of its ``need``) for
-        each job now complete, ("gone", job id) for a job a shard does not know."""
+        each job now complete, ("gone", job id) for a job a shard does not know, ("resend", job id)
+        for a block sent through slots the shard says it did not lend (a shard process restarted
+        on the same endpoint: its block goes to shard ``i`` again, as frames, :meth:`send_block`)."""
         out = []
         sock = self.socks[i]
         for _ in range(64):
@@ -230,6 +232,9 @@ class ShardLinks:
                 if msg.code == ErrorCode.UNKNOWN_JOB and msg.job_id in self.assembling:
                     del self.assembling[msg.job_id]
                     out.append(("gone", msg.job_id))
+                elif msg.code == ErrorCode.UNKNOWN_JOB and self.shm_jobs.get(msg.job_id, {}).pop(i, None):
+                    log.info("shard %d: job %d's block refused from shared memory: sent again as frames", i, msg.job_id)
+                    out.append(("resend", msg.job_id))
                 else:
                     log.info("shard %d: %s %s (job %s)", i, msg.code.name, msg.message, msg.job_id)
         return out
@@ -316,28 +321,33 @@ class ShardLinks:
     def send_blocks(self, r: Reply) -> bool:
         """The reply's gradient slices to every shard. False: a shard's pipe refused it (retried;
         a shard takes a block it has once)."""
-        for i, ((lo, hi), sock) in enumerate(zip(self.ranges, self.socks, strict=True)):
-            if self._in_shm(r, i, lo, hi):
-                try:
-                    send_frames(sock, encode(Reply(job_id=r.job_id, created_at=r.created_at, grads=(), loss=r.loss,
-                                                   count=r.count, compute_s=r.compute_s, holds=r.holds,
-                                                   in_shm=True)), _NOBLOCK)
-                except zmq.Again:
-                    return False
-                continue
-            block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
-                          loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
-            if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > self.chunking.threshold:
-                self.next_xfer += 1  # large: parts, then the block with xfer (a new transfer drops one cut short)
-                messages = self.chunking.split(block, self.next_xfer)
-                self.parts_out += len(messages) - 1
-            else:
-                messages = [encode(block)]
+        return all(self.send_block(i, r) for i in range(len(self.socks)))
+
+    def send_block(self, i: int, r: Reply) -> bool:
+        """The reply's gradient slice to shard ``i``: through the slots it lent for the job, else
+        as frames (in parts when large). False: its pipe refused it."""
+        (lo, hi), sock = self.ranges[i], self.socks[i]
+        if self._in_shm(r, i, lo, hi):
             try:
-                for frames in messages:
-                    send_frames(sock, frames, _NOBLOCK)
+                send_frames(sock, encode(Reply(job_id=r.job_id, created_at=r.created_at, grads=(), loss=r.loss,
+                                               count=r.count, compute_s=r.compute_s, holds=r.holds,
+                                               in_shm=True)), _NOBLOCK)
             except zmq.Again:
                 return False
+            return True
+        block = Reply(job_id=r.job_id, created_at=r.created_at, grads=tuple(g[lo:hi] for g in r.grads),
+                      loss=r.loss, count=r.count, compute_s=r.compute_s, holds=r.holds)
+        if self.parts_ok[i] and sum(g.nbytes for g in block.grads) > self.chunking.threshold:
+            self.next_xfer += 1  # large: parts, then the block with xfer (a new transfer drops one cut short)
+            messages = self.chunking.split(block, self.next_xfer)
+            self.parts_out += len(messages) - 1
+        else:
+            messages = [encode(block)]
+        try:
+            for frames in messages:
+                send_frames(sock, frames, _NOBLOCK)
+        except zmq.Again:
+            return False
         return True
 
     def _in_shm(self, r: Reply, i: int, lo: int, hi: int) -> bool:

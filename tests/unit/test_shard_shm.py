@@ -291,6 +291,33 @@ def test_in_shm_replies_of_slots_not_lent_are_refused_and_change_nothing(run, sh
     assert shard.blocks[1][0].tobytes() == g.tobytes()
 
 
+def test_a_block_refused_from_slots_a_restarted_shard_never_lent_goes_again_as_frames(run, shm_links):
+    """A shard process that restarted on the same endpoint (with its coordinator, after a kill -9)
+    did not lend the slots a worker's block names: it refuses the block (err UNKNOWN_JOB), and the
+    worker sends that block to that shard again as frames, once; the shard takes it, the same
+    values. Before, the worker only logged the refusal and the coordinator waited for the block
+    until its timeout (120 s) wrote the job off."""
+    r, links = run, shm_links
+    fetch_whole(r.shard, links, 1)  # over shared memory: slots lent for job 1's block
+    reply, g = block(r, 1, 3)
+    r.shard.arena.lent.pop(1)  # the restarted process never lent them
+    assert links.send_blocks(reply)  # through the slots, as before the restart
+    got: list = []
+
+    def answered() -> bool:
+        if links.socks[0].poll(0):
+            got.extend(links.receive(0))
+        return bool(got)
+
+    pump(r.shard, links.socks, answered, "the refusal")
+    assert got == [("resend", 1)] and 1 not in r.shard.blocks
+    assert links.send_block(0, reply)  # what the worker's intake does with it (worker/intake.py)
+    pump(r.shard, links.socks, lambda: 1 in r.shard.blocks, "the block as frames")
+    held, = r.shard.blocks[1]
+    assert held.tobytes() == g.tobytes() and len(r.frames_in[-1]) == 2  # a header and the slice: frames
+    assert links.receive(0) == [] and 1 not in links.shm_jobs.get(1, {})  # one resend, no more
+
+
 def test_a_hello_again_never_gets_the_old_slots(run, shm_links):
     r = run
     shard = r.shard

@@ -373,3 +373,25 @@ def test_a_shard_checks_a_blocks_loss_as_the_whole_replys(shard):
     data(s, Reply(job_id=0, created_at=e.created_at, grads=(np.ones(6, np.float32),), loss=float("nan"), count=1))
     assert sent == [] and s.blocks == {}
     assert s.haves == [(-1, [0, e.created_at, int(ErrorCode.NON_FINITE), "loss is not finite"])]
+
+
+def test_a_block_a_shard_refused_from_its_slots_goes_again_from_the_reply_the_worker_keeps():
+    """worker/intake.py ``_resend_block``: the links said ("resend", job) for shard i (a restarted
+    shard never lent the slots the block named, tests/unit/test_shard_shm.py): the block goes to
+    that shard again from the reply kept for a resend; a reply no longer kept is not sent."""
+    from worker.link import Worker, WorkerConfig
+
+    w = Worker(WorkerConfig(server="tcp://127.0.0.1:9", worker_id="w1"), context=zmq.Context.instance())
+    sent = []
+
+    class Links:
+        def send_block(self, i: int, r: Reply) -> bool:
+            sent.append((i, r.job_id))
+            return True
+
+    w.shards = Links()
+    w.recent.append((0.0, Reply(job_id=4, created_at=1, grads=(np.ones(3, np.float32),))))
+    w._resend_block(1, 4)
+    w._resend_block(1, 5)  # no reply kept for job 5
+    assert sent == [(1, 4)]
+    w.shards = None
