@@ -4,6 +4,7 @@ reference worker following it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -60,17 +61,25 @@ class Fake:
         self.s.close()
 
 
-def _serve(procs, *args: str, d: int = D) -> tuple:
+@contextlib.contextmanager
+def served(procs, *args: str, d: int = D):
+    """A `latecomer serve` of the quadratic (d values) and a ZeroMQ context for the fake workers;
+    on the way out the context goes and the server is stopped with SIGINT, which must end it cleanly."""
     server = procs.start("serve", "--bind", "tcp://127.0.0.1:0", "--problem", "quadratic", "--problem-opt", f"d={d}",
                          "--algorithm", "asgd", "--set", "lr=0.001", "--max-time", "120", "--eval-every", "0",
                          "--shm", "off", *args)
-    return server, wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    endpoint = wait_line(server, r"listening on (tcp://\S+)", timeout=60).group(1)
+    ctx = zmq.Context()
+    try:
+        yield endpoint, ctx
+    finally:
+        ctx.destroy(linger=0)
+    server.send_signal(2)
+    assert wait_exit(server, timeout=60) == 0
 
 
 def test_each_worker_is_advised_to_poll_where_its_host_has_a_cpu_for_each_process_of_the_run(procs):
-    server, endpoint = _serve(procs)  # --busy-poll-us auto, the default
-    ctx = zmq.Context()
-    try:
+    with served(procs) as (endpoint, ctx):  # --busy-poll-us auto, the default
         a = Fake(ctx, endpoint, "a", "host-a", cpus=2)
         a.settles_at(400)  # alone on a 2-CPU host
         b = Fake(ctx, endpoint, "b", "host-b", cpus=0)
@@ -87,45 +96,29 @@ def test_each_worker_is_advised_to_poll_where_its_host_has_a_cpu_for_each_proces
         here.settles_at(0)  # on the server's host the server counts too: two processes, one CPU
         for f in (a, b, c, here):
             f.leave()
-    finally:
-        ctx.destroy(linger=0)
-    server.send_signal(2)
-    assert wait_exit(server, timeout=60) == 0
 
 
 def test_a_worker_that_takes_large_jobs_through_libzmq_counts_its_io_thread(procs):
     """d = 20,000: a job's array is 80 KB, past SMALL_JOB_BYTES (64 KiB), and moves through the
     plaintext worker's libzmq I/O thread, which needs a CPU of its own while the worker polls."""
-    server, endpoint = _serve(procs, d=20_000)
-    ctx = zmq.Context()
-    try:
+    with served(procs, d=20_000) as (endpoint, ctx):
         two = Fake(ctx, endpoint, "two", "host-2", cpus=2, d=20_000)
         two.settles_at(400)  # the worker and its I/O thread: two CPUs are enough
         one = Fake(ctx, endpoint, "one", "host-1", cpus=1, d=20_000)
         one.settles_at(0)  # alone on its host, but not with its I/O thread
         two.leave()
         one.leave()
-    finally:
-        ctx.destroy(linger=0)
-    server.send_signal(2)
-    assert wait_exit(server, timeout=60) == 0
 
 
 def test_a_number_advises_every_worker_and_zero_none(procs):
     for setting, want in (("250", 250), ("0", 0)):
-        server, endpoint = _serve(procs, "--busy-poll-us", setting)
-        ctx = zmq.Context()
-        try:
+        with served(procs, "--busy-poll-us", setting) as (endpoint, ctx):
             crowded = Fake(ctx, endpoint, "crowded", "", cpus=0)  # no host, no CPUs said: a number ignores both
             crowded.settles_at(want)
             roomy = Fake(ctx, endpoint, "roomy", "host-r", cpus=64)
             roomy.settles_at(want)
             crowded.leave()
             roomy.leave()
-        finally:
-            ctx.destroy(linger=0)
-        server.send_signal(2)
-        assert wait_exit(server, timeout=60) == 0
 
 
 def test_the_reference_worker_follows_the_advice_and_computes_the_same(procs, tmp_path):
