@@ -18,7 +18,9 @@ x", the server applies x <- x - lr*g and returns x; workers' compute is negligib
   benchmarks/sim_speed.py)
 
 Then two ratio tables: latecomer against each other backend, and latecomer's server CPU per
-update against the least vector work an update needs (benchmarks/reference.py).
+update against the least vector work an update needs (benchmarks/reference.py); the encrypted
+path beside the plaintext one; and the targets of issues 16 and 32, each with its verdict
+(benchmarks/targets.py).
 
     python -m benchmarks.bench [--quick] [--sizes 1000,100000] [--workers 1,2,4] [--seconds 2]
 """
@@ -34,6 +36,7 @@ import click
 
 from benchmarks.common import Row, machine, skipped
 from benchmarks.models import model_options
+from benchmarks.targets import targets_table
 from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,12 +423,13 @@ def markdown(rows: list[Row], seconds: float, warmup: float, elapsed: float, des
                      f"{_cell(r.rtt_p50_s, '.3f', 1e3)} | {_cell(r.rtt_p99_s, '.3f', 1e3)} | "
                      f"{_cell(r.peak_rss_bytes, ',.1f', 2**-20)} | {' '.join(f'{x:.0f}' for x in r.windows)} | "
                      f"{f'repetition {r.rep}. ' if r.rep else ''}{r.note} |")
+    goals = targets_table(rows, cipher)  # from every repetition's rows
     if any(r.rep for r in rows):
         lines += paired_table(rows)
         rows = median_rows(rows)  # the tables below compare each cell's median repetition
     lines += ratio_table(rows, ref, ceiling)
     lines += encrypted_table(rows, cipher)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + goals) + "\n"
 
 
 DEFAULT_PLAN_NOTE = (
@@ -536,7 +540,7 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, repeat, out
         ref, ceil = vector_passes(ds), {d: ceiling_s(d) for d in ds}
     cipher = cipher_limit() if "latecomer-curve" in bl else None
     default = (not (quick or sizes or workers_) and seconds == SECONDS and warmup == WARMUP and credit == 1
-               and bl == list(BACKENDS) and repeat == 1)
+               and bl == list(BACKENDS))  # with or without --repeat: the whole plan
     out = out or os.path.join(REPO, "benchmarks", "RESULTS.md" if default else
                               "RESULTS-quick.md" if quick else "RESULTS-partial.md")
     json_out = json_out or os.path.splitext(out)[0] + ".json"
@@ -562,7 +566,8 @@ def bench(quick, sizes, workers_, seconds, warmup, credit, backends, repeat, out
              title=f"latecomer bench ({time.strftime('%Y-%m-%d')}): x -= lr*g on loopback; " + desc.split(";")[0])
         click.echo(f"wrote {plot_out}")
     med = median_rows(rows) if repeat > 1 else rows
-    click.echo("\n".join(paired_table(rows) + ratio_table(med, ref, ceil) + encrypted_table(med, cipher)))
+    click.echo("\n".join(paired_table(rows) + ratio_table(med, ref, ceil) + encrypted_table(med, cipher)
+                          + targets_table(rows, cipher)))
     click.echo(f"wrote {out} ({elapsed:.0f} s; estimated {est:.0f} s)")
 
 

@@ -71,6 +71,11 @@ def test_bench_repeat_end_to_end_with_the_cells_faked(tmp_path, monkeypatch):
     assert "| 1,000 | 1 | latecomer / raw-zmq | 0.70 0.75 0.60 | 0.70 |" in md
     assert "| 1,000 | 1 | 0.70 |" in md  # the ratio table compares the median rows: 700 / 1000
     assert "repetition 2." in md and "--repeat 3: each cell's backends back to back" in md
+    targets = md[md.index("## The targets"):]  # the report ends with the targets, from every repetition
+    assert "| plaintext TCP / raw pyzmq >= 0.8 (issues 16, 32) | 1,000 | 1 | 0.70 0.75 0.60 | 0.70 | **not met** |" \
+        in targets
+    assert "| server CPU per update <= 0.2 ms (issue 32) | 1,000 | 1 | 0.100 0.100 0.100 | 0.100 | met |" in targets
+    assert "**1 of 2 cells meet their target.**" in targets and "## The targets" in res.output
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["repeat"] == 3 and [r["rep"] for r in data["rows"]] == [1, 1, 2, 2, 3, 3]
 
