@@ -21,8 +21,8 @@ GB = 1e9
 @dataclass(frozen=True)
 class Target:
     label: str  # as the report names it
-    sizes: tuple[int, ...]  # the cells it is read in (d, workers); an empty tuple: every d run
-    workers: tuple[int, ...]
+    sizes: tuple[int, ...]  # the d it is read at (an empty tuple: every d run)
+    workers: tuple[int, ...]  # and the worker counts
     bound: float
     at_least: bool  # True: the figure must be >= bound; False: <= bound
     fmt: str
