@@ -35,8 +35,9 @@ import time
 import click
 
 from benchmarks.common import Row, machine, skipped
+from benchmarks.common import measured as _ok
 from benchmarks.models import model_options
-from benchmarks.targets import targets_table
+from benchmarks.targets import session_cipher, targets_table
 from ps.cli.paths import output_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,9 +225,6 @@ def line(r: Row) -> str:
             f"[{r.wall_s:.0f} s]")
 
 
-def _ok(r: Row | None) -> bool:
-    return r is not None and not r.skipped and math.isfinite(r.updates_per_s) and r.updates_per_s > 0
-
 
 def _ratio(a: Row | None, b: Row | None, field: str = "updates_per_s") -> str:
     if not (_ok(a) and _ok(b)):
@@ -265,7 +263,7 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
     cipher's one-core limit that is; and the updates/s a lockstep worker would reach if sealing
     cost only the cipher's 4 passes over the arrays (x sealed and opened, g sealed and opened, one
     after the other) on top of the plaintext round trip."""
-    from protocol.seal import AEGIS, AEGIS_MIN_BYTES
+    from protocol.seal import AEGIS
 
     by = {(r.backend, r.d, r.workers): r for r in rows}
     cells = sorted({(r.d, r.workers) for r in rows if r.backend == "latecomer-curve" and _ok(r)})
@@ -274,9 +272,6 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
     cipher = cipher or {}
     xs = cipher.get("xsalsa20poly1305", math.nan)
     aegis = AEGIS in cipher  # latecomer-curve's sessions here: AEGIS for iterates of 64 KiB and more, else AES-GCM
-
-    def session(d: int) -> str:
-        return AEGIS if aegis and 4 * d >= AEGIS_MIN_BYTES else "aes256gcm-openssl"
     name = ("AEGIS-256X4 (libaegis) where the iterate is at least 64 KiB, AES-256-GCM (OpenSSL) below"
             if aegis else "AES-256-GCM (OpenSSL)")
     limit = ", ".join(f"{k} {v:.2f} GB/s" for k, v in cipher.items()) or "not measured"
@@ -304,7 +299,7 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
         gq = g.updates_per_s if g is not None and _ok(g) else math.nan
         mbps = c.updates_per_s * c.bytes_per_update / 1e6
         arrays = 4.0 * d  # bytes of one float32 array
-        lim = cipher.get(session(d), math.nan)
+        lim = cipher.get(session_cipher(d, cipher), math.nan)
         bound = 1.0 / (1.0 / plain + 4 * arrays / (lim * 1e9)) if w == 1 else math.nan
         out.append(f"| {d:,} | {w} | {_cell(plain, ',.1f')} | {c.updates_per_s:,.1f} | "
                    f"{_f(c.updates_per_s / plain, '.2f')} | {_f(gq / plain, '.2f')} | {_cell(zq, ',.1f')} | "

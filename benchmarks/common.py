@@ -48,6 +48,11 @@ class Row:
         return asdict(self)
 
 
+def measured(r: Row | None) -> bool:
+    """Whether ``r`` is a row that ran and gave a rate (not skipped, not empty)."""
+    return r is not None and not r.skipped and math.isfinite(r.updates_per_s) and r.updates_per_s > 0
+
+
 def skipped(backend: str, d: int, workers: int, why: str) -> Row:
     return Row(backend, d, workers, skipped=why)
 

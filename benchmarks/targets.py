@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks.common import Row
+from benchmarks.common import measured as _ok
 
 GB = 1e9
 
@@ -28,10 +29,6 @@ class Target:
     fmt: str
     # (rows of one cell and repetition by backend, the cipher limits in GB/s, d) -> the figure, or None
     figure: Callable[[dict[str, Row], dict[str, float], int], float | None]
-
-
-def _ok(r: Row | None) -> bool:
-    return r is not None and not r.skipped and math.isfinite(r.updates_per_s) and r.updates_per_s > 0
 
 
 def _ratio(a: str, b: str) -> Callable:
