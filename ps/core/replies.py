@@ -64,7 +64,10 @@ def check_grads(entry: LedgerEntry, reply: Reply, grads: tuple, dim: int, layout
 def in_run_dtype(reply: Reply, dtype: np.dtype) -> tuple:
     """The reply's gradients in the run's dtype (what the algorithm gets); a value past its
     range becomes Inf, which the finiteness test then refuses (no warning per message)."""
-    if all(g.dtype == dtype for g in reply.grads):
+    for g in reply.grads:
+        if g.dtype != dtype:
+            break
+    else:
         return reply.grads
     with np.errstate(over="ignore", invalid="ignore"):
         return tuple(g if g.dtype == dtype else g.astype(dtype) for g in reply.grads)
@@ -78,16 +81,36 @@ def result_of(entry: LedgerEntry, worker_id: str, reply: Reply, grads: tuple) ->
                   step_sq=reply.step_sq)
 
 
-def checked_apply(alg: Algorithm, state: Any, result: Result,
-                  overflow: bool = False) -> tuple[tuple | None, tuple[ErrorCode, str] | None]:
+def checked_apply(alg: Algorithm, state: Any, result: Result, overflow: bool = False,
+                  v_before: int | None = None) -> tuple[tuple | None, tuple[ErrorCode, str] | None]:
     """An algorithm that ``checks_finite`` applies ``result`` now, testing its gradients in
     the step's own pass (``overflow``: the ``refuse_overflow`` rule too): ((the version before,
-    what apply returned), None), or (None, the refusal) with nothing changed."""
-    v_before = int(alg.version(state))
+    what apply returned), None), or (None, the refusal) with nothing changed. ``v_before``: the
+    version now, where the caller has it (else read here)."""
+    if v_before is None:
+        v_before = int(alg.version(state))
     try:
         return (v_before, alg.apply_checked(state, result, overflow)), None
     except NonFiniteGradient:
         return None, (ErrorCode.NON_FINITE, refusal_text(result.grads))
+
+
+def reject(core: Any, w: WorkerInfo, entry: LedgerEntry, reply: Reply, problem: tuple[ErrorCode, str],
+           now: float) -> list[Command]:
+    """``w``'s ``reply`` to ``entry`` is refused (``problem``: the code and text it is told): the
+    job is rejected, the algorithm told; ``max_bad_replies`` in a row quarantine ``w``."""
+    code, text = problem
+    out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
+    settle(core, entry, "rejected")
+    core.counters.rejected += 1
+    core.state = core.alg.on_lost(core.state, [entry.job_id])
+    core._sweep_store()
+    core.events.append({"ev": "rejected", "job_id": entry.job_id, "worker_id": w.worker_id,
+                        "code": int(code), "message": text})
+    w.bad_in_a_row += 1
+    if core.cfg.max_bad_replies and w.bad_in_a_row >= core.cfg.max_bad_replies:
+        out += quarantine_worker(core, w, now)
+    return out + core.dispatch(now)
 
 
 def on_reply(core: Any, w: WorkerInfo, reply: Reply, now: float,
@@ -110,26 +133,17 @@ def on_reply(core: Any, w: WorkerInfo, reply: Reply, now: float,
                                         if entry.worker_id != w.worker_id else "created_at does not match the job",
                                         job_id=reply.job_id))]
     grads = in_run_dtype(reply, core.dtype)
-    fused = refusal is None and core.alg.checks_finite and core.alg.mode != "round"
+    alg = core.alg
+    round_mode = alg.mode == "round"
+    fused = refusal is None and alg.checks_finite and not round_mode
     overflow = core.cfg.refuse_overflow
     problem = refusal or check_grads(entry, reply, grads, core.dim, core.layout_text, fused, overflow)
     pre = None
     if problem is None and fused:
         result = result_of(entry, w.worker_id, reply, grads)
-        pre, problem = checked_apply(core.alg, core.state, result, overflow)
+        pre, problem = checked_apply(alg, core.state, result, overflow, core.version)
     if problem is not None:
-        code, text = problem
-        out = [Send(w.worker_id, Error(code, text, job_id=reply.job_id))]
-        settle(core, entry, "rejected")
-        core.counters.rejected += 1
-        core.state = core.alg.on_lost(core.state, [entry.job_id])
-        core._sweep_store()
-        core.events.append({"ev": "rejected", "job_id": entry.job_id, "worker_id": w.worker_id,
-                            "code": int(code), "message": text})
-        w.bad_in_a_row += 1
-        if core.cfg.max_bad_replies and w.bad_in_a_row >= core.cfg.max_bad_replies:
-            out += quarantine_worker(core, w, now)
-        return out + core.dispatch(now)
+        return reject(core, w, entry, reply, problem, now)
     w.bad_in_a_row = 0
     w.failed_in_a_row = 0
     w.resends_in_a_row = 0
@@ -139,15 +153,16 @@ def on_reply(core: Any, w: WorkerInfo, reply: Reply, now: float,
     w.compute_s += reply.compute_s
     if reply.holds:
         w.holds = trusted_holds(core, reply.holds)
-    w.outstanding.discard(entry.job_id)
-    reindex(core, w)
     if pre is None:
         result = result_of(entry, w.worker_id, reply, grads)
-    if core.alg.mode == "round":
+    if round_mode:
+        w.outstanding.discard(entry.job_id)
+        reindex(core, w)
         mark_received(core, entry)
         core.buffer.append(result)
         core.round_blocked = False
         return core.dispatch(now)
+    # apply_results settles the entry (applied or dropped): that takes it off w's jobs
     return apply_results(core, [result], now, pre) + core.dispatch(now)
 
 

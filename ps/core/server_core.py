@@ -70,6 +70,8 @@ from ps.core.workers import (
     trusted_holds,
 )
 
+_BASE_VERSION = Algorithm.version  # reads ``state.version``
+
 
 class ServerCore:
     """Worker table + job ledger + iterate store around one algorithm.
@@ -126,15 +128,23 @@ class ServerCore:
         cost O(1) or O(log n) in the number of workers and jobs. The worker table's (join order,
         free and eligible workers, liveness: :func:`ps.core.workers.index_workers`), the ledger's
         (``jobs``: the outstanding jobs indexed, :class:`ps.core.ledger.Outstanding`) and the
-        iterate store's (:func:`ps.core.iterates.index_iterates`)."""
+        iterate store's (:func:`ps.core.iterates.index_iterates`); and whether :attr:`version` may
+        read the state's without the algorithm's call."""
         index_workers(self)
         self.jobs = Outstanding(self.ledger)
         index_iterates(self)
+        # the algorithm, where its version is Algorithm.version's ``state.version`` (:attr:`version`)
+        alg = self.alg
+        self._plain_alg = alg if getattr(type(alg), "version", None) is _BASE_VERSION else None
 
     # ------------------------------------------------------------------ properties
     @property
     def version(self) -> int:
-        return int(self.alg.version(self.state))
+        """k, ``int(alg.version(state))``; read without the call where the algorithm's
+        ``version`` is ``Algorithm.version`` (read several times per reply)."""
+        alg = self.alg
+        v = self.state.version if alg is self._plain_alg else alg.version(self.state)
+        return v if type(v) is int else int(v)
 
     def params(self) -> np.ndarray:
         return self.alg.params(self.state)
@@ -234,7 +244,9 @@ class ServerCore:
             else:
                 self.counters.invalid += 1
             return [Send(worker_id, Error(ErrorCode.UNKNOWN_WORKER, "say hello first"))]
-        seen(self, w, now)
+        if now < w.last_seen:
+            seen(self, w, now)  # the clock went back: its liveness entry is pushed again
+        w.last_seen = now
         if isinstance(msg, Reply):
             return replies.on_reply(self, w, msg, now, refusal)
         if isinstance(msg, Heartbeat):
@@ -275,7 +287,9 @@ class ServerCore:
         t = self.next_round_at
         w = alive_top(self)
         if w is not None:
-            t = min(t, w.last_seen + self.cfg.liveness_timeout_s)
+            d = w.last_seen + self.cfg.liveness_timeout_s
+            if d < t:  # min(t, d): t where they tie
+                return d
         return t
 
     def remove_worker(self, worker_id: str, now: float, *, reason: str) -> list[Command]:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from algorithms.base import Result
+from algorithms.base import Algorithm, Result
 from protocol.messages import Cancel
 from ps.core.commands import Command, Send
 from ps.core.iterates import release
 from ps.core.ledger import LedgerEntry, close_entry
 from ps.core.workers import WorkerInfo, reindex
 
+_DROPPED = object()  # apply_results: no age, the result was not applied
+_NO_CANCEL = Algorithm.cancel  # cancels nothing
 
 def settle(core: Any, entry: LedgerEntry, how: str) -> None:
     """Remove a job from the ledger (and its worker's set); release iterate references."""
@@ -36,32 +38,32 @@ def apply_results(core: Any, results: list[Result], now: float, pre: tuple | Non
         core.state, outcome = core.alg.apply(core.state, results)
     else:
         v_before, (core.state, outcome) = pre
-    for r in results:
-        entry = core.ledger.get(r.job_id)
-        if entry is None:
-            continue
-        if r.job_id in outcome.applied:
-            settle(core, entry, "applied")
-            core.counters.applied += 1
-        else:
-            settle(core, entry, "dropped")
-            core.counters.dropped += 1
+    v = core.version  # nothing below changes it before the cancellations
     ages = dict(zip(outcome.applied, outcome.ages, strict=True))
-    for r in results:
-        if r.job_id in ages:
+    ledger, counters, events = core.ledger, core.counters, core.events
+    for r in results:  # each settled, then its event (a settlement emits none, reads no event)
+        jid = r.job_id
+        entry = ledger.get(jid)
+        age = ages.get(jid, _DROPPED)
+        if age is not _DROPPED:
+            if entry is not None:
+                settle(core, entry, "applied")
+                counters.applied += 1
             w = core.workers.get(r.worker_id)
-            core.events.append({"ev": "applied", "job_id": r.job_id, "worker_id": r.worker_id,
-                                "created_at": r.created_at, "age": ages[r.job_id], "seed": r.seed,
-                                "version": core.version, "t": now, "key": w.key if w else ""})
+            events.append({"ev": "applied", "job_id": jid, "worker_id": r.worker_id, "created_at": r.created_at,
+                           "age": age, "seed": r.seed, "version": v, "t": now, "key": w.key if w else ""})
         else:
-            core.events.append({"ev": "dropped", "job_id": r.job_id, "worker_id": r.worker_id,
-                                "created_at": r.created_at, "age": v_before - r.created_at, "t": now})
-    if core.version != v_before:
-        core.counters.updates += core.version - v_before
+            if entry is not None:
+                settle(core, entry, "dropped")
+                counters.dropped += 1
+            events.append({"ev": "dropped", "job_id": jid, "worker_id": r.worker_id,
+                           "created_at": r.created_at, "age": v_before - r.created_at, "t": now})
+    if v != v_before:
+        counters.updates += v - v_before
     if outcome.metrics:
         core.last_metrics = dict(outcome.metrics)
-        if core.version != v_before:  # per-step algorithm figures (M_k, batch fill, ...)
-            core.events.append({"ev": "metrics", "version": core.version, "t": now, **core.last_metrics})
+        if v != v_before:  # per-step algorithm figures (M_k, batch fill, ...)
+            events.append({"ev": "metrics", "version": v, "t": now, **core.last_metrics})
     out = cancel_jobs(core, now)
     core._sweep_store()
     return out
@@ -69,7 +71,10 @@ def apply_results(core: Any, results: list[Result], now: float, pre: tuple | Non
 
 def cancel_jobs(core: Any, now: float) -> list[Command]:
     """The jobs the algorithm cancels now (``Algorithm.cancel`` of the outstanding view)."""
-    ids = core.alg.cancel(core.state, core.jobs)
+    alg = core.alg
+    if getattr(type(alg), "cancel", None) is _NO_CANCEL:  # Algorithm.cancel: nothing, ever
+        return []
+    ids = alg.cancel(core.state, core.jobs)
     if not ids:
         return []
     by_worker: dict[str, list[int]] = {}
