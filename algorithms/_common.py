@@ -59,3 +59,15 @@ def sgd_steps(state: IterateState, results: Sequence[Result], lr: float, *, max_
         applied.append(r.job_id)
         ages.append(age)
     return Outcome(applied=tuple(applied), dropped=tuple(dropped), updated=bool(applied), ages=tuple(ages))
+
+
+def sgd_step_checked(state: IterateState, r: Result, lr: float, squares: bool = False) -> Outcome:
+    """``sgd_steps(state, [r], lr, checked=True, squares=squares)`` (max_age = inf: applied
+    whatever its age), without the work of a list of results: what A1 does with each reply."""
+    age = state.version - r.created_at
+    y = step_into_checked(state.x, lr, r.grads[0], squares)
+    if y is None:
+        raise NonFiniteGradient(f"job {r.job_id}: gradient holds NaN or Inf")
+    state.x = y
+    state.version += 1
+    return Outcome(applied=(r.job_id,), dropped=(), updated=True, ages=(age,))

@@ -116,10 +116,11 @@ def step_into(x: np.ndarray, lr: float, d: np.ndarray) -> np.ndarray:
     ``np.add(x, y, out=y)``, so d and x are read once and y written once, its block still in
     cache for the add.
     """
-    y = POOL.empty(x.shape, x.dtype)
+    # below MIN_POOLED_BYTES the pool's answer is np.empty: taken here without its call
+    y = np.empty(x.shape, x.dtype) if x.nbytes < MIN_POOLED_BYTES else POOL.empty(x.shape, x.dtype)
     c = np.asarray(-lr, x.dtype)
     n = x.shape[0] if x.ndim == 1 else 0
-    if _blocked(n, d):
+    if n >= BLOCKED_MIN and _blocked(n, d):
         for i in range(0, n, BLOCK):
             j = i + BLOCK
             yb = y[i:j]
@@ -184,7 +185,7 @@ def step_into_checked(x: np.ndarray, lr: float, g: np.ndarray, squares: bool = F
     also when a value's square overflows), at the same cost: the block's dot is taken anyway.
     """
     n = x.shape[0] if x.ndim == 1 else 0
-    if not _blocked(n, g):
+    if n < BLOCKED_MIN or not _blocked(n, g):
         return step_into(x, lr, g) if (squares_finite(g) if squares else finite(g)) else None
     y = POOL.empty(x.shape, x.dtype)
     c = np.asarray(-lr, x.dtype)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 import numpy as np
 
-from algorithms._common import IterateState, frozen, grad_job, sgd_steps
+from algorithms._common import IterateState, frozen, grad_job, sgd_step_checked, sgd_steps
 from algorithms._pool import momentum_step, step_into
 from algorithms.base import Algorithm, Outcome, Result, check_hyper
 
@@ -88,7 +88,7 @@ class VanillaASGD(PlainSGDMethod):
     def apply_checked(self, state: IterateState, result: Result, squares: bool = False):
         """``apply`` of one result, the test of g in the step's own pass (``squares``: the
         ``refuse_overflow`` rule, see :meth:`Algorithm.apply_checked`)."""
-        return state, sgd_steps(state, [result], self.lr, checked=True, squares=squares)
+        return state, sgd_step_checked(state, result, self.lr, squares)
 
 
 @dataclass(slots=True)

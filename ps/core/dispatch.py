@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from algorithms.base import JobSpec
+from algorithms.base import Algorithm, JobSpec
 from protocol.messages import Job
 from ps.core.commands import Command, Send
 from ps.core.iterates import reference
 from ps.core.ledger import LedgerEntry, add_entry, new_job_id
 from ps.core.settlement import run_round
 from ps.core.workers import WorkerInfo, free_in_join_order, reindex
+
+_NO_ON_ISSUED = Algorithm.on_issued  # does nothing
 
 
 def dispatch_jobs(core: Any, now: float) -> list[Command]:
@@ -29,36 +31,40 @@ def dispatch_jobs(core: Any, now: float) -> list[Command]:
             return []
         core.started = True
     out: list[Command] = []
-    round_mode = core.alg.mode == "round"
+    free = core._free
+    alg = core.alg
+    round_mode = alg.mode == "round"
     clock_rounds = round_mode and bool(core.cfg.round_period_s)
-
-    def idle() -> bool:
-        # Nothing queued and no round to run: no worker gets a job in this pass (neither
-        # condition changes within it), so stop rather than look at every free worker.
-        return not core.pending_specs and (clock_rounds or (round_mode and core.round_blocked))
-
-    if not core._free or idle():
+    if not free or (round_mode and _idle(core, clock_rounds)):
         return out
-    for wid in free_in_join_order(core):
-        if idle():
+    workers, pending = core.workers, core.pending_specs
+    for wid in (list(free) if len(free) == 1 else free_in_join_order(core)):
+        if round_mode and _idle(core, clock_rounds):
             break
-        w = core.workers[wid]
-        while len(w.outstanding) < w.credit and w.worker_id in core.workers:
-            if core.pending_specs:
-                spec = core.pending_specs.popleft()
+        w = workers[wid]
+        while len(w.outstanding) < w.credit and w.worker_id in workers:
+            if pending:
+                spec = pending.popleft()
             elif clock_rounds:
                 break
             else:
-                if core.alg.mode == "round":
+                if round_mode:
                     if core.round_blocked:
                         break
                     out += run_round(core, now)
-                core.state, spec = core.alg.make_job(core.state, w.worker_id)
+                core.state, spec = alg.make_job(core.state, w.worker_id)
                 if spec is None:
-                    core.round_blocked = core.alg.mode == "round"
+                    core.round_blocked = round_mode
                     break
             out.append(Send(w.worker_id, issue_job(core, spec, w, now)))
     return out
+
+
+def _idle(core: Any, clock_rounds: bool) -> bool:
+    """Round mode: nothing queued and no round to run, so no worker gets a job in this pass
+    (neither condition changes within it): stop rather than look at every free worker. A
+    per-reply algorithm is never idle."""
+    return not core.pending_specs and (clock_rounds or core.round_blocked)
 
 
 def sample_seed(rng: Any) -> int:
@@ -70,16 +76,19 @@ def sample_seed(rng: Any) -> int:
 
 def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
     """Give ``spec`` to ``w``: a new ledger entry, and the job message for it."""
-    if len(spec.iterate_ids) != len(spec.points):
-        raise ValueError(f"{core.alg.name}: JobSpec has {len(spec.iterate_ids)} ids and {len(spec.points)} points")
-    reference(core, spec.iterate_ids, spec.points)
+    ids = spec.iterate_ids
+    if len(ids) != len(spec.points):
+        raise ValueError(f"{core.alg.name}: JobSpec has {len(ids)} ids and {len(spec.points)} points")
+    reference(core, ids, spec.points)
     jid = new_job_id(core)
     entry = LedgerEntry(job_id=jid, worker_id=w.worker_id, kind=spec.kind, created_at=spec.created_at,
-                        iterate_ids=tuple(spec.iterate_ids), seed=sample_seed(core.rng),
+                        iterate_ids=ids if type(ids) is tuple else tuple(ids), seed=sample_seed(core.rng),
                         batch_size=spec.batch_size or core.cfg.batch_size, shard=spec.shard,
                         deadline=spec.deadline, issued_at=now)
     add_entry(core, entry)
-    core.state = core.alg.on_issued(core.state, jid, spec)  # the algorithm learns the job's id
+    alg = core.alg
+    if getattr(type(alg), "on_issued", None) is not _NO_ON_ISSUED:  # Algorithm.on_issued returns the state
+        core.state = alg.on_issued(core.state, jid, spec)  # the algorithm learns the job's id
     w.outstanding.add(jid)
     reindex(core, w)
     core.counters.issued += 1
@@ -91,9 +100,18 @@ def issue_job(core: Any, spec: JobSpec, w: WorkerInfo, now: float) -> Job:
 
 def job_message(core: Any, entry: LedgerEntry, w: WorkerInfo) -> Job:
     """The job of ``entry`` as sent to ``w``: with the points of the iterates it does not hold."""
-    missing = tuple(dict.fromkeys(i for i in entry.iterate_ids if i not in w.holds))
-    w.holds.update(missing)
+    ids, holds = entry.iterate_ids, w.holds
+    if len(ids) == 1:  # the common case, as the general form below has it
+        i = ids[0]
+        if i in holds:
+            missing: tuple = ()
+        else:
+            holds.add(i)
+            missing = (i,)
+    else:
+        missing = tuple(dict.fromkeys(i for i in ids if i not in holds))
+        holds.update(missing)
     return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
-               iterate_ids=entry.iterate_ids, seed=entry.seed, batch_size=entry.batch_size,
+               iterate_ids=ids, seed=entry.seed, batch_size=entry.batch_size,
                shard=entry.shard, deadline=entry.deadline, point_ids=missing,
-               points=tuple(core.store[i] for i in missing))
+               points=tuple(core.store[i] for i in missing) if missing else ())

@@ -52,19 +52,22 @@ def index_iterates(core: Any) -> None:
 
 def reference(core: Any, iterate_ids: Sequence[int], points: Sequence[np.ndarray]) -> None:
     """A job references these iterates (stored on first reference)."""
+    store, refs = core.store, core.refs
     for iid, p in zip(iterate_ids, points, strict=True):
-        if iid not in core.store:
-            core.store[iid] = p
-            core.refs.setdefault(iid, 0)
-        core.refs[iid] = core.refs.get(iid, 0) + 1
-    core.store_peak = max(core.store_peak, len(core.store))
+        if iid not in store:
+            store[iid] = p
+        refs[iid] = refs.get(iid, 0) + 1
+    if len(store) > core.store_peak:
+        core.store_peak = len(store)
 
 
 def release(core: Any, iterate_ids: Sequence[int]) -> None:
     """A job that referenced these iterates was settled."""
+    refs = core.refs
     for iid in iterate_ids:
-        core.refs[iid] -= 1
-        if core.refs[iid] <= 0:
+        n = refs[iid] - 1
+        refs[iid] = n
+        if n <= 0:
             core._unref.add(iid)
 
 
