@@ -105,13 +105,14 @@ def job_message(core: Any, entry: LedgerEntry, w: WorkerInfo) -> Job:
         i = ids[0]
         if i in holds:
             missing: tuple = ()
+            points: tuple = ()
         else:
             holds.add(i)
-            missing = (i,)
+            missing, points = (i,), (core.store[i],)
     else:
         missing = tuple(dict.fromkeys(i for i in ids if i not in holds))
         holds.update(missing)
+        points = tuple(core.store[i] for i in missing)
     return Job(job_id=entry.job_id, kind=entry.kind, created_at=entry.created_at,
                iterate_ids=ids, seed=entry.seed, batch_size=entry.batch_size,
-               shard=entry.shard, deadline=entry.deadline, point_ids=missing,
-               points=tuple(core.store[i] for i in missing) if missing else ())
+               shard=entry.shard, deadline=entry.deadline, point_ids=missing, points=points)

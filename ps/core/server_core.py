@@ -71,6 +71,7 @@ from ps.core.workers import (
 )
 
 _BASE_VERSION = Algorithm.version  # reads ``state.version``
+_NO_LIVE = Algorithm.live_iterate_ids  # needs no iterate kept
 
 
 class ServerCore:
@@ -285,7 +286,13 @@ class ServerCore:
     def next_deadline(self) -> float:
         """The earliest time at which ``on_tick`` has something to do (inf if none)."""
         t = self.next_round_at
-        w = alive_top(self)
+        h = self._alive
+        if not h:
+            return t
+        last, seq, wid = h[0]  # an exact top (the common case) is alive_top's answer, without its call
+        w = self.workers.get(wid)
+        if w is None or last != w.last_seen or self._seq.get(wid) != seq:
+            w = alive_top(self)
         if w is not None:
             d = w.last_seen + self.cfg.liveness_timeout_s
             if d < t:  # min(t, d): t where they tie
@@ -322,4 +329,7 @@ class ServerCore:
         """Forget iterates no job references and the algorithm does not need. Only those whose
         count fell to 0 are looked at, not the whole store."""
         if self._unref:
-            sweep(self, self.alg.live_iterate_ids(self.state))
+            alg = self.alg
+            # Algorithm.live_iterate_ids needs none: not called
+            live = () if getattr(type(alg), "live_iterate_ids", None) is _NO_LIVE else alg.live_iterate_ids(self.state)
+            sweep(self, live)
