@@ -11,10 +11,12 @@ from algorithms._pool import step_into, step_into_checked
 from algorithms.base import JobSpec, NonFiniteGradient, Outcome, Result
 from protocol.messages import JobKind
 
+_GRAD = JobKind.GRAD  # read once (a class attribute of an enum costs a lookup each time)
+
 
 def grad_job(version: int, x: np.ndarray) -> JobSpec:
     """A GRAD job at the current iterate x_k (x must already be read-only)."""
-    return JobSpec(kind=JobKind.GRAD, created_at=version, iterate_ids=(version,), points=(x,))
+    return JobSpec(kind=_GRAD, created_at=version, iterate_ids=(version,), points=(x,))
 
 
 def frozen(x: np.ndarray) -> np.ndarray:

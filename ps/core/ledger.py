@@ -124,8 +124,10 @@ class Outstanding(Sequence):
                 heapq.heappush(self._heap, c)
                 self._in_heap.add(c)
         g[e.job_id] = None
-        key = (c, e.kind, tuple(e.iterate_ids))
-        self._classes[key] = self._classes.get(key, 0) + 1
+        ids = e.iterate_ids
+        key = (c, e.kind, ids if type(ids) is tuple else tuple(ids))
+        classes = self._classes
+        classes[key] = classes.get(key, 0) + 1
         self._created_sum += c
 
     def _drop(self, e: LedgerEntry) -> None:
@@ -139,12 +141,14 @@ class Outstanding(Sequence):
                 self._heap = list(self._groups)
                 heapq.heapify(self._heap)
                 self._in_heap = set(self._groups)
-        key = (c, e.kind, tuple(e.iterate_ids))
-        left = self._classes[key] - 1
+        ids = e.iterate_ids
+        key = (c, e.kind, ids if type(ids) is tuple else tuple(ids))
+        classes = self._classes
+        left = classes[key] - 1
         if left:
-            self._classes[key] = left
+            classes[key] = left
         else:
-            del self._classes[key]
+            del classes[key]
         self._created_sum -= c
 
     def _mark_received(self, e: LedgerEntry) -> None:

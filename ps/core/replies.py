@@ -21,6 +21,8 @@ from ps.core.ledger import LedgerEntry, mark_received
 from ps.core.settlement import apply_results, settle
 from ps.core.workers import WorkerInfo, reindex, trusted_holds
 
+_FULL_GRAD = JobKind.FULL_GRAD  # read once (a class attribute of an enum costs a lookup each time)
+
 
 def refusal_text(grads: tuple) -> str:
     """The text of a NON_FINITE refusal of ``grads``: NaN/Inf, else (``refuse_overflow``) a
@@ -39,7 +41,8 @@ def check_grads(entry: LedgerEntry, reply: Reply, grads: tuple, dim: int, layout
     ``overflow`` (``CoreConfig.refuse_overflow``): a value whose square overflows the run's dtype
     is refused like a NaN (:func:`algorithms._pool.squares_finite`), at the same place and cost."""
     ok = squares_finite if overflow else finite
-    want = 1 if entry.kind == JobKind.FULL_GRAD else len(entry.iterate_ids)
+    full = entry.kind == _FULL_GRAD
+    want = 1 if full else len(entry.iterate_ids)
     if len(reply.grads) != want:
         return ErrorCode.BAD_SHAPE, f"expected {want} gradient(s), got {len(reply.grads)}"
     for i, g in enumerate(reply.grads):
@@ -50,7 +53,7 @@ def check_grads(entry: LedgerEntry, reply: Reply, grads: tuple, dim: int, layout
             return ErrorCode.BAD_SHAPE, f"gradient dtype {g.dtype} is not floating point"
         if not deferred and not ok(grads[i]):  # one BLAS pass, exact where it overflows (_pool.py)
             return ErrorCode.NON_FINITE, refusal_text((grads[i],))
-    if entry.kind == JobKind.FULL_GRAD and entry.shard is not None:
+    if full and entry.shard is not None:
         if reply.count != entry.shard[1] - entry.shard[0]:
             return ErrorCode.BAD_SHAPE, f"count {reply.count} != shard size {entry.shard[1] - entry.shard[0]}"
     if reply.loss is not None and not math.isfinite(reply.loss):
