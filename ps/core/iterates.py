@@ -37,6 +37,8 @@ class EvictionCursor:
         self.core, self.mark = core, core.evictions
         if not known:
             return None
+        if n == 1:  # a reply's usual sweep, without the comprehension below
+            return [core.evicted[-1]]
         return [core.evicted[-i] for i in range(1, n + 1)] if n else []
 
 
