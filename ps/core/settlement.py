@@ -20,6 +20,7 @@ from ps.core.workers import WorkerInfo, reindex
 _DROPPED = object()  # apply_results: no age, the result was not applied
 _NO_CANCEL = Algorithm.cancel  # cancels nothing
 
+
 def settle(core: Any, entry: LedgerEntry, how: str) -> None:
     """Remove a job from the ledger (and its worker's set); release iterate references."""
     close_entry(core, entry, how)
