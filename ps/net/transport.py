@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -83,6 +84,7 @@ from ps.net.sealed import OpenFrame, SealedPath
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
+_NBYTES = operator.attrgetter("nbytes")  # an array's size, for sum(map(...)): no generator per job sent
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
@@ -393,8 +395,8 @@ class ServerTransport(_Outbound):
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
             yield from self.sealed.pending(wait)
-        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
-            yield from handed_messages(self.handed, self.sealed)
+        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py): handed_messages
+            yield from self.handed.pending() if self.sealed is None else self.sealed.opened(self.handed.pending())
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -414,7 +416,7 @@ class ServerTransport(_Outbound):
         msg = self._decode(conn, frames, now)
         if msg is None or isinstance(msg, Count):
             return msg
-        self.bytes_in += sum(len(f) for f in frames)
+        self.bytes_in += sum(map(len, frames))
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
             source, auth = self._status_source(frames[1], rid)
             if self.conns.status_ask(conn, msg.token, now, source, auth):
@@ -528,7 +530,7 @@ class ServerTransport(_Outbound):
             msg = self._job_arrays(conn, msg)
             if conn.spin_us != msg.spin_us:  # the daemon's advice to this worker (PROTOCOL.md §6.4)
                 msg = with_spin(msg, conn.spin_us)
-            if conn.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
+            if conn.parts and sum(map(_NBYTES, msg.points)) > self.chunking.threshold:
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
