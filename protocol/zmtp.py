@@ -165,7 +165,7 @@ class Connection:
     held, so that the first read of a large frame takes its header and little of its body."""
 
     __slots__ = ("limits", "alloc", "small", "cap", "buf", "have", "used", "greeted", "peer", "pings", "parts",
-                 "unfinished", "big", "big_at", "big_flags", "seen", "idle_read")
+                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read")
 
     def __init__(self, limits: ZmtpLimits, alloc=bytearray, small=bytes, first_read: int = 0,
                  idle_read: int = 0) -> None:
@@ -178,6 +178,7 @@ class Connection:
         self.peer: dict[str, bytes] | None = None
         self.pings: list[bytes] = []
         self.parts: list = []  # the unfinished message's frames
+        self.parts_bytes = 0  # their size
         self.unfinished = 0
         self.big = None  # a large frame's own buffer while its body arrives
         self.big_at = 0  # its bytes filled
@@ -220,9 +221,11 @@ class Connection:
     def _whole(self, frame, flags: int, msgs: list) -> None:
         self.seen += 1
         self.parts.append(frame)
-        if not flags & MORE:
+        if flags & MORE:
+            self.parts_bytes += memoryview(frame).nbytes
+        else:
             msgs.append(self.parts)
-            self.parts, self.unfinished = [], 0
+            self.parts, self.parts_bytes, self.unfinished = [], 0, 0
 
     def _parse(self) -> list[list]:
         msgs: list[list] = []
@@ -282,14 +285,13 @@ class Connection:
     def _check_frame(self, flags: int, size: int, lim: ZmtpLimits) -> None:
         """A frame's header, before its body is held (a small frame's header is looked at again
         after each read until its body is whole: the figures are recomputed, not added to)."""
-        if check_header(flags, size, lim.max_command_bytes):
-            return
+        if flags & (RESERVED | COMMAND) and check_header(flags, size, lim.max_command_bytes):
+            return  # check_header raises or says "a command" only for these flags
         if size > lim.max_frame_bytes:
             raise ZmtpError(f"a {size}-byte frame (at most {lim.max_frame_bytes})")
         if len(self.parts) + 1 > lim.max_frames:
             raise ZmtpError(f"a message of more than {lim.max_frames} frames")
-        parts = self.parts  # its whole frames (none for a message's first), and this one
-        unfinished = sum(memoryview(p).nbytes for p in parts) + size if parts else size
+        unfinished = self.parts_bytes + size  # its whole frames and this one
         if unfinished > lim.max_message_bytes:
             raise ZmtpError(f"a message of more than {lim.max_message_bytes} bytes")
         self.unfinished = unfinished
