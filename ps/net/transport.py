@@ -422,14 +422,16 @@ class ServerTransport(_Outbound):
             if self.conns.status_ask(conn, msg.token, now, source, auth):
                 self.send_frames(rid, status(msg.token))
             return None
-        key = self._key(frames[1])
+        key = self._key(frames[1]) if self.security is not None else ""  # _key's answer without keys
         wid = self.admission.identify(conn, msg, key, now)
         if wid is None or isinstance(wid, Count):
             return wid
         if isinstance(msg, Ready):
             conn.shm_ready = opened_shm(conn.shm_capable, msg.shm, conn.wid)
         inbound = Inbound(conn, wid, msg, key, frames[1:], body=body)
-        return self._reply_arrays(inbound) if isinstance(msg, Reply) else inbound
+        if isinstance(msg, Reply) and (msg.xfer or msg.in_shm or self.wire_dtype != "f32"):
+            return self._reply_arrays(inbound)  # otherwise it would leave the reply as it came
+        return inbound
 
     def _decode(self, conn: Conn, frames: list, now: float) -> Any:
         try:
@@ -527,7 +529,8 @@ class ServerTransport(_Outbound):
             self.answer_error(conn, msg)  # to a written-off worker (UNKNOWN_WORKER): rate-limited
             return True
         if isinstance(msg, Job):
-            msg = self._job_arrays(conn, msg)
+            if conn.shm_ready or self.wire_dtype != "f32" and msg.points:  # otherwise the job as it is
+                msg = self._job_arrays(conn, msg)
             if conn.spin_us != msg.spin_us:  # the daemon's advice to this worker (PROTOCOL.md §6.4)
                 msg = with_spin(msg, conn.spin_us)
             if conn.parts and sum(map(_NBYTES, msg.points)) > self.chunking.threshold:
@@ -541,7 +544,7 @@ class ServerTransport(_Outbound):
                                       shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),
                                       seal=seal, seal_segments=bool(seal),
                                       seal_cipher="" if cipher == GCM else cipher)
-        return self.send_message(conn.rid, msg)
+        return self.send_frames(conn.rid, encode(msg))  # send_message's
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:
         """Transport of a job's iterates: shared-memory slots for same-host workers, else the
