@@ -227,3 +227,25 @@ def test_a_connections_heartbeats_get_its_rate_over_time():
         assert len(handled) <= d.conns.limits.hb_burst + 2.0 * rate + 1
     finally:
         d.close()
+
+
+def test_the_stop_check_reads_each_limit_it_has():
+    """_check_stop reads the version and the last loss only where the condition limits them:
+    each limit still stops the run, and a condition without limits never does."""
+    from types import SimpleNamespace
+
+    from ps.drivers.daemon import StopCondition
+
+    d, core, _ = daemon_with([])
+    try:
+        d.evals.evaluations.append({"loss": 0.5})
+        d.core = SimpleNamespace(version=7)
+        for stop, why in [(StopCondition(), None), (StopCondition(max_time_s=1e9), None),
+                          (StopCondition(max_steps=8, target_loss=0.1), None),
+                          (StopCondition(max_steps=7), "reached 7 steps"), (StopCondition(max_time_s=1e-9), "ran for"),
+                          (StopCondition(target_loss=0.5), "loss 0.5 <= target")]:
+            d.stop, d.stopping = stop, None
+            assert d._check_stop() is (why is not None) and (why is None or why in d.stopping), stop
+    finally:
+        d.core = core
+        d.transport.close()
