@@ -400,7 +400,7 @@ class Daemon:
                     self.transport.banned_keys.add(conn.key)  # it cannot come back under a new id
                 self._forget(c.worker_id)
         self.transport.sweep()
-        self._flush_events()
+        self.outputs.flush_events()  # _flush_events, a call less per update
 
     def _core_deadline(self) -> float:
         """When the core next needs a tick; never while paused (no input reaches the core then)."""

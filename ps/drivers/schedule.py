@@ -149,7 +149,8 @@ class ReceiveSchedule:
         transport = self.daemon.transport
         conns = transport.conns
         c = conns.by_rid.get(rid)
-        if self._queued_repeat(rid, frames) if queued else transport.is_repeat(c, frames, now):
+        if (self._queued_repeat(rid, frames) if queued  # is_repeat's own first tests, then the call
+                else c is not None and c.hb_raw is not None and transport.is_repeat(c, frames, now)):
             return False  # a heartbeat repeat: dropped unread (ps/net/connections.py)
         if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE and looks_like_heartbeat(frames[1].bytes):
             c = c if c is not None else conns.get(rid, now)
