@@ -324,17 +324,20 @@ class Daemon:
             self.next_progress = now
 
     def _check_stop(self) -> bool:
-        """Whether the run is to stop (the stop condition reached, or a signal). The version and the
-        last evaluation's loss are only read where the condition has a limit on them: twice an
-        update, each read was a call or two (reached ignores them without a limit)."""
+        """Whether the run is to stop (the stop condition reached, or a signal). Twice an update: the
+        condition is only asked where it could be reached (a time limit alone: once the time has
+        passed), and the version and the last evaluation's loss only read where it limits them
+        (reached ignores them without a limit)."""
         if self.stopping is None:
             stop = self.stop
-            version = self.core.version if stop.max_steps else 0
-            evals = self.evals.evaluations if stop.target_loss is not None else None
-            loss = evals[-1].get("loss") if evals else None
-            why = stop.reached(version, self.clock() - self.started_at, loss)
-            if why:
-                self.stopping = why
+            elapsed = self.clock() - self.started_at
+            if stop.max_steps or stop.target_loss is not None or stop.max_time_s and elapsed >= stop.max_time_s:
+                version = self.core.version if stop.max_steps else 0
+                evals = self.evals.evaluations if stop.target_loss is not None else None
+                loss = evals[-1].get("loss") if evals else None
+                why = stop.reached(version, elapsed, loss)
+                if why:
+                    self.stopping = why
         return self.stopping is not None
 
     def _shutdown(self) -> None:
