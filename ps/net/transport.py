@@ -429,9 +429,8 @@ class ServerTransport(_Outbound):
         if isinstance(msg, Ready):
             conn.shm_ready = opened_shm(conn.shm_capable, msg.shm, conn.wid)
         inbound = Inbound(conn, wid, msg, key, frames[1:], body=body)
-        if isinstance(msg, Reply) and (msg.xfer or msg.in_shm or self.wire_dtype != "f32"):
-            return self._reply_arrays(inbound)  # otherwise it would leave the reply as it came
-        return inbound
+        wired = isinstance(msg, Reply) and (msg.xfer or msg.in_shm or self.wire_dtype != "f32")  # else: as it came
+        return self._reply_arrays(inbound) if wired else inbound
 
     def _decode(self, conn: Conn, frames: list, now: float) -> Any:
         try:
@@ -528,9 +527,8 @@ class ServerTransport(_Outbound):
         if isinstance(msg, Error) and wid not in self.core.workers:
             self.answer_error(conn, msg)  # to a written-off worker (UNKNOWN_WORKER): rate-limited
             return True
-        if isinstance(msg, Job):
-            if conn.shm_ready or self.wire_dtype != "f32" and msg.points:  # otherwise the job as it is
-                msg = self._job_arrays(conn, msg)
+        if isinstance(msg, Job):  # _job_arrays changes only a job to shared memory or another wire dtype
+            msg = self._job_arrays(conn, msg) if conn.shm_ready or self.wire_dtype != "f32" and msg.points else msg
             if conn.spin_us != msg.spin_us:  # the daemon's advice to this worker (PROTOCOL.md §6.4)
                 msg = with_spin(msg, conn.spin_us)
             if conn.parts and sum(map(_NBYTES, msg.points)) > self.chunking.threshold:
