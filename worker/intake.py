@@ -94,8 +94,12 @@ class JobIntake:
     def _run(self, job: Job, points: tuple) -> None:
         compute = self.compute
         if compute.can_inline():
-            compute.run_inline(job, points, self.cache.ids())  # sent at once: the holds are now
-            self._send_results()
+            reply, error = compute.execute_inline(job, points, self.cache.ids())  # sent at once: the holds are now
+            if error is None and self.welcomed and not (reply.in_shm or compute.outbox or self.unsent):
+                self._reply_now(reply)  # nothing before it, nothing to detach or redo: the common case
+            else:
+                compute.outbox.append((job.job_id, reply, error))
+                self._send_results()
         else:
             compute.submit(job, points)
 
