@@ -18,6 +18,7 @@ from worker.replies import printable
 
 log = logging.getLogger("latecomer.worker")
 _F32 = np.dtype(np.float32)
+_NO_IDS: frozenset[int] = frozenset()  # pinned by no job
 
 
 class JobIntake:
@@ -57,17 +58,22 @@ class JobIntake:
                 return  # never cached: the server's ledger writes the job off as vanished
         self.jobs[job.job_id] = job
         points = tuple([cache.get(i) for i in job.iterate_ids])
-        if any(p is None for p in points):
-            missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
-            self.waiting[job.job_id] = job
-            self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
-                             iterate_ids=missing))
-            return
+        for p in points:
+            if p is None:
+                self._ask_missing(job, points)
+                return
         if self.waiting:
             self.waiting.pop(job.job_id, None)
         self._run(job, points)
         if len(cache.items) > cache.capacity:
-            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids})
+            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids} if self.jobs else _NO_IDS)
+
+    def _ask_missing(self, job: Job, points: tuple) -> None:
+        """Some iterates of ``job`` are not in the cache: it waits, and the server is asked for them."""
+        missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
+        self.waiting[job.job_id] = job
+        self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
+                         iterate_ids=missing))
 
     def _resend_block(self, i: int, jid: int) -> None:
         """Job ``jid``'s block to shard ``i`` again, as frames, from the reply kept for a resend

@@ -84,7 +84,7 @@ class IterateCache:
             self.items.move_to_end(iid)
         return x
 
-    def evict(self, pinned: set[int]) -> None:
+    def evict(self, pinned: set[int] | frozenset[int]) -> None:
         items, capacity = self.items, self.capacity
         while len(items) > capacity:  # the common case: the least recently used ids are not pinned
             iid, x = items.popitem(last=False)
@@ -92,6 +92,8 @@ class IterateCache:
                 items[iid] = x
                 items.move_to_end(iid, last=False)
                 break
+        else:
+            return
         for iid in list(items):
             if len(items) <= capacity:
                 break

@@ -127,3 +127,13 @@ def test_eviction_keeps_the_order_and_the_pinned_ids(pinned):
     before = list(c.items)
     c.evict(pinned)
     assert list(c.items) == reference(before, 3)
+
+
+def test_a_job_whose_iterate_is_missing_waits_and_asks_for_it(worker):
+    w, sent = worker
+    w._on_job(_job(1))
+    pair = Job(job_id=2, kind=JobKind.GRAD_PAIR, created_at=2, iterate_ids=(1, 7, 9), seed=2)
+    w._on_job(pair)
+    err = sent[-1]
+    assert type(err).__name__ == "Error" and err.job_id == 2 and err.iterate_ids == (7, 9)
+    assert w.waiting == {2: pair} and 2 in w.jobs and w.replies_sent == 1
