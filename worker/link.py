@@ -49,7 +49,7 @@ from worker.runner import ComputeThread, DelaySpec, IterateCache
 from worker.sealed import SealedLink
 from worker.session import ServerSession
 from worker.shards import header_only
-from worker.sockio import dealer_options, recv_frames, recv_within
+from worker.sockio import dealer_options, recv_frames, recv_within, send_frames
 
 # Plain ints: no enum per call.
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
@@ -199,12 +199,19 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
         sealed = self.seal_up and kind is not Hello
         chunks = self.plain_chunking if sealed else self.chunking
         try:
-            if kind is Reply and self.parts_ok and _nbytes(msg.grads) > chunks.threshold:
-                self.next_xfer += 1
-                for frames in chunks.split(msg, self.next_xfer):  # large gradients: parts, then the reply
-                    self._out(frames, sealed)
-                return True
-            self._out(encode(msg), sealed)
+            if kind is Reply and self.parts_ok:
+                nbytes = 0
+                for a in msg.grads:
+                    nbytes += a.nbytes
+                if nbytes > chunks.threshold:
+                    self.next_xfer += 1
+                    for frames in chunks.split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                        self._out(frames, sealed)
+                    return True
+            if sealed:
+                self._out(encode(msg), True)
+            else:  # what _out does with it (worker/sealed.py)
+                send_frames(self.sock, encode(msg), _NOBLOCK)
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
@@ -389,13 +396,6 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
             self.compute = None
         if self.id_claim is not None:  # a default id is free for the next worker of this key
             self.id_claim.release()
-
-def _nbytes(arrays: tuple) -> int:
-    n = 0
-    for a in arrays:
-        n += a.nbytes
-    return n
-
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:
     """(public, secret, server public) for CURVE; ValueError with the culprit if unusable."""

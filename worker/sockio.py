@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import zmq
 
 _SEND = zmq.backend.Socket.send
@@ -66,7 +67,7 @@ def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     more = flags | _MORE
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        n = len(f) if type(f) is bytes else _nbytes(f)  # a header: no call
+        n = len(f) if type(f) is bytes else f.nbytes if type(f) is np.ndarray else _nbytes(f)  # the common two: no call
         _SEND(sock, f, more if i < last else flags, n < COPY_BELOW, False)
 
 

@@ -137,3 +137,25 @@ def test_a_job_whose_iterate_is_missing_waits_and_asks_for_it(worker):
     err = sent[-1]
     assert type(err).__name__ == "Error" and err.job_id == 2 and err.iterate_ids == (7, 9)
     assert w.waiting == {2: pair} and 2 in w.jobs and w.replies_sent == 1
+
+
+def test_a_job_carrying_another_iterate_than_the_one_it_names_uses_the_cached_one(worker):
+    w, sent = worker
+    w._on_job(_job(1))
+    job = Job(job_id=2, kind=JobKind.GRAD, created_at=2, iterate_ids=(1,), seed=2, point_ids=(2,),
+              points=(np.full(D, 2, np.float32),))
+    w._on_job(job)
+    at_1 = make_quadratic(d=D).grad(np.full(D, 1, np.float32), 2, 1).grad
+    assert [r.job_id for r in sent] == [1, 2] and np.array_equal(sent[-1].grads[0], at_1)
+    assert tuple(w.cache.items) == (2, 1)  # 2 cached, then 1 used
+
+
+def test_the_wire_dtype_is_checked_and_converted_on_the_general_path(worker):
+    w, sent = worker
+    w.wire = "f16"
+    w._on_job(_job(1))  # float32 frames on an f16 run: refused, never cached
+    assert sent == [] and not w.cache.items and not w.jobs
+    half = Job(job_id=2, kind=JobKind.GRAD, created_at=2, iterate_ids=(2,), seed=2, point_ids=(2,),
+               points=(np.full(D, 2, np.float16),))
+    w._on_job(half)
+    assert [r.job_id for r in sent] == [2] and w.cache.items[2].dtype == np.float32
