@@ -486,7 +486,8 @@ def decode(frames: Sequence[Any], *, max_array_bytes: int = DEFAULT_MAX_ARRAY_BY
     Raises:
         RemoteProtocolError: for anything that is not a valid message, and only that.
     """
-    _frame_count(frames)
+    if type(frames) is not list or not 1 <= len(frames) <= 1 + MAX_ARRAYS:
+        _frame_count(frames)  # raises for a count that is not valid (a list's is checked here)
     msg = decode_fast(frames, max_array_bytes)  # job, reply, hb, ready, when valid (protocol/fastcodec.py)
     return msg if msg is not None else decode_reference(frames, max_array_bytes=max_array_bytes, payload=payload)
 

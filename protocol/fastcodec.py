@@ -222,23 +222,27 @@ def _header(msg: Any) -> dict | None:
     its checks; None for the types the fast path does not encode."""
     cls = type(msg)
     if cls is Reply:
+        holds = msg.holds
         h = {"v": PROTOCOL_VERSION, "t": "reply", "job_id": msg.job_id, "created_at": msg.created_at,
-             "loss": msg.loss, "count": msg.count, "compute_s": msg.compute_s, "holds": _w(msg.holds)}
+             "loss": msg.loss, "count": msg.count, "compute_s": msg.compute_s,
+             "holds": list(holds) if type(holds) is tuple else holds}  # _w inline, as every reply pays this
         if msg.in_shm not in (False,):
             h["in_shm"] = msg.in_shm
         if msg.xfer not in (0,):
             h["xfer"] = msg.xfer
         return h
-    if cls is Job:
+    if cls is Job:  # the lists inline (_w), as every job sent pays this
         kind = int(msg.kind) if isinstance(msg.kind, JobKind) else msg.kind
+        its, shard, pids, refs, slots = msg.iterate_ids, msg.shard, msg.point_ids, msg.refs, msg.grad_slots
         h = {"v": PROTOCOL_VERSION, "t": "job", "job_id": msg.job_id, "kind": kind,
-             "created_at": msg.created_at, "iterate_ids": _w(msg.iterate_ids), "seed": msg.seed,
-             "batch_size": msg.batch_size, "shard": _w(msg.shard),
-             "deadline": msg.deadline, "point_ids": _w(msg.point_ids)}
-        for name in ("refs", "grad_slots"):
-            v = _w(getattr(msg, name))
-            if v not in ([],):
-                h[name] = v
+             "created_at": msg.created_at, "iterate_ids": list(its) if type(its) is tuple else its,
+             "seed": msg.seed, "batch_size": msg.batch_size, "shard": list(shard) if type(shard) is tuple else shard,
+             "deadline": msg.deadline, "point_ids": list(pids) if type(pids) is tuple else pids}
+        refs, slots = list(refs) if type(refs) is tuple else refs, list(slots) if type(slots) is tuple else slots
+        if refs not in ([],):
+            h["refs"] = refs
+        if slots not in ([],):
+            h["grad_slots"] = slots
         if msg.xfer not in (0,):
             h["xfer"] = msg.xfer
         if msg.spin_us not in (0,):

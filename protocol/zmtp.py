@@ -44,6 +44,9 @@ MIN_READ = 64 * 1024  # the room the read buffer has beyond the largest command
 # through the read buffer and a copy (a 400 KB frame: 27 instead of 33 µs to read from loopback).
 IDLE_READ = 16 * 1024
 _Q = struct.Struct(">Q")
+_FLAGS_Q = struct.Struct(">BQ")  # a long frame's header: its flags, then its size
+# The short headers, by [more][size]: the last frame's (flags 0), then the others' (MORE)
+_SHORT = (tuple(bytes((0, n)) for n in range(256)), tuple(bytes((MORE, n)) for n in range(256)))
 _I = struct.Struct(">I")
 
 
@@ -90,7 +93,7 @@ def greeting(as_server: bool = False) -> bytes:
 
 def frame_header(size: int, flags: int = 0) -> bytes:
     """A frame's flags and size (the short form below 256 bytes)."""
-    return bytes((flags, size)) if size < 256 else bytes((flags | LONG,)) + _Q.pack(size)
+    return bytes((flags, size)) if size < 256 else _FLAGS_Q.pack(flags | LONG, size)
 
 
 def command(name: bytes, body: bytes = b"") -> bytes:
@@ -115,13 +118,15 @@ def pong(context: bytes) -> bytes:
 
 def frames_out(frames: list) -> list:
     """One message as buffers for ``sendmsg``: each frame's header, then the frame itself (not
-    copied: bytes, memoryviews, numpy arrays)."""
+    copied: bytes, memoryviews, numpy arrays). The headers are :func:`frame_header`'s, the short
+    ones made once (:data:`_SHORT`), as every message sent pays this."""
     out: list = []
-    last = len(frames) - 1
+    append, last = out.append, len(frames) - 1
     for i, f in enumerate(frames):
         m = f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B")
-        out.append(frame_header(len(m), MORE if i < last else 0))
-        out.append(m)
+        n, more = len(m), i < last
+        append(_SHORT[more][n] if n < 256 else _FLAGS_Q.pack((MORE | LONG) if more else LONG, n))
+        append(m)
     return out
 
 
@@ -160,7 +165,7 @@ class Connection:
     held, so that the first read of a large frame takes its header and little of its body."""
 
     __slots__ = ("limits", "alloc", "small", "cap", "buf", "have", "used", "greeted", "peer", "pings", "parts",
-                 "unfinished", "big", "big_at", "big_flags", "seen", "idle_read")
+                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read")
 
     def __init__(self, limits: ZmtpLimits, alloc=bytearray, small=bytes, first_read: int = 0,
                  idle_read: int = 0) -> None:
@@ -173,6 +178,7 @@ class Connection:
         self.peer: dict[str, bytes] | None = None
         self.pings: list[bytes] = []
         self.parts: list = []  # the unfinished message's frames
+        self.parts_bytes = 0  # their size
         self.unfinished = 0
         self.big = None  # a large frame's own buffer while its body arrives
         self.big_at = 0  # its bytes filled
@@ -215,9 +221,11 @@ class Connection:
     def _whole(self, frame, flags: int, msgs: list) -> None:
         self.seen += 1
         self.parts.append(frame)
-        if not flags & MORE:
+        if flags & MORE:
+            self.parts_bytes += memoryview(frame).nbytes
+        else:
             msgs.append(self.parts)
-            self.parts, self.unfinished = [], 0
+            self.parts, self.parts_bytes, self.unfinished = [], 0, 0
 
     def _parse(self) -> list[list]:
         msgs: list[list] = []
@@ -277,13 +285,13 @@ class Connection:
     def _check_frame(self, flags: int, size: int, lim: ZmtpLimits) -> None:
         """A frame's header, before its body is held (a small frame's header is looked at again
         after each read until its body is whole: the figures are recomputed, not added to)."""
-        if check_header(flags, size, lim.max_command_bytes):
-            return
+        if flags & (RESERVED | COMMAND) and check_header(flags, size, lim.max_command_bytes):
+            return  # check_header raises or says "a command" only for these flags
         if size > lim.max_frame_bytes:
             raise ZmtpError(f"a {size}-byte frame (at most {lim.max_frame_bytes})")
         if len(self.parts) + 1 > lim.max_frames:
             raise ZmtpError(f"a message of more than {lim.max_frames} frames")
-        unfinished = sum(memoryview(p).nbytes for p in self.parts) + size  # its whole frames and this one
+        unfinished = self.parts_bytes + size  # its whole frames and this one
         if unfinished > lim.max_message_bytes:
             raise ZmtpError(f"a message of more than {lim.max_message_bytes} bytes")
         self.unfinished = unfinished

@@ -91,8 +91,10 @@ def compute_grads(job: Job, points: Sequence[np.ndarray], problem: Problem,
         grads, loss, method = (g,), (loss_sum / count if count else 0.0), "full_grad"
     else:  # pragma: no cover - JobKind is closed
         raise ValueError(f"unknown job kind {job.kind}")
-    raw = grads
-    grads = tuple([g if _flat_f32(g) else np.ascontiguousarray(g, dtype=np.float32) for g in grads])
+    raw, g = grads, grads[0]
+    if len(raw) != 1 or not (type(g) is np.ndarray and g.dtype is _F32 and g.ndim == 1 and g.flags.c_contiguous):
+        # (one flat float32 vector, the common case, stays as it is: what this line does, without its calls)
+        grads = tuple([g if _flat_f32(g) else np.ascontiguousarray(g, dtype=np.float32) for g in grads])
     p = points[0]
     dim = p.shape[0] if p.ndim == 1 else p.size
     for g in grads:

@@ -18,6 +18,7 @@ from worker.replies import printable
 
 log = logging.getLogger("latecomer.worker")
 _F32 = np.dtype(np.float32)
+_NO_IDS: frozenset[int] = frozenset()  # pinned by no job
 
 
 class JobIntake:
@@ -45,6 +46,25 @@ class JobIntake:
         if job.refs or job.grad_slots:  # same-host path: the iterates are in shared memory
             self._on_shm_job(job)
             return
+        cache, given = self.cache, job.points
+        p = given[0] if len(given) == 1 else None
+        if type(p) is np.ndarray and p.dtype == _F32 and self.wire == "f32" and job.iterate_ids == job.point_ids:
+            cache.put(job.point_ids[0], p)  # the common case: the job's one iterate, in it (what the loop does)
+            self.jobs[job.job_id] = job
+            points = (p,)
+        else:
+            points = self._take_points(job)
+            if points is None:
+                return
+        if self.waiting:
+            self.waiting.pop(job.job_id, None)
+        self._run(job, points)
+        if len(cache.items) > cache.capacity:
+            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids} if self.jobs else _NO_IDS)
+
+    def _take_points(self, job: Job) -> tuple | None:
+        """The iterates ``job`` names: those it carries cached, the others from the cache; None
+        (the job dropped, or waiting for what the server is asked for) if one is not there."""
         cache, wire = self.cache, self.wire
         for iid, p in zip(job.point_ids, job.points, strict=True):
             if wire == "f32" and type(p) is np.ndarray and p.dtype == _F32:  # from_wire's identity, unchecked
@@ -54,20 +74,21 @@ class JobIntake:
                 cache.put(iid, from_wire(p, wire))
             except ValueError as e:
                 log.warning("job %d: %s", job.job_id, e)
-                return  # never cached: the server's ledger writes the job off as vanished
+                return None  # never cached: the server's ledger writes the job off as vanished
         self.jobs[job.job_id] = job
         points = tuple([cache.get(i) for i in job.iterate_ids])
-        if any(p is None for p in points):
-            missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
-            self.waiting[job.job_id] = job
-            self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
-                             iterate_ids=missing))
-            return
-        if self.waiting:
-            self.waiting.pop(job.job_id, None)
-        self._run(job, points)
-        if len(cache.items) > cache.capacity:
-            cache.evict({i for j in self.jobs.values() for i in j.iterate_ids})
+        for p in points:
+            if p is None:
+                self._ask_missing(job, points)
+                return None
+        return points
+
+    def _ask_missing(self, job: Job, points: tuple) -> None:
+        """Some iterates of ``job`` are not in the cache: it waits, and the server is asked for them."""
+        missing = tuple(i for i, p in zip(job.iterate_ids, points, strict=True) if p is None)
+        self.waiting[job.job_id] = job
+        self._send(Error(ErrorCode.MISSING_ITERATE, "iterate not in cache", job_id=job.job_id,
+                         iterate_ids=missing))
 
     def _resend_block(self, i: int, jid: int) -> None:
         """Job ``jid``'s block to shard ``i`` again, as frames, from the reply kept for a resend
@@ -94,8 +115,12 @@ class JobIntake:
     def _run(self, job: Job, points: tuple) -> None:
         compute = self.compute
         if compute.can_inline():
-            compute.run_inline(job, points, self.cache.ids())  # sent at once: the holds are now
-            self._send_results()
+            reply, error = compute.execute_inline(job, points, self.cache.ids())  # sent at once: the holds are now
+            if error is None and self.welcomed and not (reply.in_shm or compute.outbox or self.unsent):
+                self._reply_now(reply)  # nothing before it, nothing to detach or redo: the common case
+            else:
+                compute.outbox.append((job.job_id, reply, error))
+                self._send_results()
         else:
             compute.submit(job, points)
 

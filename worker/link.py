@@ -49,7 +49,7 @@ from worker.runner import ComputeThread, DelaySpec, IterateCache
 from worker.sealed import SealedLink
 from worker.session import ServerSession
 from worker.shards import header_only
-from worker.sockio import dealer_options, recv_frames, recv_within
+from worker.sockio import dealer_options, recv_frames, recv_within, send_frames
 
 # Plain ints: no enum per call.
 _EVENTS, _POLLIN, _RCVTIMEO, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVTIMEO), int(zmq.NOBLOCK)
@@ -191,19 +191,27 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
         self.welcomed = False
 
     def _send(self, msg: Any) -> bool:
-        if self.shards is not None and type(msg) is Reply and msg.grads:
+        kind = type(msg)
+        if self.shards is not None and kind is Reply and msg.grads:
             if not self.shards.send_blocks(msg):  # the blocks to the shards, then the header here
                 return False
             msg = header_only(msg)
-        sealed = self.seal_up and type(msg) is not Hello
+        sealed = self.seal_up and kind is not Hello
         chunks = self.plain_chunking if sealed else self.chunking
         try:
-            if self.parts_ok and type(msg) is Reply and _nbytes(msg.grads) > chunks.threshold:
-                self.next_xfer += 1
-                for frames in chunks.split(msg, self.next_xfer):  # large gradients: parts, then the reply
-                    self._out(frames, sealed)
-                return True
-            self._out(encode(msg), sealed)
+            if kind is Reply and self.parts_ok:
+                nbytes = 0
+                for a in msg.grads:
+                    nbytes += a.nbytes
+                if nbytes > chunks.threshold:
+                    self.next_xfer += 1
+                    for frames in chunks.split(msg, self.next_xfer):  # large gradients: parts, then the reply
+                        self._out(frames, sealed)
+                    return True
+            if sealed:
+                self._out(encode(msg), True)
+            else:  # what _out does with it (worker/sealed.py)
+                send_frames(self.sock, encode(msg), _NOBLOCK)
             return True
         except zmq.Again:  # not connected (IMMEDIATE) or pipe full: the caller keeps the message
             return False
@@ -288,18 +296,27 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
             self.backoff = self.cfg.backoff_s
         if self.cfg.give_up_s is not None and now - self.last_contact > self.cfg.give_up_s:
             self.stopping = f"no server for {self.cfg.give_up_s:g} s"
-        wake = min(self.next_hb if self.welcomed else self.next_hello, now + 0.1)
-        return max(0, int((wake - now) * 1000)) + 1
+        wake = self.next_hb if self.welcomed else self.next_hello
+        ms = int(((wake if wake < now + 0.1 else now + 0.1) - now) * 1000)
+        return (ms if ms > 0 else 0) + 1
 
     def _receive_one(self, timeout_ms: int) -> None:
         """Wait up to ``timeout_ms`` for one message and handle it."""
         spin = self.spin
         if spin.bound:  # busy polling, as the server's jobs advise (protocol/spin.py)
             frames = spin.spin(self._take_now, timeout_ms / 1000.0) or spin.block(lambda: self._recv_wait(timeout_ms))
-        else:
-            frames = self._recv_wait(timeout_ms)
-        if frames is not None:
-            self._on_message(frames)
+            if frames is not None:
+                self._on_message(frames)
+            return
+        sock = self.sock  # _recv_wait's steps, here
+        if timeout_ms != self.rcvtimeo:
+            sock.set(_RCVTIMEO, timeout_ms)
+            self.rcvtimeo = timeout_ms
+        try:
+            frames = recv_frames(sock)
+        except zmq.Again:  # the timeout
+            return
+        self._on_message(frames)
 
     def _take_now(self) -> list | None:
         """The message the socket holds now, without waiting (None: none)."""
@@ -379,10 +396,6 @@ class Worker(ServerSession, JobIntake, ReplySender, SealedLink):
             self.compute = None
         if self.id_claim is not None:  # a default id is free for the next worker of this key
             self.id_claim.release()
-
-def _nbytes(arrays: tuple) -> int:
-    return sum([a.nbytes for a in arrays])
-
 
 def _load_curve(cfg: WorkerConfig) -> tuple[bytes, bytes, bytes]:
     """(public, secret, server public) for CURVE; ValueError with the culprit if unusable."""

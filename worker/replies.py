@@ -55,15 +55,42 @@ class ReplySender:
             if not self._send(r):
                 break
             self.unsent.pop(0)
+            self._sent(r)
+        if self.shm_jobs:
+            self._keep_shm_jobs()
+
+    def _reply_now(self, r: Reply) -> None:
+        """What :meth:`_send_results` does with a reply computed inline when the outbox and the
+        unsent replies are empty and the server has welcomed us, without its general steps: the
+        reply says what the cache holds now (the inline path built it so) and is in frames."""
+        if self.jobs.pop(r.job_id, None) is None:
+            return  # cancelled meanwhile
+        if not self._send(r):
+            self.unsent.append(r)
+        else:  # what _sent does
             self.replies_sent += 1
             now = self.clock()
-            self.recent.append((now, r))
-            while self.recent and now - self.recent[0][0] > self.liveness:
-                self.recent.popleft()
-        if self.shm_jobs:  # keep only what a resend after a server restart could need
-            keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
-            for jid in [j for j in self.shm_jobs if j not in keep]:
-                del self.shm_jobs[jid]
+            recent = self.recent
+            recent.append((now, r))
+            while recent and now - recent[0][0] > self.liveness:
+                recent.popleft()
+        if self.shm_jobs:
+            self._keep_shm_jobs()
+
+    def _sent(self, r: Reply) -> None:
+        """A reply went out: counted, and kept for a resend while a crashed server may not have read it."""
+        self.replies_sent += 1
+        now = self.clock()
+        recent = self.recent
+        recent.append((now, r))
+        while recent and now - recent[0][0] > self.liveness:
+            recent.popleft()
+
+    def _keep_shm_jobs(self) -> None:
+        """Keep only the shared-memory jobs a resend after a server restart could need."""
+        keep = {r.job_id for _, r in self.recent} | {r.job_id for r in self.unsent} | set(self.jobs)
+        for jid in [j for j in self.shm_jobs if j not in keep]:
+            del self.shm_jobs[jid]
 
     def _load_failed(self, reason: str) -> None:
         """The welcome's problem cannot be loaded here: tell the server why (PROBLEM_UNAVAILABLE)

@@ -84,12 +84,21 @@ class IterateCache:
             self.items.move_to_end(iid)
         return x
 
-    def evict(self, pinned: set[int]) -> None:
-        for iid in list(self.items):
-            if len(self.items) <= self.capacity:
+    def evict(self, pinned: set[int] | frozenset[int]) -> None:
+        items, capacity = self.items, self.capacity
+        while len(items) > capacity:  # the common case: the least recently used ids are not pinned
+            iid, x = items.popitem(last=False)
+            if iid in pinned:  # back in its place; the rest by the loop below
+                items[iid] = x
+                items.move_to_end(iid, last=False)
+                break
+        else:
+            return
+        for iid in list(items):
+            if len(items) <= capacity:
                 break
             if iid not in pinned:
-                del self.items[iid]
+                del items[iid]
 
     def ids(self) -> tuple[int, ...]:
         """What a hello, ready or reply says the worker holds: the most recently used ids, at most
@@ -284,6 +293,13 @@ class ComputeThread:
     def run_inline(self, job: Job, points: tuple[np.ndarray, ...], holds: tuple[int, ...] = ()) -> None:
         """Compute ``job`` now, on the caller's thread; the result goes to the outbox. ``holds``:
         the reply's (the link sends it at once, so it can say now what the cache holds then)."""
-        reply, error = self._execute(job, points, holds)
-        self.inline_jobs += 1
+        reply, error = self.execute_inline(job, points, holds)
         self.outbox.append((job.job_id, reply, error))
+
+    def execute_inline(self, job: Job, points: tuple[np.ndarray, ...],
+                       holds: tuple[int, ...] = ()) -> tuple[Reply | None, str | None]:
+        """:meth:`run_inline`'s result, returned instead of put in the outbox: ``(reply, None)``
+        or ``(None, error text)``. The caller sends it or puts it in the outbox itself."""
+        result = self._execute(job, points, holds)
+        self.inline_jobs += 1
+        return result

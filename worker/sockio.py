@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import zmq
 
 _SEND = zmq.backend.Socket.send
@@ -62,10 +63,12 @@ def _nbytes(f: Any) -> int:
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
     """``sock.send_multipart(frames, flags, copy=False)``; raises what it raises (zmq.Again
     when the first frame cannot be queued, then nothing was sent)."""
-    more = int(flags) | _MORE
+    flags = int(flags)
+    more = flags | _MORE
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        _SEND(sock, f, more if i < last else int(flags), _nbytes(f) < COPY_BELOW, False)
+        n = len(f) if type(f) is bytes else f.nbytes if type(f) is np.ndarray else _nbytes(f)  # the common two: no call
+        _SEND(sock, f, more if i < last else flags, n < COPY_BELOW, False)
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:

@@ -243,7 +243,7 @@ class Daemon:
         if handed is not None:
             backlog_due = min(backlog_due, now if handed.inbox else now + handed.timeout(now))
         deadline = min(now if self.transport.hb_queue else self.next_hb, backlog_due, self._core_deadline(),
-                       self.next_progress + 0.2, self.conns.next_deadline(),
+                       self.next_progress + 0.2, self.transport.conns.next_deadline(),
                        now + EVENTS_FLUSH_S if self.outputs.events_dirty else math.inf,
                        now + self.persist.sync_due_in() if self.persist is not None else math.inf)
         return max(0, min(100, math.ceil((deadline - now) * 1000)))
@@ -269,10 +269,11 @@ class Daemon:
                 self._revoke(self.security.reload())  # revocation without restart (SIGHUP)
         if now >= self._core_deadline():
             self._execute(self.inputs.tick(now) or [])
-        self.conns.expire(now)
+        conns = self.transport.conns  # not the property: every pass pays for it
+        conns.expire(now)
         if self.transport.handed is not None:
             self.transport.handed.service(now)
-        for rid, token in self.conns.status_due(now):  # status? answers that waited their turn
+        for rid, token in conns.status_due(now):  # status? answers that waited their turn
             self.transport.send_frames(rid, self.status_frames(token))
         if self.persist is not None:
             self.persist.after_batch(core, now)
@@ -323,11 +324,20 @@ class Daemon:
             self.next_progress = now
 
     def _check_stop(self) -> bool:
+        """Whether the run is to stop (the stop condition reached, or a signal). Twice an update: the
+        condition is only asked where it could be reached (a time limit alone: once the time has
+        passed), and the version and the last evaluation's loss only read where it limits them
+        (reached ignores them without a limit)."""
         if self.stopping is None:
-            loss = self.evaluations[-1].get("loss") if self.evaluations else None
-            why = self.stop.reached(self.core.version, self.clock() - self.started_at, loss)
-            if why:
-                self.stopping = why
+            stop = self.stop
+            elapsed = self.clock() - self.started_at
+            if stop.max_steps or stop.target_loss is not None or stop.max_time_s and elapsed >= stop.max_time_s:
+                version = self.core.version if stop.max_steps else 0
+                evals = self.evals.evaluations if stop.target_loss is not None else None
+                loss = evals[-1].get("loss") if evals else None
+                why = stop.reached(version, elapsed, loss)
+                if why:
+                    self.stopping = why
         return self.stopping is not None
 
     def _shutdown(self) -> None:
@@ -393,7 +403,7 @@ class Daemon:
                     self.transport.banned_keys.add(conn.key)  # it cannot come back under a new id
                 self._forget(c.worker_id)
         self.transport.sweep()
-        self._flush_events()
+        self.outputs.flush_events()  # _flush_events, a call less per update
 
     def _core_deadline(self) -> float:
         """When the core next needs a tick; never while paused (no input reaches the core then)."""

@@ -146,13 +146,15 @@ class ReceiveSchedule:
     def _admit(self, rid: bytes, frames: list, queued: bool, now: float) -> Any:
         """The record of a message's connection (None: none yet), or False: the message is a
         heartbeat that is dropped unread (a repeat, or past its connection's rate)."""
-        d = self.daemon
-        c = d.conns.by_rid.get(rid)
-        if self._queued_repeat(rid, frames) if queued else d.transport.is_repeat(c, frames, now):
+        transport = self.daemon.transport
+        conns = transport.conns
+        c = conns.by_rid.get(rid)
+        if (self._queued_repeat(rid, frames) if queued  # is_repeat's own first tests, then the call
+                else c is not None and c.hb_raw is not None and transport.is_repeat(c, frames, now)):
             return False  # a heartbeat repeat: dropped unread (ps/net/connections.py)
         if len(frames) == 2 and len(frames[1]) <= SMALL_MESSAGE and looks_like_heartbeat(frames[1].bytes):
-            c = c if c is not None else d.conns.get(rid, now)
-            if d.conns.heartbeat_flood(c, now):
+            c = c if c is not None else conns.get(rid, now)
+            if conns.heartbeat_flood(c, now):
                 return False
         return c
 

@@ -360,8 +360,9 @@ class HandedPath(_Writing):
         now = self.clock()
         if msgs:
             h.last_done = now
-            rid = h.rid
-            self.inbox.extend([rid, *m] for m in msgs)
+            rid, put = h.rid, self.inbox.append
+            for m in msgs:
+                put([rid, *m])
             self.messages_in += len(msgs)
         if codec.mid:
             if h not in self.mid:

@@ -128,8 +128,8 @@ class LoopWait:
         w = self.window
         timeout_s = timeout_ms / 1000.0
         events = w.spin(self._poll0, timeout_s) if w.bound and timeout_ms else None
-        if not events:
-            events = w.block(lambda: self.ep.poll(timeout_s))
+        if not events:  # without a bound, block() would only call the wait
+            events = w.block(lambda: self.ep.poll(timeout_s)) if w.bound else self.ep.poll(timeout_s)
         for fd, _ in events:
             sock = self.by_fd.get(fd)
             if sock is not None:

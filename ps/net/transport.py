@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -83,6 +84,7 @@ from ps.net.sealed import OpenFrame, SealedPath
 from worker.sockio import recv_frames, send_frames
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum per call
+_NBYTES = operator.attrgetter("nbytes")  # an array's size, for sum(map(...)): no generator per job sent
 log = logging.getLogger("latecomer.server")
 
 HB_SLICE = 256  # server heartbeats sent per pass of the loop (see ServerTransport.heartbeat_some)
@@ -393,8 +395,8 @@ class ServerTransport(_Outbound):
                     break
         if self.sealed is not None:  # opened: the CURVE connection's routing id, then the plain frames
             yield from self.sealed.pending(wait)
-        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py)
-            yield from handed_messages(self.handed, self.sealed)
+        if self.handed is not None:  # read by the daemon itself (ps/net/handover.py): handed_messages
+            yield from self.handed.pending() if self.sealed is None else self.sealed.opened(self.handed.pending())
 
     def is_repeat(self, conn: Conn | None, frames: list, now: float) -> bool:
         """Whether this message of ``conn`` is a heartbeat repeat (see :meth:`receive`), checked
@@ -414,20 +416,21 @@ class ServerTransport(_Outbound):
         msg = self._decode(conn, frames, now)
         if msg is None or isinstance(msg, Count):
             return msg
-        self.bytes_in += sum(len(f) for f in frames)
+        self.bytes_in += sum(map(len, frames))
         if isinstance(msg, StatusRequest):  # read-only: no core input, nothing journaled; rate-limited
             source, auth = self._status_source(frames[1], rid)
             if self.conns.status_ask(conn, msg.token, now, source, auth):
                 self.send_frames(rid, status(msg.token))
             return None
-        key = self._key(frames[1])
+        key = self._key(frames[1]) if self.security is not None else ""  # _key's answer without keys
         wid = self.admission.identify(conn, msg, key, now)
         if wid is None or isinstance(wid, Count):
             return wid
         if isinstance(msg, Ready):
             conn.shm_ready = opened_shm(conn.shm_capable, msg.shm, conn.wid)
         inbound = Inbound(conn, wid, msg, key, frames[1:], body=body)
-        return self._reply_arrays(inbound) if isinstance(msg, Reply) else inbound
+        wired = isinstance(msg, Reply) and (msg.xfer or msg.in_shm or self.wire_dtype != "f32")  # else: as it came
+        return self._reply_arrays(inbound) if wired else inbound
 
     def _decode(self, conn: Conn, frames: list, now: float) -> Any:
         try:
@@ -524,11 +527,11 @@ class ServerTransport(_Outbound):
         if isinstance(msg, Error) and wid not in self.core.workers:
             self.answer_error(conn, msg)  # to a written-off worker (UNKNOWN_WORKER): rate-limited
             return True
-        if isinstance(msg, Job):
-            msg = self._job_arrays(conn, msg)
+        if isinstance(msg, Job):  # _job_arrays changes only a job to shared memory or another wire dtype
+            msg = self._job_arrays(conn, msg) if conn.shm_ready or self.wire_dtype != "f32" and msg.points else msg
             if conn.spin_us != msg.spin_us:  # the daemon's advice to this worker (PROTOCOL.md §6.4)
                 msg = with_spin(msg, conn.spin_us)
-            if conn.parts and sum(p.nbytes for p in msg.points) > self.chunking.threshold:
+            if conn.parts and sum(map(_NBYTES, msg.points)) > self.chunking.threshold:
                 messages = self._parts_out(msg, conn.rid)  # large arrays: parts, then the job
                 return all(self.send_frames(conn.rid, frames) for frames in messages)
         elif isinstance(msg, Welcome):
@@ -539,7 +542,7 @@ class ServerTransport(_Outbound):
                                       shm=self.arena.prefix if conn.shm_capable else "", shards=self.shards_map(),
                                       seal=seal, seal_segments=bool(seal),
                                       seal_cipher="" if cipher == GCM else cipher)
-        return self.send_message(conn.rid, msg)
+        return self.send_frames(conn.rid, encode(msg))  # send_message's
 
     def _job_arrays(self, conn: Conn, job: Job) -> Job:
         """Transport of a job's iterates: shared-memory slots for same-host workers, else the

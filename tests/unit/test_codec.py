@@ -969,3 +969,23 @@ def test_a_header_that_is_not_msgpack_is_refused_naming_the_rule(name: str) -> N
     text = str(e.value)
     assert text.startswith(f"header is not valid msgpack: {rule}"), text
     assert not text.endswith(": ValueError") and len(text) < 400
+
+
+@pytest.mark.parametrize("frames,why", [
+    ([], "message has 0 frames"), ((), "message has 0 frames"),
+    ([b"\x80"] * (MAX_ARRAYS + 2), f"message has {MAX_ARRAYS + 2} frames"),
+    (tuple([b"\x80"] * (MAX_ARRAYS + 2)), f"message has {MAX_ARRAYS + 2} frames"),
+    (5, "frames is not a sequence"), (None, "frames is not a sequence"),
+])
+def test_the_frame_count_is_refused_whatever_holds_the_frames(frames, why):
+    """decode checks a list's frame count itself and anything else's by _frame_count: the same
+    refusal either way."""
+    with pytest.raises(RemoteProtocolError, match=why):
+        decode(frames)
+
+
+def test_a_message_decodes_the_same_from_a_list_or_a_tuple_of_frames():
+    frames = encode(Reply(job_id=3, created_at=4, grads=(np.arange(3, dtype=np.float32),), loss=0.5, count=2,
+                          compute_s=0.1))
+    a, b = decode(list(frames)), decode(tuple(frames))
+    assert a.job_id == b.job_id == 3 and np.array_equal(a.grads[0], b.grads[0])

@@ -227,3 +227,47 @@ def test_a_connections_heartbeats_get_its_rate_over_time():
         assert len(handled) <= d.conns.limits.hb_burst + 2.0 * rate + 1
     finally:
         d.close()
+
+
+def test_the_stop_check_reads_each_limit_it_has():
+    """_check_stop reads the version and the last loss only where the condition limits them:
+    each limit still stops the run, and a condition without limits never does."""
+    from types import SimpleNamespace
+
+    from ps.drivers.daemon import StopCondition
+
+    d, core, _ = daemon_with([])
+    try:
+        d.evals.evaluations.append({"loss": 0.5})
+        d.core = SimpleNamespace(version=7)
+        for stop, why in [(StopCondition(), None), (StopCondition(max_time_s=1e9), None),
+                          (StopCondition(max_steps=8, target_loss=0.1), None),
+                          (StopCondition(max_steps=7), "reached 7 steps"), (StopCondition(max_time_s=1e-9), "ran for"),
+                          (StopCondition(target_loss=0.5), "loss 0.5 <= target")]:
+            d.stop, d.stopping = stop, None
+            assert d._check_stop() is (why is not None) and (why is None or why in d.stopping), stop
+    finally:
+        d.core = core
+        d.transport.close()
+
+
+def test_a_repeat_of_the_heartbeat_handed_on_is_dropped_before_it_is_queued():
+    """A connection with nothing in the backlog whose last message handed on was a heartbeat:
+    the same bytes again (within hb_refresh_s) are dropped unread and counted; other bytes, or
+    the same after another message was handed on, are taken."""
+    x, y = _hb(1), _hb(2)
+    d, core, handled = daemon_with([[F(b"real"), F(m)] for m in (x, y, b"reply", x)])
+    try:
+        bind(d, core, b"real", "real", jobs_done=3)
+        c = d.conns.by_rid[b"real"]
+        d.conns.handed_on(c, x, 0.0)
+        repeats = d.conns.counters.hb_repeats
+        schedule = d.schedule
+        assert schedule._admit(b"real", [F(b"real"), F(x)], False, 0.1) is False
+        assert d.conns.counters.hb_repeats - repeats == 1
+        assert schedule._admit(b"real", [F(b"real"), F(y)], False, 0.1) is c
+        d.conns.handed_on(c, None, 0.2)  # a reply handed on: the next heartbeat is taken whatever it says
+        assert schedule._admit(b"real", [F(b"real"), F(x)], False, 0.3) is c
+        assert d.conns.counters.hb_repeats - repeats == 1
+    finally:
+        d.close()

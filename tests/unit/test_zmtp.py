@@ -246,3 +246,35 @@ def test_what_the_writer_sends_a_libzmq_router_reads():
         s.close()
         r.close()
         ctx.term()
+
+
+def test_frames_out_headers_are_frame_header_s():
+    """frames_out's headers (the short ones made once, a long one packed with its flags) are
+    frame_header's, MORE on all but the last frame, whatever the sizes and buffer types."""
+    for sizes in ([], [0], [255], [256], [0, 255, 256, 70_000], [1, 2, 3]):
+        frames = [bytes(n) if i % 3 == 0 else bytearray(n) if i % 3 == 1 else np.zeros(n, np.uint8)
+                  for i, n in enumerate(sizes)]
+        out = frames_out(frames)
+        assert len(out) == 2 * len(frames)
+        for i, n in enumerate(sizes):
+            assert out[2 * i] == frame_header(n, MORE if i < len(sizes) - 1 else 0)
+            assert bytes(out[2 * i + 1]) == bytes(n)
+    for n in (0, 255, 256, 1 << 40):
+        assert frame_header(n, COMMAND) == (bytes([COMMAND, n]) if n < 256 else
+                                            bytes([COMMAND | LONG]) + struct.pack(">Q", n))
+
+
+def test_the_message_bound_counts_each_message_s_own_frames():
+    """The size a message has declared (``unfinished``) is its own frames' and the header's now:
+    each whole message starts the count again, so messages that together pass
+    ``max_message_bytes`` but each stay within it are read."""
+    lim = ZmtpLimits(max_frame_bytes=1 << 20, max_message_bytes=6000, max_frames=4)
+    c = Connection(lim)
+    msgs = [[b"a" * 2000, b"b" * 3000], [b"c" * 3000, b"d" * 2900], [b"e" * 5999]]
+    assert _feed(c, _wire(*msgs), []) == msgs
+    head = _wire([b"a" * 2000, b"b" * 3000])
+    c = Connection(lim)
+    _feed(c, head[:len(head) - 3000 + 5], [])  # the first frame whole, the second's header and 5 bytes read
+    assert c.parts_bytes == 2000 and c.unfinished == 5000
+    with pytest.raises(ZmtpError, match="more than 6000 bytes"):
+        _feed(Connection(lim), _wire([b"a" * 2000, b"b" * 3000, b"c" * 1001]), [])
