@@ -6,6 +6,7 @@ against the general loop."""
 
 from __future__ import annotations
 
+import select
 import time
 
 import numpy as np
@@ -30,9 +31,9 @@ def _worker(monkeypatch) -> tuple[Worker, list]:
     monkeypatch.setattr(w, "_send", record)
     w.compute = ComputeThread(lambda: make_quadratic(d=D), DelaySpec(), finish=w._finish)
     deadline = time.monotonic() + 30
-    while not w.compute.outbox:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    while not w.compute.outbox:  # the thread writes its wake-up pipe once the problem is loaded
+        ready, _, _ = select.select([w.compute.wake_r], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready or w.compute.outbox, "the problem did not load within 30 s"
     w.compute.outbox.popleft()  # LOADED
     w.loaded = w.welcomed = True
     w.last_contact = w.clock()
