@@ -65,15 +65,10 @@ class ReplySender:
         reply says what the cache holds now (the inline path built it so) and is in frames."""
         if self.jobs.pop(r.job_id, None) is None:
             return  # cancelled meanwhile
-        if not self._send(r):
+        if self._send(r):
+            self._sent(r)
+        else:
             self.unsent.append(r)
-        else:  # what _sent does
-            self.replies_sent += 1
-            now = self.clock()
-            recent = self.recent
-            recent.append((now, r))
-            while recent and now - recent[0][0] > self.liveness:
-                recent.popleft()
         if self.shm_jobs:
             self._keep_shm_jobs()
 
