@@ -355,6 +355,15 @@ class BufferPool:
         return found
 
 
+def _fresh_below(alloc: Alloc) -> int:
+    """The sizes below which ``alloc`` gives a plain ``np.empty`` buffer (the sealer and opener then
+    make it themselves: a call less a frame): a BufferPool's ``min_bytes``, every size for the
+    default, none for any other allocator."""
+    if type(alloc) is BufferPool:
+        return alloc.min_bytes
+    return 1 << 62 if alloc is _empty else 0
+
+
 def _nbytes(f: Any) -> int:
     return f.nbytes if hasattr(f, "nbytes") else len(f)
 
@@ -460,11 +469,13 @@ class Sealer:
     the peer opens them, ``segments``) in segments. ``alloc`` gives the sealed frames' buffers (a
     pool of warm ones: fresh large ones cost page faults that outweigh the cipher)."""
 
-    __slots__ = ("aead", "direction", "counter", "sealed_bytes", "alloc", "segments", "cipher", "parallel_min")
+    __slots__ = ("aead", "direction", "counter", "sealed_bytes", "alloc", "segments", "cipher", "parallel_min",
+                 "fresh_below")
 
     def __init__(self, key: bytes, direction: bytes, alloc: Alloc = _empty, segments: bool = False,
                  cipher: str = GCM) -> None:
         self.alloc = alloc
+        self.fresh_below = _fresh_below(alloc)
         self.aead = make_aead(cipher, key)
         self.cipher, self.parallel_min = cipher, PARALLEL_MIN[cipher]
         self.direction = direction
@@ -476,9 +487,13 @@ class Sealer:
         n = len(frames)
         if not 0 < n <= MAX_FRAMES:
             raise ValueError(f"a sealed message has 1..{MAX_FRAMES} frames, got {n}")
+        sizes = [len(f) if type(f) is bytes else f.nbytes if type(f) is np.ndarray else _nbytes(f) for f in frames]
         if self.segments:
-            return self._seal_segments(frames)
-        sizes = [_nbytes(f) for f in frames]
+            total = sum(sizes)
+            if total < self.parallel_min and max(sizes) <= 1 << SEGMENT_LOG2:  # every job and reply below 2 MiB
+                # (AEGIS: 8 MiB): a segment a frame of 2^SEGMENT_LOG2 bytes (_segment_log2's answer for such frames)
+                return self._seal_each(frames, sizes, _PREFIX_SEGMENTS.pack(self.counter, n, SEGMENT_LOG2), total)
+            return self._seal_segments(frames, sizes)
         return self._seal_each(frames, sizes, _PREFIX.pack(self.counter, n), sum(sizes), segments=False)
 
     def _segment_log2(self, sizes: list, total: int) -> int:
@@ -491,8 +506,7 @@ class Sealer:
             return SEGMENT_LOG2
         return min(SEGMENT_LOG2_MAX, max(SEGMENT_LOG2, (max(sizes) - 1).bit_length()))
 
-    def _seal_segments(self, frames: list) -> list:
-        sizes = [_nbytes(f) for f in frames]
+    def _seal_segments(self, frames: list, sizes: list) -> list:
         total = sum(sizes)
         c, n, p = self.counter, len(frames), self._segment_log2(sizes, total)
         seg = 1 << p
@@ -529,8 +543,10 @@ class Sealer:
         the same bytes, without the segment bookkeeping."""
         out: list = [prefix]
         seal, d, alloc, aad, g = self.aead.encrypt_into, self.direction, self.alloc, _SEGMENT_AAD.pack, self.counter
+        fresh = self.fresh_below
         for i, f in enumerate(frames):
-            buf = alloc(sizes[i] + TAG_BYTES)
+            k = sizes[i] + TAG_BYTES
+            buf = np.empty(k, np.uint8) if k < fresh else alloc(k)
             seal(d + g.to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"),
                  prefix + aad(i, 0, 1) if segments else prefix, buf)
             out.append(buf)
@@ -559,7 +575,7 @@ class Opener:
     segments (the prefix says which)."""
 
     __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes", "segmented", "cipher",
-                 "parallel_min", "in_place", "opened_in_place")
+                 "parallel_min", "in_place", "opened_in_place", "fresh_below")
 
     def __init__(self, key: bytes, direction: bytes, props: dict | None = None, alloc: Alloc = _empty,
                  cipher: str = GCM) -> None:
@@ -567,6 +583,7 @@ class Opener:
         # buffers, kept) only for sizes a genuine frame of this session had, else a fresh one
         # (let go): forged frames of new sizes never make the pool keep anything.
         self.alloc = alloc
+        self.fresh_below = _fresh_below(alloc)
         self.sizes: dict[int, None] = {}  # sizes of frames that opened (at most MAX_SIZES, the latest)
         self.aead = make_aead(cipher, key)
         self.cipher, self.parallel_min = cipher, PARALLEL_MIN[cipher]
@@ -642,9 +659,16 @@ class Opener:
             raise SealError(f"segments of 2^{p} bytes: a receiver takes 2^{SEGMENT_LOG2_MIN} to 2^{SEGMENT_LOG2_MAX}")
         seg = 1 << p
         step = seg + TAG_BYTES
-        bufs = [_view(f) for f in frames[1:]]
-        lengths = [b.nbytes for b in bufs]
-        if max(lengths) <= step and sum(lengths) < self.parallel_min:
+        bufs, lengths, total, fits = [], [], 0, True
+        for f in frames[1:]:
+            t = type(f)
+            b = memoryview(f) if t is bytes or t is np.ndarray else _view(f)
+            k = b.nbytes
+            bufs.append(b)
+            lengths.append(k)
+            total += k
+            fits = fits and k <= step
+        if fits and total < self.parallel_min:
             return self._open_each(frames, bufs, lengths, prefix, c)
         opened, tasks, d, g, total = [], [], self.direction, c, 0
         aad = _SEGMENT_AAD.pack
@@ -689,12 +713,15 @@ class Opener:
             raise SealError(f"frame {i} of a sealed message: a segment shorter than its tag" if segments
                             else "a sealed frame shorter than its tag")
         opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
+        own = self.in_place and getattr(self.aead, "in_place", False)  # else _own answers None
+        known, alloc, fresh, props = self.sizes, self.alloc, self.fresh_below, self.props
         for i, f in enumerate(frames[1:]):
             buf = bufs[i]
             size = sealed[i] - TAG_BYTES
-            out = self._own(f, size)
-            if out is None:
-                out = self._frame(size)
+            out = self._own(f, size) if own and type(f) is np.ndarray else None
+            if out is None:  # _frame, inline
+                out = (np.empty(size, np.uint8) if size < fresh or size not in known else alloc(size)).view(OpenFrame)
+                out.props = props
             try:
                 dec(d + (c + i).to_bytes(8, "big"), buf if buf.ndim == 1 and buf.itemsize == 1 else buf.cast("B"),
                     prefix + aad(i, 0, 1) if segments else prefix, out)

@@ -186,9 +186,10 @@ class SealedPath:
                 yield opened
 
     def _open(self, frames: list, handed: bool) -> list | None:
-        s = self.by_token.get(frames[0].bytes)
+        token = frames[0].bytes
+        s = self.by_token.get(token)
         if s is None:  # no session to open it with
-            if frames[0].bytes in self.ended:  # one that ended while the message was on its way:
+            if token in self.ended:  # one that ended while the message was on its way:
                 self.stale += 1  # sent before its worker's new hello, read after it (two connections)
             else:
                 self.refused += 1

@@ -189,6 +189,36 @@ def test_forged_frames_never_make_the_pool_keep_a_buffer():
     assert pool.allocated == 1 and list(pool.lists) == [5000]
 
 
+def test_an_allocator_of_the_callers_gives_every_buffer_and_a_pool_only_the_large_ones():
+    """The sealer and the opener make a buffer themselves only where their allocator would have
+    given a plain ``np.empty`` (a BufferPool below its ``min_bytes``, the default allocator); any
+    other allocator is asked for every sealed frame, and by the opener for every frame of a size
+    a genuine frame had (whole and in segments alike)."""
+    for segments in (False, True):
+        calls: list[int] = []
+
+        def alloc(n: int, calls: list = calls) -> np.ndarray:
+            calls.append(n)
+            return np.empty(n, np.uint8)
+
+        s = Session.new(make_token(SECRET))
+        sealer, _ = sealer_opener(s, server=True, alloc=alloc, segments=segments)
+        _, opener = sealer_opener(s, server=False, alloc=alloc)
+        frames = [b"header", np.arange(1000, dtype=np.float32)]
+        first = plain(sealer.seal(frames))
+        assert calls == [6 + TAG_BYTES, 4000 + TAG_BYTES]
+        calls.clear()
+        assert plain(opener.open(first)) == plain(frames) and calls == []  # sizes not yet known genuine
+        assert plain(opener.open(plain(sealer.seal(frames)))) == plain(frames)
+        assert calls == [6 + TAG_BYTES, 4000 + TAG_BYTES, 6, 4000]
+    pool = BufferPool(min_bytes=4096)
+    (sealer, _), (_, opener) = sealer_opener(s, server=True, alloc=pool, segments=True), \
+        sealer_opener(s, server=False, alloc=pool)
+    for _ in range(3):
+        opener.open(sealer.seal([b"h", np.zeros(2000, np.float32), np.zeros(100, np.uint8)]))
+    assert pool.allocated == 2 and sorted(pool.lists) == [8000, 8000 + TAG_BYTES]  # the 8 KB frames only
+
+
 def test_the_daemons_sealed_path_opens_refuses_and_falls_back(tmp_path, cipher):
     """Real sockets: a DEALER whose routing id is a session's token. What opens comes out as the
     CURVE connection's message; an unknown token, a replay and a tampered message are refused and
