@@ -612,7 +612,10 @@ class Opener:
         return None
 
     def _frame(self, size: int) -> np.ndarray:
-        out = (self.alloc if size in self.sizes else _empty)(size).view(OpenFrame)
+        """A fresh frame of ``size`` bytes: from ``alloc`` only for a size a genuine frame had, and
+        only where ``alloc`` would not give a plain ``np.empty`` anyway (``fresh_below``)."""
+        fresh = size < self.fresh_below or size not in self.sizes
+        out = (np.empty(size, np.uint8) if fresh else self.alloc(size)).view(OpenFrame)
         out.props = self.props
         return out
 
@@ -714,14 +717,12 @@ class Opener:
                             else "a sealed frame shorter than its tag")
         opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
         own = self.in_place and getattr(self.aead, "in_place", False)  # else _own answers None
-        known, alloc, fresh, props = self.sizes, self.alloc, self.fresh_below, self.props
         for i, f in enumerate(frames[1:]):
             buf = bufs[i]
             size = sealed[i] - TAG_BYTES
             out = self._own(f, size) if own and type(f) is np.ndarray else None
-            if out is None:  # _frame, inline
-                out = (np.empty(size, np.uint8) if size < fresh or size not in known else alloc(size)).view(OpenFrame)
-                out.props = props
+            if out is None:
+                out = self._frame(size)
             try:
                 dec(d + (c + i).to_bytes(8, "big"), buf if buf.ndim == 1 and buf.itemsize == 1 else buf.cast("B"),
                     prefix + aad(i, 0, 1) if segments else prefix, out)
