@@ -56,6 +56,7 @@ import hmac
 import os
 import struct
 import sys
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
@@ -65,6 +66,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from protocol.errors import RemoteProtocolError
 from protocol.messages import SEAL_SESSION_BYTES
+from protocol.zmtp import LazyBody
 
 KEY_BYTES = 32  # AES-256
 TAG_BYTES = 16  # the GCM tag each sealed frame ends with
@@ -186,6 +188,13 @@ class _Aegis256X4:
         if rc != 0:
             raise InvalidTag()
 
+    def begin(self, nonce: bytes, aad: bytes) -> Any:
+        """A fresh incremental state for one frame under ``nonce`` and ``aad`` (either way: the
+        updates then give the bytes the one-call seal or open would, a chunk at a time)."""
+        st = _ffi.new("aegis256x4_state *")
+        _held.aegis256x4_state_init(_addr(st), aad, len(aad), nonce + _AEGIS_PAD, self.key)
+        return st
+
     def encrypt_into_released(self, nonce: bytes, data: Any, aad: bytes, out: Any) -> None:
         self.encrypt_into(nonce, data, aad, out, _lib)
 
@@ -198,11 +207,20 @@ def _held_calls(path: str) -> Any:
     import ctypes
 
     dll = ctypes.PyDLL(path)
+    vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
     for name in ("aegis256x4_encrypt_detached", "aegis256x4_decrypt_detached"):
         fn = getattr(dll, name)
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        fn.argtypes = [vp, vp, sz, vp, sz, ctypes.c_char_p, sz, ctypes.c_char_p, ctypes.c_char_p]
+        fn.argtypes = [vp, vp, sz, vp, sz, cp, sz, cp, cp]
         fn.restype = ctypes.c_int
+    # the incremental calls (a frame sealed or opened a chunk at a time: Streamed, Opener.early)
+    dll.aegis256x4_state_init.argtypes = [vp, cp, sz, cp, cp]
+    dll.aegis256x4_state_init.restype = None
+    for name in ("aegis256x4_state_encrypt_update", "aegis256x4_state_decrypt_update"):
+        getattr(dll, name).argtypes = [vp, vp, vp, sz]
+        getattr(dll, name).restype = ctypes.c_int
+    for name in ("aegis256x4_state_encrypt_final", "aegis256x4_state_decrypt_final"):
+        getattr(dll, name).argtypes = [vp, vp, sz]
+        getattr(dll, name).restype = ctypes.c_int
     return dll
 
 
@@ -464,13 +482,72 @@ def sealed_frame_bytes(plain_bytes: int) -> int:
     return plain_bytes + TAG_BYTES * _segments(plain_bytes, SEGMENT_LOG2_MIN)
 
 
+# A frame of at least STREAM_MIN plain bytes that is one segment of an AEGIS message is sealed as it
+# is written when the writer streams (Sealer.seal(streamed=True)): a chunk of STREAM_STEP bytes
+# (a quarter of the frame, within these bounds, a multiple of AEGIS-256X4's 64-byte block) sealed,
+# written, the next sealed while the peer reads and opens that one (benchmarks/PROFILE.md).
+STREAM_MIN = 1 << 20
+STREAM_STEP_MIN, STREAM_STEP_MAX = 256 << 10, 1 << 20
+EARLY_STEP = 256 << 10  # the least an early open takes at a time (Opener.early)
+
+
+def stream_step(n: int) -> int:
+    """The chunk a frame of ``n`` plain bytes is sealed in when it is streamed."""
+    return min(STREAM_STEP_MAX, max(STREAM_STEP_MIN, (n // 8) & ~63))
+
+
+class Streamed(LazyBody):
+    """A frame sealed a chunk at a time as its writer sends it (protocol/zmtp.py
+    ``send_streamed``): the same bytes as the one-call seal (the cipher's incremental state), its
+    tag made with its last chunk. Its source must not change until it is whole; the writers make
+    it whole before their ``send`` returns."""
+
+    __slots__ = ("buf", "dst", "src", "n", "ready", "state", "step")
+
+    def __init__(self, aead: Any, nonce: bytes, src: Any, aad: bytes, buf: np.ndarray) -> None:
+        self.buf = buf
+        self.src = _ffi.from_buffer(src)
+        self.dst = _ffi.from_buffer(buf, require_writable=True)
+        self.n = len(self.src)
+        if len(self.dst) != self.n + TAG_BYTES:
+            raise ValueError(f"the output buffer must be {self.n + TAG_BYTES} bytes")
+        self.state = aead.begin(nonce, aad)
+        self.ready = 0
+        self.step = stream_step(self.n)
+
+    def __len__(self) -> int:
+        return self.n + TAG_BYTES
+
+    def more(self, upto: int | None = None) -> None:
+        """Seal the next chunk (``upto``: everything to that byte), and the tag with the last."""
+        lo, n = self.ready, self.n
+        hi = min(n, lo + self.step if upto is None else upto)
+        st, dst = _addr(self.state), _addr(self.dst)
+        rc = _held.aegis256x4_state_encrypt_update(st, dst + lo, _addr(self.src) + lo, hi - lo) if hi > lo else 0
+        if hi == n and rc == 0:
+            rc = _held.aegis256x4_state_encrypt_final(st, dst + n, TAG_BYTES)
+            hi = n + TAG_BYTES
+        if rc != 0:
+            raise ValueError("AEGIS-256X4 refused to seal")
+        self.ready = hi
+
+    def finish(self) -> memoryview:
+        if self.ready < self.n + TAG_BYTES:
+            self.more(self.n)
+        self.src = None  # the source may change from now on
+        return memoryview(self.buf)
+
+    def view(self, lo: int, hi: int) -> memoryview:
+        return memoryview(self.buf)[lo:hi]
+
+
 class Sealer:
     """One direction's sending side: seals the frames of a message under its key, whole or (when
     the peer opens them, ``segments``) in segments. ``alloc`` gives the sealed frames' buffers (a
     pool of warm ones: fresh large ones cost page faults that outweigh the cipher)."""
 
     __slots__ = ("aead", "direction", "counter", "sealed_bytes", "alloc", "segments", "cipher", "parallel_min",
-                 "fresh_below")
+                 "fresh_below", "lazy", "stream_min", "streamed")
 
     def __init__(self, key: bytes, direction: bytes, alloc: Alloc = _empty, segments: bool = False,
                  cipher: str = GCM) -> None:
@@ -482,8 +559,16 @@ class Sealer:
         self.counter = 0
         self.sealed_bytes = 0
         self.segments = segments
+        self.lazy = 0  # frames the last seal left to be sealed as they are written (Streamed)
+        self.streamed = 0  # such frames, ever
+        # streamed frames: AEGIS's (its incremental calls), from STREAM_MIN plain bytes
+        self.stream_min = STREAM_MIN if hasattr(self.aead, "begin") else _NONCES
 
-    def seal(self, frames: list) -> list:
+    def seal(self, frames: list, streamed: bool = False) -> list:
+        """``frames`` sealed: the prefix, then each frame's buffer. ``streamed`` (a writer that
+        calls protocol/zmtp.py ``send_streamed``): a large frame that is one segment comes as a
+        :class:`Streamed`, sealed as it is written (:attr:`lazy` counts them)."""
+        self.lazy = 0
         n = len(frames)
         if not 0 < n <= MAX_FRAMES:
             raise ValueError(f"a sealed message has 1..{MAX_FRAMES} frames, got {n}")
@@ -492,9 +577,10 @@ class Sealer:
             total = sum(sizes)
             if total < self.parallel_min and max(sizes) <= 1 << SEGMENT_LOG2:  # every job and reply below 2 MiB
                 # (AEGIS: 8 MiB): a segment a frame of 2^SEGMENT_LOG2 bytes (_segment_log2's answer for such frames)
-                return self._seal_each(frames, sizes, _PREFIX_SEGMENTS.pack(self.counter, n, SEGMENT_LOG2), total)
-            return self._seal_segments(frames, sizes)
-        return self._seal_each(frames, sizes, _PREFIX.pack(self.counter, n), sum(sizes), segments=False)
+                return self._seal_each(frames, sizes, _PREFIX_SEGMENTS.pack(self.counter, n, SEGMENT_LOG2), total,
+                                       True, streamed)
+            return self._seal_segments(frames, sizes, streamed)
+        return self._seal_each(frames, sizes, _PREFIX.pack(self.counter, n), sum(sizes), False, streamed)
 
     def _segment_log2(self, sizes: list, total: int) -> int:
         """The segments' size for this message: 1 MiB, except where the peer opens in place (AEGIS)
@@ -506,13 +592,13 @@ class Sealer:
             return SEGMENT_LOG2
         return min(SEGMENT_LOG2_MAX, max(SEGMENT_LOG2, (max(sizes) - 1).bit_length()))
 
-    def _seal_segments(self, frames: list, sizes: list) -> list:
+    def _seal_segments(self, frames: list, sizes: list, streamed: bool = False) -> list:
         total = sum(sizes)
         c, n, p = self.counter, len(frames), self._segment_log2(sizes, total)
         seg = 1 << p
         prefix = _PREFIX_SEGMENTS.pack(c, n, p)
         if total < self.parallel_min and max(sizes) <= seg:
-            return self._seal_each(frames, sizes, prefix, total)
+            return self._seal_each(frames, sizes, prefix, total, True, streamed)
         out: list = [prefix]
         tasks, d, g, total = [], self.direction, c, 0
         aad = _SEGMENT_AAD.pack
@@ -536,19 +622,28 @@ class Sealer:
         self.counter = g
         return out
 
-    def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int, segments: bool = True) -> list:
+    def _seal_each(self, frames: list, sizes: list, prefix: bytes, total: int, segments: bool = True,
+                   streamed: bool = False) -> list:
         """One cipher call a frame on this thread: the whole format (``segments`` False: the AAD is
         the prefix), or :meth:`_seal_segments` where each frame is one segment and no helper
         thread shares the message (every job and reply under 2 MiB, and under AEGIS under 8 MiB):
-        the same bytes, without the segment bookkeeping."""
+        the same bytes, without the segment bookkeeping. ``streamed``: frames from
+        :attr:`stream_min` bytes as :class:`Streamed`."""
         out: list = [prefix]
         seal, d, alloc, aad, g = self.aead.encrypt_into, self.direction, self.alloc, _SEGMENT_AAD.pack, self.counter
-        fresh = self.fresh_below
+        fresh, lazy = self.fresh_below, self.stream_min if streamed else _NONCES
         for i, f in enumerate(frames):
             k = sizes[i] + TAG_BYTES
             buf = np.empty(k, np.uint8) if k < fresh else alloc(k)
-            seal(d + g.to_bytes(8, "big"), f if type(f) is bytes else memoryview(f).cast("B"),
-                 prefix + aad(i, 0, 1) if segments else prefix, buf)
+            src = f if type(f) is bytes else memoryview(f).cast("B")
+            if sizes[i] >= lazy:
+                out.append(Streamed(self.aead, d + g.to_bytes(8, "big"), src,
+                                    prefix + aad(i, 0, 1) if segments else prefix, buf))
+                self.lazy += 1
+                self.streamed += 1
+                g += 1
+                continue
+            seal(d + g.to_bytes(8, "big"), src, prefix + aad(i, 0, 1) if segments else prefix, buf)
             out.append(buf)
             g += 1
         self.sealed_bytes += total
@@ -570,12 +665,29 @@ class OpenFrame(np.ndarray):
         return self.props[name]
 
 
+class _Early:
+    """A frame opened while it arrives (:meth:`Opener.early`): where it lies, the message it is
+    part of, how far it is opened, and (once whole) whether its tag held."""
+
+    __slots__ = ("buf", "ptr", "state", "prefix", "c", "i", "n", "done", "ok", "ref")
+
+    def __init__(self, buf: np.ndarray, state: Any, prefix: bytes, c: int, i: int) -> None:
+        self.buf, self.ptr, self.state = buf, _ffi.from_buffer(buf, require_writable=True), state
+        self.ref: Any = None  # once whole: a weak reference to buf (a verdict holds no buffer alive)
+        self.prefix, self.c, self.i, self.n = prefix, c, i, buf.nbytes - TAG_BYTES
+        self.done = 0
+        self.ok: bool | None = None  # None until the frame is whole
+
+
+MAX_EARLY = 64  # frames opened early and not yet taken by open (beyond: the oldest is refused)
+
+
 class Opener:
     """One direction's receiving side: opens a sealed message's frames, in order, whole or in
     segments (the prefix says which)."""
 
     __slots__ = ("aead", "direction", "next", "opened_bytes", "props", "alloc", "sizes", "segmented", "cipher",
-                 "parallel_min", "in_place", "opened_in_place", "fresh_below")
+                 "parallel_min", "in_place", "opened_in_place", "fresh_below", "current", "verdicts", "opened_early")
 
     def __init__(self, key: bytes, direction: bytes, props: dict | None = None, alloc: Alloc = _empty,
                  cipher: str = GCM) -> None:
@@ -600,6 +712,64 @@ class Opener:
         # 400 KB frame opened in 20 µs against 50-70 in another buffer (benchmarks/PROFILE.md).
         self.in_place = False
         self.opened_in_place = 0  # frames opened so
+        self.current: _Early | None = None  # the frame being opened as it arrives (early)
+        self.verdicts: dict[int, _Early] = {}  # frames opened as they arrived, whole, by id (until open takes them)
+        self.opened_early = 0  # frames open takes so
+
+    def early(self, parts: list, big: Any, filled: int, first: bool) -> None:
+        """protocol/zmtp.py ``Connection.progress``: open a large frame where it lies while the rest
+        of it arrives (its sender seals it as it writes it, :class:`Streamed`), so that the two
+        ends' cipher passes overlap. Only a frame that is one AEGIS segment of a message in
+        segments, in a buffer of the owner's (:attr:`in_place`), at least STREAM_MIN bytes, whose
+        counter may still be taken. Once whole, its tag is checked here; :meth:`open` then takes
+        the verdict (and refuses the message if it failed or was lost). Never raises."""
+        e = self.current
+        if first:
+            e = self.current = self._early_begin(parts, big)
+        if e is None or e.buf is not big:
+            return
+        n, done = e.n, e.done
+        upto = min(filled, n)
+        if upto < n:
+            upto &= ~63  # whole blocks while more comes
+            if upto - done < EARLY_STEP:
+                return
+        base = _addr(e.ptr)
+        rc = _held.aegis256x4_state_decrypt_update(_addr(e.state), base + done, base + done, upto - done) \
+            if upto > done else 0
+        e.done = upto
+        if rc == 0 and filled < n + TAG_BYTES:
+            return
+        self.current = None
+        e.ok = rc == 0 and _held.aegis256x4_state_decrypt_final(_addr(e.state), base + n, TAG_BYTES) == 0
+        if not e.ok:
+            big[:e.done] = 0  # what a forged frame opened to is not left in the buffer
+        e.ref, e.buf, e.ptr, e.state = weakref.ref(big), None, None, None
+        verdicts = self.verdicts
+        verdicts[id(big)] = e
+        if len(verdicts) > MAX_EARLY:
+            del verdicts[next(iter(verdicts))]  # its message is refused (its frame is opened in place, not sealed)
+
+    def _early_begin(self, parts: list, big: Any) -> _Early | None:
+        if not (self.in_place and parts and type(big) is np.ndarray and hasattr(self.aead, "begin")
+                and big.dtype == np.uint8 and big.ndim == 1 and big.flags.writeable and big.flags.c_contiguous):
+            return None
+        f0 = parts[0]
+        prefix = f0 if type(f0) is bytes else bytes(f0)
+        if len(prefix) != _PREFIX_SEGMENTS.size:
+            return None
+        c, count, p = _PREFIX_SEGMENTS.unpack(prefix)
+        i, size = len(parts) - 1, big.nbytes
+        if (i >= count or c < self.next or not SEGMENT_LOG2_MIN <= p <= SEGMENT_LOG2_MAX
+                or size < STREAM_MIN + TAG_BYTES or size > (1 << p) + TAG_BYTES):
+            return None
+        g, step = c, (1 << p) + TAG_BYTES  # its nonce: after the segments of the frames before it
+        for f in parts[1:]:
+            g += max(1, -(-memoryview(f).nbytes // step))
+        if g >= _NONCES:
+            return None
+        aad = prefix + _SEGMENT_AAD.pack(i, 0, 1)
+        return _Early(big, self.aead.begin(self.direction + g.to_bytes(8, "big"), aad), prefix, c, i)
 
     def _own(self, f: Any, size: int) -> np.ndarray | None:
         """``f``'s first ``size`` bytes as the opened frame, if it may be opened in place (see in_place)."""
@@ -610,6 +780,20 @@ class Opener:
             self.opened_in_place += 1
             return out
         return None
+
+    def _take_early(self, f: Any, prefix: bytes, c: int, i: int, size: int) -> np.ndarray | None:
+        """Frame ``i`` as :meth:`early` opened it (None: it did not); SealError if its tag failed,
+        or it was opened as part of another message."""
+        e = self.verdicts.pop(id(f), None)
+        if e is None or e.ref() is not f:
+            return None
+        if not (e.ok and e.prefix == prefix and e.c == c and e.i == i and e.n == size):
+            raise SealError("a segment of a sealed message does not authenticate")
+        out = f[:size].view(OpenFrame)
+        out.props = self.props
+        self.opened_in_place += 1
+        self.opened_early += 1
+        return out
 
     def _frame(self, size: int) -> np.ndarray:
         """A fresh frame of ``size`` bytes: from ``alloc`` only for a size a genuine frame had, and
@@ -637,11 +821,16 @@ class Opener:
             raise SealError(f"the prefix names {n} frames, the message has {len(frames) - 1}")
         if c < self.next:
             raise SealError(f"message counter {c}: a repeat or out of order (next at least {self.next})")
-        if p is None:
-            opened, end = self._open_whole(frames, prefix, c, n)
-        else:
-            opened, end = self._open_segments(frames, prefix, c, p)
-            self.segmented += 1
+        try:
+            if p is None:
+                opened, end = self._open_whole(frames, prefix, c, n)
+            else:
+                opened, end = self._open_segments(frames, prefix, c, p)
+                self.segmented += 1
+        finally:
+            if self.verdicts:  # what early opened of this message is taken (or refused) with it
+                for f in frames:
+                    self.verdicts.pop(id(f), None)
         self.next = end
         sizes = self.sizes
         for f in opened:
@@ -686,7 +875,15 @@ class Opener:
             size = sealed - m * TAG_BYTES
             if g + m > _NONCES:
                 raise SealError(f"message counter {c}: past the last nonce")
-            out = self._own(f, size) if m == 1 else None  # one segment: its plaintext starts where it does
+            out = None
+            if m == 1:  # one segment: its plaintext starts where it does
+                out = self._take_early(f, prefix, c, i, size) if self.verdicts else None
+                if out is not None:
+                    opened.append(out)
+                    total += size
+                    g += 1
+                    continue
+                out = self._own(f, size)
             if out is None:
                 out = self._frame(size)
             dst = memoryview(out).cast("B") if size else memoryview(out)
@@ -717,9 +914,15 @@ class Opener:
                             else "a sealed frame shorter than its tag")
         opened, d, aad, dec = [], self.direction, _SEGMENT_AAD.pack, self.aead.decrypt_into
         own = self.in_place and getattr(self.aead, "in_place", False)  # else _own answers None
+        early = self.verdicts
         for i, f in enumerate(frames[1:]):
             buf = bufs[i]
             size = sealed[i] - TAG_BYTES
+            if early and segments:
+                out = self._take_early(f, prefix, c, i, size)
+                if out is not None:
+                    opened.append(out)
+                    continue
             out = self._own(f, size) if own and type(f) is np.ndarray else None
             if out is None:
                 out = self._frame(size)

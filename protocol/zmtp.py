@@ -116,14 +116,99 @@ def pong(context: bytes) -> bytes:
     return command(b"PONG", context[:16])
 
 
+class LazyBody:
+    """A frame body whose bytes are made as they are written (protocol/seal.py's ``Streamed``: a
+    large frame sealed a chunk at a time, so that the peer reads and opens one chunk while the
+    next is sealed). ``len()`` is its size from the start (the frame's header says it); the
+    first :attr:`ready` bytes are final; :meth:`more` makes the next ones, :meth:`finish` all of
+    them and returns the whole body. :func:`frames_out` passes it on as it is, and
+    :func:`send_streamed` writes it."""
+
+    __slots__ = ()
+    ready = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def more(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> memoryview:
+        raise NotImplementedError
+
+    def view(self, lo: int, hi: int) -> memoryview:
+        raise NotImplementedError
+
+
+def finish_all(bufs: list) -> list:
+    """``bufs`` with each :class:`LazyBody` made whole and replaced by its bytes (in place)."""
+    for k, b in enumerate(bufs):
+        if isinstance(b, LazyBody):
+            bufs[k] = b.finish()
+    return bufs
+
+
+def send_streamed(sendmsg, bufs: list, iov_max: int = 512) -> int:
+    """Write ``bufs`` (:func:`frames_out`'s, some of them :class:`LazyBody`) with a non-blocking
+    ``sendmsg``, each lazy body's next bytes made just after its last ones went, so that the peer
+    takes them meanwhile. Returns the bytes written: all of them, or fewer where the socket took
+    no more (EAGAIN, a short write); the caller queues the rest as for any message. On return
+    (or raise: an error other than EAGAIN) every lazy body in ``bufs`` is whole and replaced by
+    its bytes, so the rest is plain buffers."""
+    sent, idx, off, count = 0, 0, 0, len(bufs)
+    try:
+        while idx < count:
+            iov, j, o, lazy, want = [], idx, off, None, 0
+            while j < count and len(iov) < iov_max:
+                b = bufs[j]
+                if isinstance(b, LazyBody):
+                    size, ready = len(b), b.ready
+                    if ready < size:
+                        lazy = b
+                        if ready > o:
+                            iov.append(b.view(o, ready))
+                            want += ready - o
+                        break
+                    iov.append(b.view(o, size))
+                    want += size - o
+                else:
+                    iov.append(memoryview(b)[o:] if o else b)
+                    want += len(b) - o
+                j, o = j + 1, 0
+            if not iov:  # the next bytes are a lazy body's, not made yet
+                lazy.more()
+                continue
+            try:
+                n = sendmsg(iov)
+            except (BlockingIOError, InterruptedError):
+                return sent
+            sent += n
+            left = n
+            while left:
+                size = len(bufs[idx]) - off
+                if left >= size:
+                    left -= size
+                    idx, off = idx + 1, 0
+                else:
+                    off += left
+                    left = 0
+            if n < want:  # the socket took no more for now
+                return sent
+            if lazy is not None:
+                lazy.more()
+        return sent
+    finally:
+        finish_all(bufs)
+
+
 def frames_out(frames: list) -> list:
     """One message as buffers for ``sendmsg``: each frame's header, then the frame itself (not
-    copied: bytes, memoryviews, numpy arrays). The headers are :func:`frame_header`'s, the short
-    ones made once (:data:`_SHORT`), as every message sent pays this."""
+    copied: bytes, memoryviews, numpy arrays, a :class:`LazyBody`). The headers are
+    :func:`frame_header`'s, the short ones made once (:data:`_SHORT`), as every message sent pays this."""
     out: list = []
     append, last = out.append, len(frames) - 1
     for i, f in enumerate(frames):
-        m = f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B")
+        m = f if isinstance(f, (bytes, bytearray, LazyBody)) else memoryview(f).cast("B")
         n, more = len(m), i < last
         append(_SHORT[more][n] if n < 256 else _FLAGS_Q.pack((MORE | LONG) if more else LONG, n))
         append(m)
@@ -162,10 +247,16 @@ class Connection:
     ``bytearray``), which then belongs to whoever takes the message; ``small(view)``: a frame below
     ``COPY_BELOW`` made from a view of the read buffer (default ``bytes``: a copy). ``idle_read``
     (e.g. ``IDLE_READ``; 0: no bound): the most :meth:`buffer` offers while nothing unparsed is
-    held, so that the first read of a large frame takes its header and little of its body."""
+    held, so that the first read of a large frame takes its header and little of its body.
+    ``progress`` (None, or set by the owner): called as ``progress(parts, big, filled, first)``
+    after each read into a large frame's own buffer (``parts``: the message's frames before it;
+    ``filled``: its bytes so far; ``first``: the read that began it), the last time with the
+    frame whole, before the message is, so that its owner can work on each part as it comes (the
+    sealed layer opens it, protocol/seal.py ``Opener.early``). A frame read whole at once does not
+    call it. It must not raise."""
 
     __slots__ = ("limits", "alloc", "small", "cap", "buf", "have", "used", "greeted", "peer", "pings", "parts",
-                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read")
+                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read", "progress")
 
     def __init__(self, limits: ZmtpLimits, alloc=bytearray, small=bytes, first_read: int = 0,
                  idle_read: int = 0) -> None:
@@ -184,6 +275,7 @@ class Connection:
         self.big_at = 0  # its bytes filled
         self.big_flags = 0
         self.seen = 0  # frames read whole so far, commands included (a bound on a peer's frame rate)
+        self.progress = None
 
     def buffer(self) -> memoryview:
         """Where the next read goes: the rest of a large frame's own buffer, or the read buffer."""
@@ -208,6 +300,8 @@ class Connection:
             return self._parse()
         self.big_at += n
         msgs: list[list] = []
+        if self.progress is not None:
+            self.progress(self.parts, self.big, self.big_at, False)
         if self.big_at == memoryview(self.big).nbytes:
             self._whole(self.big, self.big_flags, msgs)
             self.big = None
@@ -257,6 +351,8 @@ class Connection:
                     self._whole(big, flags, msgs)
                     continue
                 self.big, self.big_at, self.big_flags = big, k, flags
+                if self.progress is not None:
+                    self.progress(self.parts, big, k, True)
                 break
             if self.have - at < hl + size:
                 break
@@ -315,5 +411,5 @@ class Connection:
         # READY again, PONG, SUBSCRIBE and unknown commands: nothing to do (spec/23 ignores them)
 
 
-__all__ = ["Connection", "ZmtpError", "ZmtpLimits", "check_header", "command", "frame_header", "frames_out", "greeting",
-           "parse_properties", "pong", "ready"]
+__all__ = ["Connection", "LazyBody", "ZmtpError", "ZmtpLimits", "check_header", "command", "finish_all", "frame_header",
+           "frames_out", "greeting", "parse_properties", "pong", "ready", "send_streamed"]

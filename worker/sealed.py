@@ -87,6 +87,7 @@ class SealedLink:
             self._retry_seal()
             return
         self.seal_sock = s
+        s.conn.progress = self.opener.early  # large frames opened as they arrive (protocol/seal.py)
         s.send(self.sealer.seal(encode(Heartbeat(boot=self.boot, credit=self.cfg.credit,
                                                   busy=self._busy(), seen=self.seen))))
 

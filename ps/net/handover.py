@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from protocol.zmtp import IDLE_READ, Connection, ZmtpError, ZmtpLimits, frames_out, pong
+from protocol.zmtp import IDLE_READ, Connection, ZmtpError, ZmtpLimits, finish_all, frames_out, pong, send_streamed
 
 log = logging.getLogger("latecomer.server")
 
@@ -179,27 +179,32 @@ class _Writing:
     take queued (at most ``max_out_messages``) and sent when its socket is writable again, and the
     window in which a peer must take what waits for it (a mixin of :class:`HandedPath`)."""
 
-    def send(self, rid: bytes, frames: list) -> bool | None:
+    def send(self, rid: bytes, frames: list, lazy: bool = False) -> bool | None:
         """One message to the handed connection ``rid``: True sent (or queued), False its queue is
-        full or it went meanwhile, None: no handed connection has that routing id."""
+        full or it went meanwhile, None: no handed connection has that routing id. ``lazy``: some
+        frames are sealed as they are written (protocol/seal.py ``Streamed``); whole on return."""
         h = self.by_rid.get(rid)
-        if h is None:
-            return None
-        if len(h.out) >= self.limits.max_out_messages:
-            return False
-        sent = self._send_raw(h, frames_out(frames))
+        if h is None or len(h.out) >= self.limits.max_out_messages:
+            if lazy:
+                finish_all(frames)
+            return None if h is None else False
+        sent = self._send_raw(h, frames_out(frames), lazy)
         self.messages_out += sent
         return sent
 
-    def _send_raw(self, h: _Hand, bufs: list) -> bool:
-        """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size."""
+    def _send_raw(self, h: _Hand, bufs: list, lazy: bool = False) -> bool:
+        """``bufs``: bytes and byte-format memoryviews (frames_out), so ``len`` is their size;
+        ``lazy``: and bodies made as they are written (zmtp.send_streamed), whole on return."""
         total = sum(map(len, bufs))
         if h.out:
-            h.out.append(bufs)
+            h.out.append(finish_all(bufs) if lazy else bufs)
             h.out_bytes += total
             return True
         try:
-            n = h.sock.sendmsg(bufs) if len(bufs) <= IOV_MAX else 0
+            if lazy:
+                n = send_streamed(h.sock.sendmsg, bufs, IOV_MAX)
+            else:
+                n = h.sock.sendmsg(bufs) if len(bufs) <= IOV_MAX else 0
         except OSError as e:
             if e.errno not in _SOFT:
                 self._close(h)

@@ -201,6 +201,10 @@ class SealedPath:
             self.refusals.warning("sealed", self.clock(), "refused a sealed message: %s", e)
             return None
         s.bound, s.handed = True, handed
+        if handed:  # its next large frames opened as they arrive (Opener.early)
+            h = self.handed.by_rid.get(token) if self.handed is not None else None
+            if h is not None and h.codec.progress is None:
+                h.codec.progress = s.opener.early
         self.messages_in += 1
         return [s.rid_frame, *opened]
 
@@ -221,7 +225,11 @@ class SealedPath:
             return None
         if s.handed:
             handed = self.handed
-            sent = handed.send(s.token, s.sealer.seal(frames)) if handed is not None else None
+            if handed is not None:  # large AEGIS frames sealed as they are written (zmtp.send_streamed)
+                sealed = s.sealer.seal(frames, streamed=True)
+                sent = handed.send(s.token, sealed, s.sealer.lazy > 0)
+            else:
+                sent = None
             if sent is None or s.token not in handed.by_rid:  # its data connection is gone (or went
                 # as this was sent): CURVE until the next sealed message
                 s.bound = False
@@ -249,6 +257,9 @@ class SealedPath:
                 "sealed_sessions_in_segments": sum(s.sealer.segments for s in self.by_rid.values()),
                 "sealed_segmented_live_in": sum(s.opener.segmented for s in self.by_rid.values()),
                 "sealed_in_place_live_in": sum(s.opener.opened_in_place for s in self.by_rid.values()),
+                # large frames sealed as they were written, and opened as they arrived (protocol/seal.py)
+                "sealed_streamed_live_out": sum(s.sealer.streamed for s in self.by_rid.values()),
+                "sealed_early_live_in": sum(s.opener.opened_early for s in self.by_rid.values()),
                 "sealed_messages_in": self.messages_in,
                 "sealed_messages_out": self.messages_out, "sealed_refused": self.refused,
                 "sealed_stale": self.stale,

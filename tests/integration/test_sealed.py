@@ -74,6 +74,13 @@ def test_sealed_jobs_and_replies_train_and_replay_exactly(procs, tmp_path, d, st
     assert aegis or not _aegis_here()
     in_place = t["sealed_in_place_live_in"]
     assert in_place >= (steps - 2) * (5 if parts else 1) if aegis and hand_over == "auto" else in_place == 0, t
+    # ... and on its handed connections, AEGIS frames of 1 MiB and more (one segment) go out sealed as
+    # they are written, and come in opened as they arrive (protocol/seal.py Streamed, Opener.early)
+    streamed, early = t["sealed_streamed_live_out"], t["sealed_early_live_in"]
+    if aegis and hand_over == "auto":
+        assert streamed >= (steps - 2) * (5 if parts else 1) and early >= (steps - 2) * (5 if parts else 1), t
+    else:
+        assert streamed == early == 0, t
     if parts:  # 18 MB: plaintext parts of 4 MiB, each sealed as one message
         assert t["parts_in"] >= 5 * steps and t["parts_out"] >= 5 * (steps - 2), t
     else:  # 2 MB: below the plaintext threshold, one message each way sealed; CurveZMQ splits it in 2
