@@ -280,13 +280,15 @@ def encrypted_table(rows: list[Row], cipher: dict[str, float] | None) -> list[st
            "(the default `--seal auto`: after the welcome, every message on a second connection, each frame "
            f"sealed with {name}, the faster cipher both ends have (`--seal-cipher auto`); a large frame in 1 MiB "
            "segments, on up to 4 threads from 2 MiB (AES-GCM) or 8 MiB (AEGIS; below that AEGIS seals a frame "
-           "as one segment, which the receiver opens in place); PROTOCOL.md 6.15); *sealed, "
+           "as one segment, which the receiver opens in place, and from 1 MiB the daemon seals it a chunk at a "
+           "time as it writes it while the worker opens each chunk as it arrives); PROTOCOL.md 6.15); *sealed, "
            "AES-GCM*: the same with `--seal-cipher aes256gcm` (the `latecomer-curve-gcm` rows, where they ran); "
            "*CurveZMQ*: `--keys --seal off` (libzmq seals every frame with XSalsa20-Poly1305). Targets (issue "
            "32): the secure path >= 0.7x plaintext at every d with 1 and 2 workers; payload bytes/s >= 50 % of "
            "the cipher limit at 1e6-1e7. *cipher bound*: the updates/s of a lockstep worker if each update cost "
            "only its session cipher's 4 passes over its arrays, each at one core's limit, on top of the plaintext "
-           "round trip (the segments' threads may pass it).", "",
+           "round trip (the segments' threads, and the overlap of a streamed job's sealing and opening, may "
+           "pass it).", "",
            "| d | workers | plaintext upd/s | sealed upd/s | sealed / plaintext | sealed, AES-GCM / plaintext | "
            "CurveZMQ upd/s | CurveZMQ / plaintext | sealed payload MB/s | % of XSalsa20 limit | "
            "% of its cipher's limit | 1-worker cipher bound upd/s |",

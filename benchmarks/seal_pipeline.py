@@ -33,6 +33,87 @@ TAG = 16
 MODES = ("whole", "threads", "stream")
 
 
+def _aegis_modes() -> tuple[str, ...]:
+    from protocol.seal import AEGIS, available_ciphers
+
+    return ("aegis-whole", "aegis-stream") if AEGIS in available_ciphers() else ()
+
+
+MODES += _aegis_modes()
+
+
+class _AegisEnd:
+    """One side under AEGIS-256X4, each array one frame (one nonce, the tag at its end), as
+    protocol/seal.py seals a frame below 8 MiB: ``aegis-whole`` seals it in one call, sends it,
+    and the receiver opens it in place once it is all there; ``aegis-stream`` seals it a chunk of
+    ``segment`` bytes at a time as it is sent (protocol/seal.py ``Streamed``) and the receiver
+    opens each chunk in place as it arrives, the tag checked at the end (as ``Opener.early``)."""
+
+    def __init__(self, mode: str, nbytes: int, segment: int, seed: int) -> None:
+        from protocol.seal import AEGIS, make_aead
+
+        self.mode, self.n, self.seg, self.segs = mode, nbytes, segment & ~63 or 64, 1
+        self.aead = make_aead(AEGIS, bytes(range(32)))
+        self.total = nbytes + TAG
+        self.plain = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        self.sealed = np.empty(self.total, np.uint8)
+        self.inbox = np.empty(self.total, np.uint8)
+        self.opened = self.inbox[:nbytes]
+        self.counter = 0
+        self.pool = None
+
+    def send(self, s: socket.socket) -> None:
+        from protocol.seal import Streamed
+
+        nonce, self.counter = self.counter.to_bytes(12, "big"), self.counter + 1
+        if self.mode == "aegis-whole":
+            self.aead.encrypt_into(nonce, memoryview(self.plain), b"", self.sealed)
+            s.sendall(memoryview(self.sealed))
+            return
+        body, view = Streamed(self.aead, nonce, memoryview(self.plain), b"", self.sealed), memoryview(self.sealed)
+        body.step = self.seg
+        while body.ready < self.total:
+            lo = body.ready
+            body.more()
+            s.sendall(view[lo:body.ready])
+
+    def recv(self, s: socket.socket, base: int, timeout_s: float = 10.0) -> None:
+        from protocol.seal import _addr, _ffi, _held
+
+        nonce, stream = base.to_bytes(12, "big"), self.mode == "aegis-stream"
+        got = done = 0
+        view, n = memoryview(self.inbox), self.n
+        state = self.aead.begin(nonce, b"") if stream else None
+        ptr = _addr(_ffi.from_buffer(self.inbox))
+        while got < self.total:
+            want = min(self.seg, n - done) if stream and done < n else 1 << 20
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, self.total - got)))
+            if not select.select([s], [], [], timeout_s)[0]:
+                raise TimeoutError(f"no bytes in {timeout_s} s ({got} of {self.total})")
+            k = s.recv_into(view[got:], self.total - got)
+            if not k:
+                raise ConnectionError("closed by the peer")
+            got += k
+            upto = min(got, n) if got >= n else min(got, n) & ~63
+            if stream and upto > done:
+                _held.aegis256x4_state_decrypt_update(_addr(state), ptr + done, ptr + done, upto - done)
+                done = upto
+        if stream:
+            ok = _held.aegis256x4_state_decrypt_final(_addr(state), ptr + n, TAG) == 0
+        else:
+            try:
+                self.aead.decrypt_into(nonce, view, b"", self.opened)
+                ok = True
+            except Exception:  # noqa: BLE001 - InvalidTag
+                ok = False
+        if not ok:
+            raise AssertionError("an array did not open to the bytes sealed (its tag failed)")
+
+
+def _end(mode: str, nbytes: int, segment: int, seed: int):
+    return (_AegisEnd if mode.startswith("aegis") else _End)(mode, nbytes, segment, seed)
+
+
 class _End:
     """One side: its key, its array and its buffers."""
 
@@ -131,7 +212,7 @@ def round_trips(mode: str, nbytes: int, segment: int, rounds: int, warmup: int =
             lst.close()
             c = socket.create_connection(("127.0.0.1", port))
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            w = _End(mode, nbytes, segment, seed=1)
+            w = _end(mode, nbytes, segment, seed=1)
             server_counter = 0
             for _ in range(warmup + rounds):
                 w.recv(c, server_counter)
@@ -147,7 +228,7 @@ def round_trips(mode: str, nbytes: int, segment: int, rounds: int, warmup: int =
         lst.settimeout(10)
         s, _ = lst.accept()
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        d = _End(mode, nbytes, segment, seed=2)
+        d = _end(mode, nbytes, segment, seed=2)
         expected = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
         worker_counter = 0
         t0 = 0.0

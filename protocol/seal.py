@@ -45,6 +45,17 @@ message under another key is refused whole, before any of it is decoded. A gap (
 with a dropped connection) is allowed: the protocol tolerates lost messages, and nothing lost
 can come back afterwards.
 
+Large frames in flight. A frame of at least STREAM_MIN bytes that is one AEGIS segment may be
+sealed as it is written (``Sealer.seal(streamed=True)``: a :class:`Streamed`, which the writer
+seals a chunk at a time through libaegis's incremental calls and writes chunk by chunk,
+protocol/zmtp.py ``send_streamed``), and opened as it arrives (``Opener.early``, called by the
+ZMTP codec after each read into the frame's buffer: the part that came is opened where it lies,
+the tag checked once the frame is whole, and :meth:`Opener.open` takes that verdict). Either end
+does it or not on its own: the bytes are those of the one-call seal and open. The daemon streams
+the jobs it sends on a handed connection and opens large replies as they arrive; a worker opens
+large jobs as they arrive and sends its replies whole (benchmarks/PROFILE.md, "Large jobs sealed
+as they are written").
+
 Pure: no sockets. The daemon (ps/net/sealed.py) and the worker (worker/link.py) hold one
 :class:`Sealer` and one :class:`Opener` per session.
 """
@@ -489,6 +500,7 @@ def sealed_frame_bytes(plain_bytes: int) -> int:
 STREAM_MIN = 1 << 20
 STREAM_STEP_MIN, STREAM_STEP_MAX = 256 << 10, 1 << 20
 EARLY_STEP = 256 << 10  # the least an early open takes at a time (Opener.early)
+EARLY_MIN = STREAM_MIN + 16  # the least sealed frame Opener.early opens (a ZMTP codec's progress_min)
 
 
 def stream_step(n: int) -> int:
@@ -761,7 +773,7 @@ class Opener:
         c, count, p = _PREFIX_SEGMENTS.unpack(prefix)
         i, size = len(parts) - 1, big.nbytes
         if (i >= count or c < self.next or not SEGMENT_LOG2_MIN <= p <= SEGMENT_LOG2_MAX
-                or size < STREAM_MIN + TAG_BYTES or size > (1 << p) + TAG_BYTES):
+                or size < EARLY_MIN or size > (1 << p) + TAG_BYTES):
             return None
         g, step = c, (1 << p) + TAG_BYTES  # its nonce: after the segments of the frames before it
         for f in parts[1:]:

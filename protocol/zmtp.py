@@ -253,10 +253,11 @@ class Connection:
     ``filled``: its bytes so far; ``first``: the read that began it), the last time with the
     frame whole, before the message is, so that its owner can work on each part as it comes (the
     sealed layer opens it, protocol/seal.py ``Opener.early``). A frame read whole at once does not
-    call it. It must not raise."""
+    call it, nor does a frame below ``progress_min`` bytes. It must not raise."""
 
     __slots__ = ("limits", "alloc", "small", "cap", "buf", "have", "used", "greeted", "peer", "pings", "parts",
-                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read", "progress")
+                 "parts_bytes", "unfinished", "big", "big_at", "big_flags", "seen", "idle_read", "progress",
+                 "progress_min")
 
     def __init__(self, limits: ZmtpLimits, alloc=bytearray, small=bytes, first_read: int = 0,
                  idle_read: int = 0) -> None:
@@ -276,6 +277,7 @@ class Connection:
         self.big_flags = 0
         self.seen = 0  # frames read whole so far, commands included (a bound on a peer's frame rate)
         self.progress = None
+        self.progress_min = 0  # the least frame size progress is called for
 
     def buffer(self) -> memoryview:
         """Where the next read goes: the rest of a large frame's own buffer, or the read buffer."""
@@ -300,9 +302,10 @@ class Connection:
             return self._parse()
         self.big_at += n
         msgs: list[list] = []
-        if self.progress is not None:
+        size = memoryview(self.big).nbytes
+        if self.progress is not None and size >= self.progress_min:
             self.progress(self.parts, self.big, self.big_at, False)
-        if self.big_at == memoryview(self.big).nbytes:
+        if self.big_at == size:
             self._whole(self.big, self.big_flags, msgs)
             self.big = None
         return msgs
@@ -351,7 +354,7 @@ class Connection:
                     self._whole(big, flags, msgs)
                     continue
                 self.big, self.big_at, self.big_flags = big, k, flags
-                if self.progress is not None:
+                if self.progress is not None and size >= self.progress_min:
                     self.progress(self.parts, big, k, True)
                 break
             if self.have - at < hl + size:

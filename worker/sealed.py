@@ -21,7 +21,7 @@ from protocol.chunks import chunking
 from protocol.codec import encode
 from protocol.errors import RemoteProtocolError
 from protocol.messages import MAX_PARTS, RECONNECT_IVL_MAX_S, RECONNECT_IVL_S, Heartbeat
-from protocol.seal import GCM, BufferPool, Opener, Sealer, Session, available_ciphers, sealer_opener
+from protocol.seal import EARLY_MIN, GCM, BufferPool, Opener, Sealer, Session, available_ciphers, sealer_opener
 from worker.plainsock import ZmtpDealer
 from worker.sockio import recv_frames, send_frames
 
@@ -87,7 +87,7 @@ class SealedLink:
             self._retry_seal()
             return
         self.seal_sock = s
-        s.conn.progress = self.opener.early  # large frames opened as they arrive (protocol/seal.py)
+        s.conn.progress, s.conn.progress_min = self.opener.early, EARLY_MIN  # large frames opened as they arrive
         s.send(self.sealer.seal(encode(Heartbeat(boot=self.boot, credit=self.cfg.credit,
                                                   busy=self._busy(), seen=self.seen))))
 

@@ -33,6 +33,7 @@ from protocol.chunks import chunking
 from protocol.errors import RemoteProtocolError
 from protocol.seal import (
     DOWN,
+    EARLY_MIN,
     GCM,
     SECRET_BYTES,
     UP,
@@ -204,7 +205,7 @@ class SealedPath:
         if handed:  # its next large frames opened as they arrive (Opener.early)
             h = self.handed.by_rid.get(token) if self.handed is not None else None
             if h is not None and h.codec.progress is None:
-                h.codec.progress = s.opener.early
+                h.codec.progress, h.codec.progress_min = s.opener.early, EARLY_MIN
         self.messages_in += 1
         return [s.rid_frame, *opened]
 

@@ -219,3 +219,23 @@ def test_a_socket_that_blocks_at_once_still_leaves_the_whole_sealed_message_to_q
     with pytest.raises(ConnectionResetError):
         zmtp.send_streamed(broken, bufs)
     assert not any(isinstance(b, zmtp.LazyBody) for b in bufs)
+
+
+def test_the_codec_reports_each_read_into_a_large_frame_from_progress_min_and_the_last_with_it_whole():
+    calls = []
+    conn = zmtp.Connection(LIMITS, alloc=lambda n: np.empty(n, np.uint8), idle_read=zmtp.IDLE_READ)
+    conn.progress, conn.progress_min = lambda parts, big, filled, first: calls.append((len(parts), filled, first)), \
+        500_000
+    data = zmtp.greeting(True) + zmtp.ready(b"ROUTER") + _wire([b"p", bytes(400_000), bytes(600_000)])
+    at, msgs = 0, []
+    while at < len(data):
+        buf = conn.buffer()
+        k = min(len(buf), len(data) - at, 150_000)
+        buf[:k] = data[at:at + k]
+        del buf
+        msgs += conn.advance(k)
+        at += k
+    assert len(msgs) == 1 and [len(f) for f in msgs[0]] == [1, 400_000, 600_000]
+    assert all(n == 2 for n, _, _ in calls)  # only the 600 KB frame, after the prefix and the 400 KB one
+    assert [first for _, _, first in calls] == [True] + [False] * (len(calls) - 1)
+    assert calls[-1][1] == 600_000 and [f for _, f, _ in calls] == sorted(f for _, f, _ in calls)
