@@ -239,3 +239,27 @@ def test_the_codec_reports_each_read_into_a_large_frame_from_progress_min_and_th
     assert all(n == 2 for n, _, _ in calls)  # only the 600 KB frame, after the prefix and the 400 KB one
     assert [first for _, _, first in calls] == [True] + [False] * (len(calls) - 1)
     assert calls[-1][1] == 600_000 and [f for _, f, _ in calls] == sorted(f for _, f, _ in calls)
+
+
+def test_verdicts_are_bounded_and_a_message_whose_verdict_was_dropped_is_refused_not_misread():
+    """Frames opened early whose messages are never taken (a hostile peer, a message cut after its
+    large frame) leave at most MAX_EARLY verdicts, none holding its buffer; a message whose verdict
+    was dropped cannot be opened again from bytes already opened, so it is refused."""
+    import gc
+
+    from protocol.seal import MAX_EARLY
+
+    frames = _frames(np.random.default_rng(15), (1_100_000,))
+    sealer, opener = _pair()
+    first = _read(opener, _wire(sealer.seal(frames)), random.Random(16))
+    held = []
+    for k in range(MAX_EARLY + 5):  # messages read, never opened
+        held += _read(opener, _wire(sealer.seal(frames)), random.Random(17 + k))
+    assert len(opener.verdicts) == MAX_EARLY
+    with pytest.raises(SealError):
+        opener.open(first[0])  # its verdict was the oldest: dropped, its frame already opened in place
+    del held
+    gc.collect()
+    assert all(e.ref() is None and e.buf is None for e in opener.verdicts.values())  # no buffer kept alive
+    (msg,) = _read(opener, _wire(sealer.seal(frames)), random.Random(99))
+    assert np.array_equal(np.frombuffer(opener.open(msg)[1], np.float32), frames[1])
