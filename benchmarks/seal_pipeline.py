@@ -42,6 +42,18 @@ def _aegis_modes() -> tuple[str, ...]:
 MODES += _aegis_modes()
 
 
+def _recv_some(s: socket.socket, view: memoryview, got: int, total: int, want: int, timeout_s: float) -> int:
+    """Wait until ``want`` more bytes (at most what is left of ``total``) can be read, then read
+    them into ``view`` after ``got``: how many came."""
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, total - got)))
+    if not select.select([s], [], [], timeout_s)[0]:
+        raise TimeoutError(f"no bytes in {timeout_s} s ({got} of {total})")
+    k = s.recv_into(view[got:], total - got)
+    if not k:
+        raise ConnectionError("closed by the peer")
+    return k
+
+
 class _AegisEnd:
     """One side under AEGIS-256X4, each array one frame (one nonce, the tag at its end), as
     protocol/seal.py seals a frame below 8 MiB: ``aegis-whole`` seals it in one call, sends it,
@@ -87,14 +99,8 @@ class _AegisEnd:
         ptr = _addr(_ffi.from_buffer(self.inbox))
         while got < self.total:
             want = min(self.seg, n - done) if stream and done < n else 1 << 20
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, self.total - got)))
-            if not select.select([s], [], [], timeout_s)[0]:
-                raise TimeoutError(f"no bytes in {timeout_s} s ({got} of {self.total})")
-            k = s.recv_into(view[got:], self.total - got)
-            if not k:
-                raise ConnectionError("closed by the peer")
-            got += k
-            upto = min(got, n) if got >= n else min(got, n) & ~63
+            got += _recv_some(s, view, got, self.total, want, timeout_s)
+            upto = n if got >= n else got & ~63  # whole blocks while more comes
             if stream and upto > done:
                 _held.aegis256x4_state_decrypt_update(_addr(state), ptr + done, ptr + done, upto - done)
                 done = upto
@@ -180,13 +186,7 @@ class _End:
                 want = self.step - got % self.step
             else:  # wake once the message is (nearly) all there
                 want = 1 << 20
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, min(want, self.total - got)))
-            if not select.select([s], [], [], timeout_s)[0]:
-                raise TimeoutError(f"no bytes in {timeout_s} s ({got} of {self.total})")
-            n = s.recv_into(view[got:], self.total - got)
-            if not n:
-                raise ConnectionError("closed by the peer")
-            got += n
+            got += _recv_some(s, view, got, self.total, want, timeout_s)
             if self.mode == "stream":
                 while opened < self.segs - 1 and (opened + 1) * self.step <= got:
                     self._open(opened, base)
